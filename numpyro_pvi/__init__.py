@@ -1,0 +1,33 @@
+"""numpyro_pvi: Partitioned Variational Inference (PVI) as a NumPyro inference method."""
+
+from numpyro_pvi.backends import LoopBackend, VmapBackend
+from numpyro_pvi.families import FullRankGaussian, MeanFieldGaussian, NatParams
+from numpyro_pvi.local_updates import Client, ClientProblem, ClientResult, GradientUpdate
+from numpyro_pvi.partition import ClientData, partition_plate, split_by_label, split_iid
+from numpyro_pvi.pvi import PVI, PVIRunResult, PVIState, RoundInfo
+from numpyro_pvi.servers import Sequential, Server, Synchronous
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "PVI",
+    "Client",
+    "ClientData",
+    "ClientProblem",
+    "ClientResult",
+    "FullRankGaussian",
+    "GradientUpdate",
+    "LoopBackend",
+    "MeanFieldGaussian",
+    "NatParams",
+    "PVIRunResult",
+    "PVIState",
+    "RoundInfo",
+    "Sequential",
+    "Server",
+    "Synchronous",
+    "VmapBackend",
+    "partition_plate",
+    "split_by_label",
+    "split_iid",
+]

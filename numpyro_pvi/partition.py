@@ -1,0 +1,280 @@
+"""Marking and splitting the data plate that PVI partitions across clients.
+
+A model marks the plate that holds its data with :func:`partition_plate`. Outside PVI it is exactly a
+:class:`numpyro.plate`; under PVI each client sees only its own rows of that plate.
+
+Data reaches the clients in one of two ways:
+
+* **pooled data + index partitions** (simulation): ``partitions=[idx_1, ..., idx_M]`` from
+  :func:`split_iid` / :func:`split_by_label`. Every array argument whose leading axis has the
+  partition plate's size is sliced by each client's indices; every other argument is shared.
+* **federated data**: ``partitions=ClientData([(args_1, kwargs_1), ...])``. Client ``m`` calls the
+  model with its own arguments only; nothing is pooled.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import numpyro
+
+PARTITION_TAG = "_pvi_partition"
+
+
+class partition_plate(numpyro.plate):
+    """A :class:`numpyro.plate` that marks the plate PVI splits across clients.
+
+    Use it exactly like ``numpyro.plate``; size it from the data (``X.shape[0]``) so that each
+    client's model call sees its own number of rows.
+
+    :param str name: name of the plate.
+    :param int size: size of the plate (the number of data rows).
+    :param int subsample_size: as in ``numpyro.plate`` (not supported under PVI, which batches
+        with ``GradientUpdate(batch_size=...)`` instead).
+    :param int dim: as in ``numpyro.plate``.
+
+    **Example:**
+
+    .. doctest::
+
+        >>> import jax.numpy as jnp, numpyro, numpyro.distributions as dist
+        >>> import numpyro_pvi as pvi
+        >>> def model(x, y=None):
+        ...     mu = numpyro.sample("mu", dist.Normal(0.0, 1.0))
+        ...     with pvi.partition_plate("data", x.shape[0]):
+        ...         numpyro.sample("y", dist.Normal(mu, 1.0), obs=y)
+    """
+
+    def process_message(self, msg: dict) -> None:
+        super().process_message(msg)
+        if msg["type"] == "sample":
+            # Tag (on a copy: the user's `infer` dict is never mutated) every sample site inside.
+            msg["infer"] = {**(msg.get("infer") or {}), PARTITION_TAG: self.name}
+
+
+# ----------------------------------------------------------------------------- splitting helpers
+
+
+def split_iid(rng_key: jax.Array, num_data: int, num_clients: int) -> list[np.ndarray]:
+    """Split ``range(num_data)`` uniformly at random into ``num_clients`` near-equal parts.
+
+    :return: a list of ``num_clients`` sorted integer index arrays that cover every row once.
+
+    **Example:** ``parts = pvi.split_iid(random.PRNGKey(0), num_data=100, num_clients=4)``
+    """
+    num_data, num_clients = _positive_int(num_data, "num_data"), _positive_int(num_clients, "num_clients")
+    if num_clients > num_data:
+        raise ValueError(f"num_clients={num_clients} is larger than num_data={num_data}.")
+    perm = np.asarray(jax.random.permutation(rng_key, num_data))
+    return [np.sort(p) for p in np.array_split(perm, num_clients)]
+
+
+def split_by_label(
+    rng_key: jax.Array, labels: Any, num_clients: int, alpha: float = 0.5
+) -> list[np.ndarray]:
+    """Non-iid split with Dirichlet label skew (Hsu et al. 2019; used by Ashman et al. 2022).
+
+    For every class, its rows are shared among clients in proportions drawn from
+    ``Dirichlet(alpha * ones(num_clients))``: small ``alpha`` gives each client few labels, large
+    ``alpha`` approaches an iid split. Every client receives at least one row.
+
+    :param labels: integer class labels, shape ``(num_data,)``.
+    :return: a list of ``num_clients`` sorted index arrays that cover every row once.
+
+    **Example:** ``parts = pvi.split_by_label(random.PRNGKey(0), y, num_clients=10, alpha=0.5)``
+    """
+    labels = np.asarray(labels)
+    num_clients = _positive_int(num_clients, "num_clients")
+    if labels.ndim != 1:
+        raise ValueError(f"labels must be one-dimensional, got shape {labels.shape}.")
+    if num_clients > labels.shape[0]:
+        raise ValueError(f"num_clients={num_clients} is larger than the number of labels {labels.shape[0]}.")
+    if not alpha > 0:
+        raise ValueError(f"alpha must be positive, got {alpha}.")
+    rng = np.random.default_rng(np.asarray(jax.random.key_data(rng_key)).ravel())
+    parts: list[list[int]] = [[] for _ in range(num_clients)]
+    for label in np.unique(labels):
+        rows = rng.permutation(np.flatnonzero(labels == label))
+        shares = rng.dirichlet(alpha * np.ones(num_clients))
+        cuts = (np.cumsum(shares)[:-1] * len(rows)).astype(int)
+        for m, chunk in enumerate(np.split(rows, cuts)):
+            parts[m].extend(chunk.tolist())
+    # Give an empty client one row from the largest client, so that every client has data.
+    for m in range(num_clients):
+        if not parts[m]:
+            donor = max(range(num_clients), key=lambda k: len(parts[k]))
+            parts[m].append(parts[donor].pop())
+    return [np.sort(np.asarray(p, dtype=np.int64)) for p in parts]
+
+
+class ClientData(Sequence):
+    """Per-client model arguments for federated PVI: client ``m`` calls ``model(*args_m, **kwargs_m)``.
+
+    Every client must pass arguments of the same structure; array arguments whose leading axis is
+    the client's partition-plate size are its rows, other arguments must have equal shapes.
+
+    **Example:**
+
+    .. doctest::
+
+        >>> import jax.numpy as jnp
+        >>> import numpyro_pvi as pvi
+        >>> data = pvi.ClientData([((jnp.ones((5, 2)),), {"y": jnp.ones(5)}),
+        ...                        ((jnp.ones((3, 2)),), {"y": jnp.zeros(3)})])
+        >>> len(data)
+        2
+    """
+
+    def __init__(self, clients: Sequence[tuple[tuple, dict]]) -> None:
+        clients = list(clients)
+        if not clients:
+            raise ValueError("ClientData needs at least one client.")
+        for m, entry in enumerate(clients):
+            if not (isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[0], tuple)
+                    and isinstance(entry[1], dict)):
+                raise TypeError(f"ClientData entry {m} must be a pair (args: tuple, kwargs: dict), got {type(entry)}.")
+        self._clients = clients
+
+    def __getitem__(self, m: int) -> tuple[tuple, dict]:
+        return self._clients[m]
+
+    def __len__(self) -> int:
+        return len(self._clients)
+
+    def __repr__(self) -> str:
+        return f"ClientData(num_clients={len(self)})"
+
+
+# ----------------------------------------------------------------------------- padded client data
+
+
+class PaddedClients(NamedTuple):
+    """All clients' model arguments stacked along a leading client axis, for ``vmap``.
+
+    Rows (leaves whose leading axis is the client's partition-plate size) are zero-padded to the
+    largest client; ``mask`` marks the real rows. Non-array leaves are static and shared.
+
+    :ivar list arrays: stacked array leaves, each of shape ``(M, ...)``.
+    :ivar tuple is_row: for each array leaf, whether its axis 1 is the (padded) row axis.
+    :ivar mask: ``(M, max_rows)`` boolean mask of real rows.
+    :ivar sizes: ``(M,)`` number of real rows of each client.
+    """
+
+    arrays: list
+    is_row: tuple
+    mask: jax.Array
+    sizes: jax.Array
+    treedef: Any
+    static: tuple  # (position, value) of each non-array leaf
+
+
+def pooled_to_client_data(args: tuple, kwargs: dict, partitions: Sequence, num_data: int,
+                          plate_name: str) -> ClientData:
+    """Slice pooled model arguments into per-client arguments by index partitions.
+
+    Array leaves whose leading axis equals ``num_data`` (the partition plate's size) are sliced;
+    all other leaves are shared by every client.
+    """
+    check_partitions(partitions, num_data, plate_name)
+    leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
+    is_row = [_is_array(x) and np.ndim(x) >= 1 and np.shape(x)[0] == num_data for x in leaves]
+    if not any(is_row):
+        raise ValueError(
+            f"No model argument has a leading axis of size {num_data} (the size of partition plate "
+            f"'{plate_name}'), so there are no rows to split across clients."
+        )
+    clients = []
+    for idx in partitions:
+        idx = np.asarray(idx)
+        sliced = [x[idx] if r else x for x, r in zip(leaves, is_row)]
+        clients.append(jax.tree_util.tree_unflatten(treedef, sliced))
+    return ClientData(clients)
+
+
+def check_partitions(partitions: Sequence, num_data: int, plate_name: str) -> None:
+    """Raise ``ValueError`` unless ``partitions`` are integer arrays covering ``range(num_data)`` once."""
+    if len(partitions) == 0:
+        raise ValueError("partitions is empty: give at least one client.")
+    seen = np.zeros(num_data, dtype=np.int64)
+    for m, idx in enumerate(partitions):
+        idx = np.asarray(idx)
+        if idx.ndim != 1 or idx.size == 0 or not np.issubdtype(idx.dtype, np.integer):
+            raise ValueError(f"partition {m} must be a non-empty 1-d integer index array, got shape "
+                             f"{idx.shape} and dtype {idx.dtype}.")
+        if idx.min() < 0 or idx.max() >= num_data:
+            raise ValueError(f"partition {m} has indices outside range(0, {num_data}) of plate '{plate_name}'.")
+        np.add.at(seen, idx, 1)
+    if (seen > 1).any():
+        rows = np.flatnonzero(seen > 1)
+        raise ValueError(f"partitions overlap: {len(rows)} rows of plate '{plate_name}' belong to more than "
+                         f"one client (first: {rows[:5].tolist()}).")
+    if (seen == 0).any():
+        rows = np.flatnonzero(seen == 0)
+        raise ValueError(f"partitions miss {len(rows)} rows of plate '{plate_name}' "
+                         f"(first: {rows[:5].tolist()}); every row must belong to one client.")
+
+
+def pad_clients(clients: ClientData, sizes: Sequence[int], plate_name: str) -> PaddedClients:
+    """Stack per-client arguments along a client axis, zero-padding row leaves to the largest client."""
+    flat = [jax.tree_util.tree_flatten(c) for c in clients]
+    treedef = flat[0][1]
+    for m, (_, td) in enumerate(flat):
+        if td != treedef:
+            raise ValueError(f"ClientData: client {m}'s arguments have structure {td}, but client 0's have "
+                             f"{treedef}; every client must pass the same arguments.")
+    max_rows = int(max(sizes))
+    num_leaves = len(flat[0][0])
+    arrays, is_row, static = [], [], []
+    for i in range(num_leaves):
+        column = [leaves[i] for leaves, _ in flat]
+        if not _is_array(column[0]):
+            if any(not _same_static(v, column[0]) for v in column[1:]):
+                raise ValueError(f"ClientData: non-array argument leaf {i} differs between clients ({column[0]!r} "
+                                 f"vs ...); give per-client values as arrays.")
+            static.append((i, column[0]))
+            continue
+        rows = [np.ndim(x) >= 1 and np.shape(x)[0] == n for x, n in zip(column, sizes)]
+        if all(rows):
+            padded = [np.concatenate([np.asarray(x), np.zeros((max_rows - n,) + np.shape(x)[1:], np.asarray(x).dtype)])
+                      for x, n in zip(column, sizes)]
+            arrays.append(jnp.stack(padded))
+            is_row.append(True)
+            continue
+        shapes = {np.shape(x) for x in column}
+        if len(shapes) > 1:
+            raise ValueError(f"ClientData: argument leaf {i} has shapes {sorted(shapes)} across clients but is "
+                             f"not a row array of plate '{plate_name}' (leading axis = client size) in every "
+                             f"client; shared arguments must have equal shapes.")
+        arrays.append(jnp.stack([jnp.asarray(x) for x in column]))
+        is_row.append(False)
+    mask = jnp.arange(max_rows)[None, :] < jnp.asarray(sizes)[:, None]
+    return PaddedClients(arrays, tuple(is_row), mask, jnp.asarray(sizes), treedef, tuple(static))
+
+
+def client_args(padded: PaddedClients, arrays: Sequence) -> tuple[tuple, dict]:
+    """Rebuild ``(args, kwargs)`` of one client from its slices of ``padded.arrays``."""
+    leaves: list = list(arrays)
+    for pos, value in padded.static:
+        leaves.insert(pos, value)
+    return jax.tree_util.tree_unflatten(padded.treedef, leaves)
+
+
+def _is_array(x: Any) -> bool:
+    return isinstance(x, (np.ndarray, jax.Array))
+
+
+def _same_static(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - objects without a boolean equality are compared by identity
+        return a is b
+
+
+def _positive_int(value: Any, name: str) -> int:
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+    return int(value)

@@ -1,0 +1,85 @@
+"""The prior in unconstrained space: an exact Gaussian part and, if needed, a prior factor ``t_0``.
+
+A global site whose prior is Gaussian in unconstrained space with fixed parameters (``Normal`` on a
+real site, ``LogNormal`` on a positive one, ``MultivariateNormal`` for full-rank) enters ``q``
+exactly, as ``lambda_0``. Every other prior (``HalfNormal``, ``Gamma``, a hierarchical
+``Normal(0, sigma)``...) is represented by one more factor ``t_0``, fitted like a client by the
+natural-gradient (CVI) fixed point ``t_0 = grad_mu E_q[log p_z(zeta)]``:
+``eta2 = E_q[H] / 2`` and ``eta1 = E_q[g] - E_q[H] mu`` with ``g``, ``H`` the gradient and Hessian of
+the prior's log density in ``zeta`` (Jacobian included). ``E_q[H]`` comes from gradients alone by
+Stein's lemma, over a fixed set of antithetic standard-normal draws, so ``t_0`` is a deterministic
+function of ``q``. (Fitting ``t_0`` by SVI-and-subtract is pure noise: shared/notes/environment.md §7.)
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from numpyro_pvi.families import MeanFieldGaussian, NatParams
+from numpyro_pvi.sites import ModelSites
+
+
+def exact_prior(family: MeanFieldGaussian, sites: ModelSites) -> tuple[NatParams, tuple]:
+    """``lambda_0`` over the sites with an exact Gaussian prior, and the names of the other sites."""
+    slices = sites.slices()
+    loc, precision = jnp.zeros(sites.dim), family.precision(family.zeros(sites.dim))
+    rest = []
+    for site in sites.globals:
+        block = sites.gaussian_prior.get(site.name)
+        full = block is not None and block[1].ndim == 2
+        if block is None or (full and precision.ndim == 1):  # a full-covariance prior is not mean-field
+            rest.append(site.name)
+            continue
+        sl = slices[site.name]
+        loc = loc.at[sl].set(block[0])
+        precision = precision.at[sl, sl].set(block[1]) if full else _set_diag(precision, sl, block[1])
+    return family.from_mean_precision(loc, precision), tuple(rest)
+
+
+def _set_diag(precision: jax.Array, sl: slice, values: jax.Array) -> jax.Array:
+    if precision.ndim == 1:
+        return precision.at[sl].set(values)
+    idx = jnp.arange(sl.start, sl.stop)
+    return precision.at[idx, idx].set(values)
+
+
+class PriorFactor:
+    """The natural-gradient fixed point for the prior factor ``t_0`` of the non-Gaussian prior sites.
+
+    :param family: the Gaussian family of ``q``.
+    :param log_density: ``zeta -> log p_rest(theta(zeta)) + log|J|`` over the non-Gaussian sites.
+    :param rest_mask: ``(D,)`` boolean, the coordinates of the non-Gaussian sites.
+    :param rng_key: draws the fixed standard-normal points.
+    :param num_points: number of points (half of them antithetic).
+    """
+
+    def __init__(self, family: MeanFieldGaussian, log_density: Callable, rest_mask: jax.Array, rng_key: jax.Array,
+                 num_points: int = 128) -> None:
+        self.family = family
+        self.rest_mask = jnp.asarray(rest_mask)
+        half = jax.random.normal(rng_key, (num_points // 2, self.rest_mask.shape[0]))
+        self.eps = jnp.concatenate([half, -half])
+        self.grad = jax.vmap(jax.grad(log_density))
+
+    def target(self, q: NatParams) -> NatParams:
+        """``grad_mu E_q[log p_rest]``: the value ``t_0`` takes at a fixed point, given ``q``."""
+        loc, scale = self.family.loc_scale(q)
+        zeta = loc + (self.eps * scale if jnp.ndim(scale) == 1 else self.eps @ scale.T)
+        grads = self.grad(zeta)
+        hess = self.family.stein_hessian(grads, self.eps, scale)
+        return self.family.site_update(jnp.mean(grads, axis=0), hess, loc)
+
+    def initial(self, prior: NatParams, num_iters: int = 50, step_size: float = 0.5) -> NatParams:
+        """``t_0`` fitted to the prior alone (``q = lambda_0 t_0``), from ``N(0, 1)`` on the other coordinates."""
+        mask = self.rest_mask
+        unit = self.family.from_mean_precision(jnp.zeros(mask.shape), mask.astype(jnp.result_type(float)))
+
+        def body(t0: NatParams, _: None) -> tuple[NatParams, None]:
+            new = self.target(prior + t0)
+            return t0 + step_size * (new - t0), None
+
+        t0, _ = jax.lax.scan(body, unit, None, length=num_iters)
+        return t0

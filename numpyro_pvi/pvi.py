@@ -1,0 +1,389 @@
+"""The ``PVI`` inference object: ``init`` / ``update`` / ``run`` / ``evaluate``, like ``numpyro.infer.SVI``.
+
+``q(zeta) ∝ p(zeta) t_0(zeta) prod_m t_m(zeta)`` over the flat unconstrained vector of the model's
+global sites; ``t_0`` stands for the non-Gaussian part of the prior (:mod:`numpyro_pvi.prior`), ``t_m``
+for client ``m``'s data. One round visits every client once, in the server's schedule.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import numpyro
+import numpyro.distributions as dist
+from tqdm.auto import trange
+
+from numpyro_pvi.backends import get_backend
+from numpyro_pvi.families import MeanFieldGaussian, NatParams
+from numpyro_pvi.local_updates import Client, ClientProblem
+from numpyro_pvi.partition import ClientData, PaddedClients, client_args, pad_clients, pooled_to_client_data
+from numpyro_pvi.prior import PriorFactor, exact_prior
+from numpyro_pvi.servers import Server, Synchronous, backtrack, is_valid_state, merge
+from numpyro_pvi.sites import ModelSites, log_likelihood, log_prior, read_model
+
+
+class PVIState(NamedTuple):
+    """The server's state (a pytree).
+
+    :ivar q: natural parameters of the global approximation ``q`` (``(D,)`` leaves).
+    :ivar factors: client factors ``t_m`` stacked ``(M, ...)``.
+    :ivar prior_factor: ``t_0`` for the non-Gaussian prior sites (zeros if the prior is Gaussian).
+    :ivar client_states: each client's persistent local-update state, stacked ``(M, ...)``; never merged.
+    :ivar rng_key: the random key of the next round.
+    """
+
+    q: NatParams
+    factors: NatParams
+    prior_factor: NatParams
+    client_states: Any
+    rng_key: jax.Array
+
+
+class RoundInfo(NamedTuple):
+    """What happened in a round (in ``history`` every field gains a leading round axis).
+
+    :ivar elbo: global ELBO estimate of ``q`` after the round.
+    :ivar free_energy: ``(M,)`` each client's local free energy at the end of its update.
+    :ivar accepted: ``(M,)`` whether each client's update was merged (finite and valid).
+    :ivar damping: ``(M,)`` the damping applied to each client's update (0 if rejected).
+    :ivar time: wall-clock seconds of the round.
+    """
+
+    elbo: Any
+    free_energy: Any
+    accepted: Any
+    damping: Any
+    time: Any
+
+    @property
+    def num_rejected(self) -> Any:
+        """Number of rejected client updates (per round in ``history``)."""
+        return np.sum(~np.asarray(self.accepted), axis=-1)
+
+
+@dataclass(frozen=True)
+class _Setup:
+    """Everything built once per data set: the model's sites, padded client data, compiled steps."""
+
+    sites: ModelSites
+    data: tuple  # (arrays, mask, sizes) of PaddedClients
+    problem: ClientProblem
+    prior: NatParams
+    prior_factor: PriorFactor | None
+    group_step: Callable
+    prior_step: Callable | None
+    elbo: Callable
+
+
+class PVI:
+    """Partitioned variational inference (Bui et al. 2018; Ashman et al. 2022) for a NumPyro model.
+
+    The model marks its data plate with :func:`~numpyro_pvi.partition_plate`. Its global latent
+    sites get a Gaussian ``q`` in unconstrained space built from one factor per client; each client
+    improves its factor against its cavity with ``local_update``; ``server`` schedules the clients
+    and merges their damped updates. With one partition this is global VI (``SVI`` with
+    ``AutoDiagonalNormal`` / ``AutoMultivariateNormal``).
+
+    :param model: a NumPyro model with one ``partition_plate`` holding its observations.
+    :param family: ``MeanFieldGaussian()`` or ``FullRankGaussian()``.
+    :param partitions: index arrays into the partition plate of the pooled data passed to
+        ``init``/``run`` (e.g. from :func:`~numpyro_pvi.split_iid`), ``ClientData`` for federated
+        clients that never pool data, or ``None`` for one partition (global VI).
+    :param local_update: how a client improves its factor, e.g. ``GradientUpdate(...)``.
+    :param server: ``Synchronous(damping)`` (default) or ``Sequential()``.
+    :param backend: ``"vmap"`` (default: a round's clients in one compiled, vmapped call) or ``"loop"``.
+    :param int num_elbo_particles: samples of the global ELBO estimate recorded every round.
+
+    **Example:**
+
+    .. doctest::
+
+        >>> import jax.numpy as jnp, optax, numpyro, numpyro.distributions as dist
+        >>> from jax import random
+        >>> import numpyro_pvi as pvi
+        >>> def model(x, y=None):
+        ...     mu = numpyro.sample("mu", dist.Normal(0.0, 1.0))
+        ...     with pvi.partition_plate("data", x.shape[0]):
+        ...         numpyro.sample("y", dist.Normal(mu, 1.0), obs=y)
+        >>> x, y = jnp.zeros(40), 1.0 + random.normal(random.PRNGKey(0), (40,))
+        >>> inference = pvi.PVI(model, pvi.MeanFieldGaussian(),
+        ...                     partitions=pvi.split_iid(random.PRNGKey(1), 40, num_clients=4),
+        ...                     local_update=pvi.GradientUpdate(optax.adam(0.05), num_steps=200),
+        ...                     server=pvi.Sequential())
+        >>> result = inference.run(random.PRNGKey(2), 3, x, y=y, progress_bar=False)
+        >>> samples = result.sample_posterior(random.PRNGKey(3), 100)
+        >>> samples["mu"].shape
+        (100,)
+    """
+
+    def __init__(self, model: Callable, family: MeanFieldGaussian, partitions: Any = None, local_update: Any = None,
+                 server: Server | None = None, backend: Any = "vmap", num_elbo_particles: int = 64) -> None:
+        if not isinstance(family, MeanFieldGaussian):
+            raise TypeError(f"family must be pvi.MeanFieldGaussian() or pvi.FullRankGaussian(), got {family!r}.")
+        if local_update is None or not hasattr(local_update, "bind"):
+            raise TypeError(f"local_update must be a local update such as pvi.GradientUpdate(...), "
+                            f"got {local_update!r}.")
+        server = Synchronous() if server is None else server
+        if not isinstance(server, Server):
+            raise TypeError(f"server must be a pvi server such as pvi.Synchronous(), got {server!r}.")
+        self.model = model
+        self.family = family
+        self.partitions = partitions
+        self.local_update = local_update
+        self.server = server
+        self.backend = get_backend(backend)
+        self.num_elbo_particles = num_elbo_particles
+        self._cache: tuple | None = None
+
+    # ------------------------------------------------------------------ set-up (once per data set)
+
+    def _setup(self, args: tuple, kwargs: dict) -> _Setup:
+        leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
+        key = (treedef, tuple(id(x) for x in leaves))
+        if self._cache is not None and self._cache[0] == key:
+            return self._cache[1]
+        setup = self._build(args, kwargs)
+        self._cache = (key, setup)
+        return setup
+
+    def _build(self, args: tuple, kwargs: dict) -> _Setup:
+        read_key = jax.random.PRNGKey(0)
+        clients, expected = self._client_data(args, kwargs, read_key)
+        sites, sizes = None, []
+        for m, (c_args, c_kwargs) in enumerate(clients):
+            try:
+                client_sites = read_model(self.model, c_args, c_kwargs, read_key, relations=m == 0)
+            except (ValueError, NotImplementedError):
+                raise
+            except Exception as e:  # a shape error inside the model is the client's data at fault
+                raise ValueError(f"Client {m}'s data does not fit the model: {type(e).__name__}: {e}") from e
+            if expected is not None and client_sites.plate_size != expected[m]:
+                raise ValueError(
+                    f"partition_plate '{client_sites.plate}' has size {client_sites.plate_size} in client {m}'s model "
+                    f"call, but the client holds {expected[m]} rows: size the plate from the data (e.g. X.shape[0]).")
+            if sites is not None and [(s.name, s.shape) for s in client_sites.globals] != \
+                    [(s.name, s.shape) for s in sites.globals]:
+                raise ValueError(f"Client {m}'s data gives the model different global sites than client 0's: "
+                                 f"{[(s.name, s.shape) for s in client_sites.globals]}.")
+            sites = client_sites if sites is None else sites
+            sizes.append(client_sites.plate_size)
+        padded = pad_clients(clients, sizes, sites.plate)
+        data = (padded.arrays, padded.mask, padded.sizes)
+
+        def client_loglik(zeta: jax.Array, client: Client) -> jax.Array:
+            c_args, c_kwargs = client_args(padded, client.arrays)
+            return log_likelihood(self.model, sites, zeta, c_args, c_kwargs, client.mask)
+
+        def prior_logdensity(zeta: jax.Array, arrays: list, names: Any = None) -> jax.Array:
+            c_args, c_kwargs = client_args(padded, arrays)
+            return log_prior(self.model, sites, zeta, c_args, c_kwargs, names=names)
+
+        problem = ClientProblem(self.family, sites.dim, client_loglik, padded.is_row)
+        prior, rest = exact_prior(self.family, sites)
+        prior_factor = None
+        if rest:
+            first = [a[0] for a in padded.arrays]
+            rest_mask = np.zeros(sites.dim, bool)
+            for name in rest:
+                rest_mask[sites.slices()[name]] = True
+            prior_factor = PriorFactor(self.family, lambda z: prior_logdensity(z, first, rest), rest_mask,
+                                       jax.random.PRNGKey(1))
+        return _Setup(sites, data, problem, prior, prior_factor, self._group_step(problem, padded),
+                      self._prior_step(prior_factor), self._elbo(problem, prior_logdensity))
+
+    def _client_data(self, args: tuple, kwargs: dict, read_key: jax.Array) -> tuple[ClientData, list | None]:
+        if isinstance(self.partitions, ClientData):
+            if args or kwargs:
+                raise TypeError("partitions=ClientData: each client holds its own data, so pass no data arguments "
+                                "to init/update/run.")
+            return self.partitions, None
+        if not args and not kwargs:
+            raise TypeError("Pass the pooled data to init/update/run (or give partitions=pvi.ClientData(...)).")
+        pooled = read_model(self.model, args, kwargs, read_key, relations=False)
+        partitions = [np.arange(pooled.plate_size)] if self.partitions is None else list(self.partitions)
+        clients = pooled_to_client_data(args, kwargs, partitions, pooled.plate_size, pooled.plate)
+        return clients, [len(p) for p in partitions]
+
+    def _group_step(self, problem: ClientProblem, padded: PaddedClients) -> Callable:
+        """``(state, ids, round_key, data) -> (state, (free_energy, accepted, damping))`` for one group."""
+        client_map = self.backend.map(self.local_update.bind(problem))
+        family, server = self.family, self.server
+        merge_fn = jax.jit(lambda *a: merge(family, *a, server.damping, server.max_backtracks))
+
+        def group_step(state: PVIState, ids: jax.Array, round_key: jax.Array, data: tuple) -> tuple:
+            arrays, mask, sizes = data
+            clients = Client([a[ids] for a in arrays], mask[ids], sizes[ids])
+            keys = jax.vmap(lambda i: jax.random.fold_in(round_key, i))(ids)
+            cavities = jax.tree.map(lambda a, f: a[None] - f[ids], state.q, state.factors)
+            local = jax.tree.map(lambda s: s[ids], state.client_states)
+            result = client_map(keys, clients, cavities, state.q, local)
+            finite = jnp.isfinite(result.free_energy)
+            for leaf in jax.tree.leaves(result.delta):
+                finite &= jnp.all(jnp.isfinite(leaf.reshape(leaf.shape[0], -1)), axis=1)
+            merged = merge_fn(state.q, state.factors, ids, result.delta, finite)
+            accepted = finite & merged.valid
+            client_states = jax.tree.map(
+                lambda s, new: s.at[ids].set(jnp.where(accepted.reshape((-1,) + (1,) * (new.ndim - 1)), new, s[ids])),
+                state.client_states, result.state)
+            state = state._replace(q=merged.q, factors=merged.factors, client_states=client_states)
+            damping = jnp.broadcast_to(merged.damping, ids.shape) * accepted
+            return state, (result.free_energy, accepted, damping)
+
+        return jax.jit(group_step) if self.backend.jit_group else group_step
+
+    def _prior_step(self, prior_factor: PriorFactor | None) -> Callable | None:
+        """Damped natural-gradient step of ``t_0`` toward ``grad_mu E_q[log p_rest]``."""
+        if prior_factor is None:
+            return None
+        family, server = self.family, self.server
+
+        def prior_step(state: PVIState) -> PVIState:
+            delta = prior_factor.target(state.q) - state.prior_factor
+
+            def propose(rho: jax.Array) -> tuple:
+                q_new = state.q + rho * delta
+                return (q_new, state.prior_factor + rho * delta), is_valid_state(family, q_new, state.factors)
+
+            (q, t0), _, valid = backtrack(propose, server.damping, server.max_backtracks)
+            keep = lambda new, old: jnp.where(valid, new, old)  # noqa: E731
+            return state._replace(q=jax.tree.map(keep, q, state.q),
+                                  prior_factor=jax.tree.map(keep, t0, state.prior_factor))
+
+        return jax.jit(prior_step)
+
+    def _elbo(self, problem: ClientProblem, prior_logdensity: Callable) -> Callable:
+        family = self.family
+
+        def elbo(q: NatParams, rng_key: jax.Array, data: tuple, num_particles: int) -> jax.Array:
+            arrays, mask, sizes = data
+            q_dist = family.to_dist(q)
+            zeta = q_dist.sample(rng_key, (num_particles,))
+
+            def client_loglik(arrays: list, mask: jax.Array, size: jax.Array) -> jax.Array:
+                return jax.vmap(lambda z: problem.log_likelihood(z, Client(arrays, mask, size)))(zeta)
+
+            loglik = jnp.sum(jax.vmap(client_loglik)(arrays, mask, sizes), axis=0)
+            first = [a[0] for a in arrays]
+            logprior = jax.vmap(lambda z: prior_logdensity(z, first))(zeta)
+            return jnp.mean(loglik + logprior) + q_dist.entropy()
+
+        return jax.jit(elbo, static_argnums=3)
+
+    # ------------------------------------------------------------------ the SVI-like interface
+
+    def init(self, rng_key: jax.Array, *args: Any, **kwargs: Any) -> PVIState:
+        """Read the model, split the data over clients, and return the state with ``q`` = prior.
+
+        :param rng_key: random key of the run.
+        :param args, kwargs: the model's pooled data (none with ``partitions=ClientData``).
+        """
+        setup = self._setup(args, kwargs)
+        num_clients = int(setup.data[1].shape[0])
+        zeros = self.family.zeros(setup.sites.dim)
+        factors = jax.tree.map(lambda z: jnp.zeros((num_clients,) + z.shape, z.dtype), zeros)
+        t0 = zeros if setup.prior_factor is None else setup.prior_factor.initial(setup.prior)
+        q = setup.prior + t0
+        if not bool(self.family.is_valid(q)):
+            raise ValueError("The prior of the global sites could not be approximated by a proper Gaussian in "
+                             f"unconstrained space (sites: {[s.name for s in setup.sites.globals]}); PVI needs "
+                             "proper priors.")
+        local = self.local_update.init_state(setup.problem)
+        client_states = jax.tree.map(lambda x: jnp.broadcast_to(x, (num_clients,) + jnp.shape(x)), local)
+        return PVIState(q, factors, t0, client_states, rng_key)
+
+    def update(self, state: PVIState, *args: Any, **kwargs: Any) -> tuple[PVIState, RoundInfo]:
+        """One round: the prior factor's step (if any), then every client once in the server's schedule.
+
+        :return: the new state and the round's :class:`RoundInfo`.
+        """
+        setup = self._setup(args, kwargs)
+        start = time.perf_counter()
+        round_key, elbo_key, next_key = jax.random.split(state.rng_key, 3)
+        if setup.prior_step is not None:
+            state = setup.prior_step(state)
+        num_clients = int(setup.data[1].shape[0])
+        free_energy, accepted, damping = np.zeros(num_clients), np.zeros(num_clients, bool), np.zeros(num_clients)
+        for ids in self.server.schedule(num_clients):
+            state, (f, a, d) = setup.group_step(state, jnp.asarray(ids), round_key, setup.data)
+            free_energy[ids], accepted[ids], damping[ids] = f, a, d
+        elbo = float(setup.elbo(state.q, elbo_key, setup.data, self.num_elbo_particles))
+        info = RoundInfo(elbo, free_energy, accepted, damping, time.perf_counter() - start)
+        return state._replace(rng_key=next_key), info
+
+    def run(self, rng_key: jax.Array, num_rounds: int, *args: Any, progress_bar: bool = True,
+            init_state: PVIState | None = None, **kwargs: Any) -> PVIRunResult:
+        """Run ``num_rounds`` rounds from ``init(rng_key, ...)`` (or ``init_state``) with a tqdm bar.
+
+        :return: :class:`PVIRunResult` with the final state and the stacked per-round history.
+        """
+        state = self.init(rng_key, *args, **kwargs) if init_state is None else init_state
+        infos = []
+        with trange(num_rounds, disable=not progress_bar, desc="PVI") as rounds:
+            for _ in rounds:
+                state, info = self.update(state, *args, **kwargs)
+                infos.append(info)
+                rounds.set_postfix(elbo=f"{info.elbo:.4g}", rejected=int(info.num_rejected))
+        history = RoundInfo(*(np.stack([np.asarray(x) for x in field]) for field in zip(*infos))) if infos else None
+        return PVIRunResult(state, history, self)
+
+    def evaluate(self, state: PVIState, *args: Any, num_particles: int | None = None, **kwargs: Any) -> jax.Array:
+        """Monte Carlo estimate of the global ELBO ``E_q[log p(y, theta)] + H[q]`` (all clients' data)."""
+        setup = self._setup(args, kwargs)
+        return setup.elbo(state.q, state.rng_key, setup.data, num_particles or self.num_elbo_particles)
+
+    # ------------------------------------------------------------------ the posterior
+
+    def sites(self, *args: Any, **kwargs: Any) -> ModelSites:
+        """The model's sites as PVI reads them (global sites, flat layout)."""
+        return self._setup(args, kwargs).sites
+
+    def get_posterior(self, state: PVIState) -> dist.Distribution:
+        """``q`` as a NumPyro distribution over the flat unconstrained vector ``zeta``."""
+        return self.family.to_dist(state.q)
+
+    def sample_posterior(self, rng_key: jax.Array, state: PVIState, num_samples: int) -> dict:
+        """Draw ``num_samples`` from ``q``: a dict site -> constrained samples ``(num_samples, *shape)``."""
+        sites = self._current_sites()
+        zeta = self.get_posterior(state).sample(rng_key, (num_samples,))
+        return jax.vmap(sites.unflatten)(zeta)
+
+    def guide(self, state: PVIState) -> Callable:
+        """A NumPyro guide drawing the global sites from ``q``, for ``Predictive(model, guide=...)``."""
+        sites, q_dist = self._current_sites(), self.get_posterior(state)
+
+        def guide(*args: Any, **kwargs: Any) -> None:
+            zeta = numpyro.sample("_pvi_latent", q_dist, infer={"is_auxiliary": True})
+            for name, value in sites.unflatten(zeta).items():
+                numpyro.sample(name, dist.Delta(value, event_dim=jnp.ndim(value)))
+
+        return guide
+
+    def _current_sites(self) -> ModelSites:
+        if self._cache is None:
+            raise RuntimeError("Call init/run first: PVI reads the model's sites from the data.")
+        return self._cache[1].sites
+
+
+class PVIRunResult(NamedTuple):
+    """The result of :meth:`PVI.run`: final ``state``, per-round ``history`` (:class:`RoundInfo`) and ``inference``."""
+
+    state: PVIState
+    history: RoundInfo | None
+    inference: PVI
+
+    def sample_posterior(self, rng_key: jax.Array, num_samples: int) -> dict:
+        """Constrained samples of every global site from ``q``: site -> ``(num_samples, *shape)``."""
+        return self.inference.sample_posterior(rng_key, self.state, num_samples)
+
+    def guide(self) -> Callable:
+        """A guide for ``numpyro.infer.Predictive(model, guide=result.guide(), num_samples=...)``."""
+        return self.inference.guide(self.state)
+
+    def get_posterior(self) -> dist.Distribution:
+        """``q`` over the flat unconstrained vector."""
+        return self.inference.get_posterior(self.state)

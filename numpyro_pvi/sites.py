@@ -1,0 +1,216 @@
+"""Reading a model: which sites are global latents and likelihoods, and the flat unconstrained vector.
+
+PVI's factors live in the unconstrained space of the global latent sites, flattened into one vector
+``zeta`` of size ``D`` in model order (like ``AutoDiagonalNormal``), never in ``ravel_pytree``'s
+sorted-key order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import numpyro.distributions as dist
+from numpyro import handlers
+from numpyro.distributions.transforms import ExpTransform, Transform, biject_to
+from numpyro.infer.inspect import get_model_relations
+from numpyro.primitives import Messenger
+
+from numpyro_pvi.partition import PARTITION_TAG
+
+
+@dataclass(frozen=True)
+class GlobalSite:
+    """A global latent site: its constrained value ``shape`` and its unconstrained ``flat_shape``."""
+
+    name: str
+    shape: tuple
+    flat_shape: tuple
+    transform: Transform
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.flat_shape, dtype=np.int64))
+
+
+@dataclass(frozen=True)
+class ModelSites:
+    """What PVI needs to know about a model, read once from a trace.
+
+    :ivar plate: name of the partition plate.
+    :ivar plate_size: its size in the traced call.
+    :ivar globals: global latent sites, in model order.
+    :ivar likelihoods: names of the observed sites inside the partition plate.
+    :ivar gaussian_prior: for each global site whose prior is Gaussian in unconstrained space with
+        fixed parameters, ``(loc, precision)``: flat loc ``(size,)`` and a diagonal ``(size,)`` or
+        full ``(size, size)`` precision. The other sites' priors are fitted by a prior factor.
+    """
+
+    plate: str
+    plate_size: int
+    globals: tuple
+    likelihoods: tuple
+    gaussian_prior: dict
+
+    @property
+    def dim(self) -> int:
+        """Size ``D`` of the flat unconstrained vector."""
+        return sum(s.size for s in self.globals)
+
+    def unflatten(self, zeta: jax.Array) -> dict:
+        """Flat unconstrained ``(D,)`` vector -> dict of constrained values of the global sites."""
+        values, start = {}, 0
+        for site in self.globals:
+            u = jnp.reshape(zeta[start:start + site.size], site.flat_shape)
+            values[site.name] = site.transform(u)
+            start += site.size
+        return values
+
+    def flatten(self, values: dict) -> jax.Array:
+        """Dict of constrained values -> flat unconstrained ``(D,)`` vector."""
+        return jnp.concatenate([jnp.reshape(s.transform.inv(values[s.name]), (-1,)) for s in self.globals])
+
+    def slices(self) -> dict:
+        """Name -> ``slice`` of the site in the flat vector."""
+        out, start = {}, 0
+        for site in self.globals:
+            out[site.name] = slice(start, start + site.size)
+            start += site.size
+        return out
+
+
+def read_model(model: Callable, args: tuple, kwargs: dict, rng_key: jax.Array, relations: bool = True) -> ModelSites:
+    """Trace ``model(*args, **kwargs)`` once and classify its sites; raise on what PVI cannot handle.
+
+    :param relations: also find which priors are Gaussian in unconstrained space (one more trace).
+    """
+    trace = handlers.trace(handlers.seed(model, rng_key)).get_trace(*args, **kwargs)
+    plates = {s["infer"].get(PARTITION_TAG) for s in trace.values()
+              if s["type"] == "sample" and s.get("infer") and PARTITION_TAG in s["infer"]}
+    if not plates:
+        raise ValueError("The model has no pvi.partition_plate around its observed data: mark the plate that "
+                         "holds the data with `with pvi.partition_plate(name, size): ...`.")
+    if len(plates) > 1:
+        raise ValueError(f"The model has several partition plates {sorted(plates)}; PVI partitions exactly one.")
+    plate = plates.pop()
+    size, subsample_size = trace[plate]["args"]
+    if subsample_size is not None and subsample_size != size:
+        raise ValueError(f"partition_plate '{plate}' uses subsample_size={subsample_size}; under PVI use "
+                         "GradientUpdate(batch_size=...) for mini-batches instead.")
+
+    global_sites, likelihoods = [], []
+    for name, site in trace.items():
+        in_plate = any(f.name == plate for f in site.get("cond_indep_stack", ()))
+        if site["type"] == "param":
+            raise NotImplementedError(f"numpyro.param site '{name}': hyperparameters are not supported by PVI yet; "
+                                      "give it a prior and make it a global latent site.")
+        if site["type"] != "sample":
+            continue
+        if site["is_observed"]:
+            if not in_plate:
+                raise NotImplementedError(f"Observed site '{name}' is outside partition plate '{plate}'; PVI splits "
+                                          "only the observations inside the partition plate.")
+            likelihoods.append(name)
+            continue
+        if in_plate:
+            raise NotImplementedError(f"Latent site '{name}' is inside partition plate '{plate}': local latent "
+                                      "variables are not supported by PVI yet.")
+        if site["fn"].support.is_discrete:
+            raise ValueError(f"Global site '{name}' has a discrete support ({site['fn'].support}); PVI's factors "
+                             "are Gaussian in unconstrained space, so global latents must be continuous.")
+        transform = biject_to(site["fn"].support)
+        shape = tuple(jnp.shape(site["value"]))
+        global_sites.append(GlobalSite(name, shape, tuple(transform.inverse_shape(shape)), transform))
+    if not likelihoods:
+        raise ValueError(f"partition_plate '{plate}' holds no observed site: put the likelihood (obs=...) inside it.")
+    if not global_sites:
+        raise ValueError("The model has no global latent site outside the partition plate: nothing to infer.")
+
+    parents = get_model_relations(model, args, kwargs)["sample_sample"] if relations else {}
+    names = {s.name for s in global_sites}
+    gaussian = {}
+    for site in global_sites if relations else ():
+        if names.isdisjoint(parents.get(site.name, ())):
+            block = _gaussian_block(trace[site.name]["fn"], site)
+            if block is not None:
+                gaussian[site.name] = block
+    return ModelSites(plate, int(size), tuple(global_sites), tuple(likelihoods), gaussian)
+
+
+def _gaussian_block(fn: dist.Distribution, site: GlobalSite) -> tuple | None:
+    """``(loc, precision)`` of a prior that is Gaussian in unconstrained space, else ``None``."""
+    base = fn
+    while isinstance(base, (dist.Independent, dist.ExpandedDistribution)):
+        base = base.base_dist
+    if isinstance(base, dist.LogNormal) and isinstance(site.transform, ExpTransform):
+        base = base.base_dist
+    elif isinstance(base, dist.TransformedDistribution) or not _is_identity(site.transform):
+        return None
+    if isinstance(base, dist.Normal):
+        loc = jnp.broadcast_to(base.loc, site.flat_shape).reshape(-1)
+        scale = jnp.broadcast_to(base.scale, site.flat_shape).reshape(-1)
+        return loc, 1.0 / scale**2
+    if isinstance(base, dist.MultivariateNormal) and base.batch_shape == () and site.flat_shape == base.event_shape:
+        return base.loc, base.precision_matrix
+    return None
+
+
+def _is_identity(transform: Transform) -> bool:
+    return type(transform).__name__ == "IdentityTransform"
+
+
+# ----------------------------------------------------------------------------- densities in zeta
+
+
+class PlateMask(Messenger):
+    """Mask the sites inside plate ``plate`` with a ``(rows,)`` boolean ``mask`` (padding for ``vmap``)."""
+
+    def __init__(self, fn: Callable | None = None, plate: str = "", mask: jax.Array | None = None) -> None:
+        self.plate, self.mask = plate, mask
+        super().__init__(fn)
+
+    def process_message(self, msg: dict) -> None:
+        if msg["type"] != "sample" or self.mask is None:
+            return
+        for frame in msg["cond_indep_stack"]:
+            if frame.name == self.plate:
+                msg["fn"] = msg["fn"].mask(jnp.reshape(self.mask, (-1,) + (1,) * (-frame.dim - 1)))
+                return
+
+
+def _site_log_prob(site: dict) -> jax.Array:
+    log_prob = site["fn"].log_prob(site["value"])
+    if site["scale"] is not None:
+        log_prob = site["scale"] * log_prob
+    return jnp.sum(log_prob)
+
+
+def log_likelihood(model: Callable, sites: ModelSites, zeta: jax.Array, args: tuple, kwargs: dict,
+                   mask: jax.Array | None = None) -> jax.Array:
+    """``log p(y_m | theta(zeta))`` of one client's rows: a scalar, masked rows contribute 0."""
+    masked = PlateMask(handlers.substitute(model, data=sites.unflatten(zeta)), plate=sites.plate, mask=mask)
+    with handlers.block():  # block *outside* trace: the inner sites must not leak into an outer ELBO
+        trace = handlers.trace(masked).get_trace(*args, **kwargs)
+    return sum(_site_log_prob(trace[name]) for name in sites.likelihoods)
+
+
+def log_prior(model: Callable, sites: ModelSites, zeta: jax.Array, args: tuple, kwargs: dict,
+              names: Any = None) -> jax.Array:
+    """``log p(theta(zeta)) + log|d theta / d zeta|``: the prior density in unconstrained space.
+
+    :param names: restrict the sum to these global sites (default: all).
+    """
+    values = sites.unflatten(zeta)
+    with handlers.block():
+        trace = handlers.trace(handlers.substitute(model, data=values)).get_trace(*args, **kwargs)
+    total = 0.0
+    for site, start in zip(sites.globals, np.cumsum([0] + [s.size for s in sites.globals])):
+        if names is not None and site.name not in names:
+            continue
+        u = jnp.reshape(zeta[start:start + site.size], site.flat_shape)
+        jac = site.transform.log_abs_det_jacobian(u, values[site.name])
+        total = total + _site_log_prob(trace[site.name]) + jnp.sum(jac)
+    return total
