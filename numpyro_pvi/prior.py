@@ -6,9 +6,10 @@ exactly, as ``lambda_0``. Every other prior (``HalfNormal``, ``Gamma``, a hierar
 ``Normal(0, sigma)``...) is represented by one more factor ``t_0``, fitted like a client by the
 natural-gradient (CVI) fixed point ``t_0 = grad_mu E_q[log p_z(zeta)]``:
 ``eta2 = E_q[H] / 2`` and ``eta1 = E_q[g] - E_q[H] mu`` with ``g``, ``H`` the gradient and Hessian of
-the prior's log density in ``zeta`` (Jacobian included). ``E_q[H]`` comes from gradients alone by
-Stein's lemma, over a fixed set of antithetic standard-normal draws, so ``t_0`` is a deterministic
-function of ``q``. (Fitting ``t_0`` by SVI-and-subtract is pure noise: shared/notes/environment.md §7.)
+the prior's log density in ``zeta`` (Jacobian included). The expectations use a fixed set of
+scrambled-Sobol standard-normal points, so ``t_0`` is a deterministic function of ``q``; ``E_q[H]`` is
+the Hessian itself for ``D <= max_hessian_dim`` and otherwise comes from gradients alone by Stein's
+lemma. (Fitting ``t_0`` by SVI-and-subtract is pure noise: shared/notes/environment.md §7.)
 """
 
 from __future__ import annotations
@@ -17,6 +18,9 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from scipy.special import ndtri
+from scipy.stats import qmc
 
 from numpyro_pvi.families import MeanFieldGaussian, NatParams
 from numpyro_pvi.sites import ModelSites
@@ -53,23 +57,31 @@ class PriorFactor:
     :param log_density: ``zeta -> log p_rest(theta(zeta)) + log|J|`` over the non-Gaussian sites.
     :param rest_mask: ``(D,)`` boolean, the coordinates of the non-Gaussian sites.
     :param rng_key: draws the fixed standard-normal points.
-    :param num_points: number of points (half of them antithetic).
+    :param seed: seed of the scrambled Sobol points.
+    :param num_points: number of points.
+    :param max_hessian_dim: largest ``D`` for which Hessians are computed; above it, Stein's lemma.
     """
 
-    def __init__(self, family: MeanFieldGaussian, log_density: Callable, rest_mask: jax.Array, rng_key: jax.Array,
-                 num_points: int = 128) -> None:
+    def __init__(self, family: MeanFieldGaussian, log_density: Callable, rest_mask: jax.Array, seed: int = 0,
+                 num_points: int = 1024, max_hessian_dim: int = 256) -> None:
         self.family = family
         self.rest_mask = jnp.asarray(rest_mask)
-        half = jax.random.normal(rng_key, (num_points // 2, self.rest_mask.shape[0]))
-        self.eps = jnp.concatenate([half, -half])
+        dim = self.rest_mask.shape[0]
+        uniform = qmc.Sobol(dim, scramble=True, seed=seed).random(num_points)
+        self.eps = jnp.asarray(ndtri(np.clip(uniform, 1e-12, 1 - 1e-12)), dtype=jnp.result_type(float))
         self.grad = jax.vmap(jax.grad(log_density))
+        self.hessian = jax.vmap(jax.hessian(log_density)) if dim <= max_hessian_dim else None
 
     def target(self, q: NatParams) -> NatParams:
         """``grad_mu E_q[log p_rest]``: the value ``t_0`` takes at a fixed point, given ``q``."""
         loc, scale = self.family.loc_scale(q)
         zeta = loc + (self.eps * scale if jnp.ndim(scale) == 1 else self.eps @ scale.T)
         grads = self.grad(zeta)
-        hess = self.family.stein_hessian(grads, self.eps, scale)
+        if self.hessian is None:
+            hess = self.family.stein_hessian(grads, self.eps, scale)
+        else:
+            hess = jnp.mean(self.hessian(zeta), axis=0)
+            hess = jnp.diagonal(hess) if jnp.ndim(scale) == 1 else hess
         return self.family.site_update(jnp.mean(grads, axis=0), hess, loc)
 
     def initial(self, prior: NatParams, num_iters: int = 50, step_size: float = 0.5) -> NatParams:

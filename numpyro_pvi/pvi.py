@@ -191,8 +191,7 @@ class PVI:
             rest_mask = np.zeros(sites.dim, bool)
             for name in rest:
                 rest_mask[sites.slices()[name]] = True
-            prior_factor = PriorFactor(self.family, lambda z: prior_logdensity(z, first, rest), rest_mask,
-                                       jax.random.PRNGKey(1))
+            prior_factor = PriorFactor(self.family, lambda z: prior_logdensity(z, first, rest), rest_mask)
         return _Setup(sites, data, problem, prior, prior_factor, self._group_step(problem, padded),
                       self._prior_step(prior_factor), self._elbo(problem, prior_logdensity))
 

@@ -15,7 +15,13 @@ import jax.numpy as jnp
 import numpy as np
 import numpyro.distributions as dist
 from numpyro import handlers
-from numpyro.distributions.transforms import ExpTransform, Transform, biject_to
+from numpyro.distributions.transforms import (
+    ExpTransform,
+    IdentityTransform,
+    IndependentTransform,
+    Transform,
+    biject_to,
+)
 from numpyro.infer.inspect import get_model_relations
 from numpyro.primitives import Messenger
 
@@ -142,12 +148,14 @@ def read_model(model: Callable, args: tuple, kwargs: dict, rng_key: jax.Array, r
 
 def _gaussian_block(fn: dist.Distribution, site: GlobalSite) -> tuple | None:
     """``(loc, precision)`` of a prior that is Gaussian in unconstrained space, else ``None``."""
-    base = fn
+    base, transform = fn, site.transform
     while isinstance(base, (dist.Independent, dist.ExpandedDistribution)):
         base = base.base_dist
-    if isinstance(base, dist.LogNormal) and isinstance(site.transform, ExpTransform):
+    while isinstance(transform, IndependentTransform):
+        transform = transform.base_transform
+    if isinstance(base, dist.LogNormal) and isinstance(transform, ExpTransform):
         base = base.base_dist
-    elif isinstance(base, dist.TransformedDistribution) or not _is_identity(site.transform):
+    elif isinstance(base, dist.TransformedDistribution) or not isinstance(transform, IdentityTransform):
         return None
     if isinstance(base, dist.Normal):
         loc = jnp.broadcast_to(base.loc, site.flat_shape).reshape(-1)
@@ -156,10 +164,6 @@ def _gaussian_block(fn: dist.Distribution, site: GlobalSite) -> tuple | None:
     if isinstance(base, dist.MultivariateNormal) and base.batch_shape == () and site.flat_shape == base.event_shape:
         return base.loc, base.precision_matrix
     return None
-
-
-def _is_identity(transform: Transform) -> bool:
-    return type(transform).__name__ == "IdentityTransform"
 
 
 # ----------------------------------------------------------------------------- densities in zeta

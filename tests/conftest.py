@@ -1,0 +1,53 @@
+"""Shared models and data for the tests: small, seeded, deterministic."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import numpyro
+import numpyro.distributions as dist
+import pytest
+from jax import random
+
+import numpyro_pvi as pvi
+
+numpyro.set_platform("cpu")
+
+NOISE = 0.5  # known noise sd of the linear-regression model
+
+
+def linear_model(X, y=None):
+    """Bayesian linear regression with known noise: conjugate, so the exact posterior is known."""
+    w = numpyro.sample("w", dist.Normal(0.0, 1.0).expand([X.shape[1]]).to_event(1))
+    with pvi.partition_plate("data", X.shape[0]):
+        numpyro.sample("y", dist.Normal(X @ w, NOISE), obs=y)
+
+
+def logistic_model(X, y=None):
+    """Bayesian logistic regression with an intercept."""
+    w = numpyro.sample("w", dist.Normal(0.0, 1.0).expand([X.shape[1]]).to_event(1))
+    b = numpyro.sample("b", dist.Normal(0.0, 1.0))
+    with pvi.partition_plate("data", X.shape[0]):
+        numpyro.sample("y", dist.Bernoulli(logits=X @ w + b), obs=y)
+
+
+def exact_linear_posterior(X, y):
+    """Mean and covariance of w under linear_model (prior N(0, I), noise NOISE)."""
+    X, y = np.asarray(X, np.float64), np.asarray(y, np.float64)
+    precision = np.eye(X.shape[1]) + X.T @ X / NOISE**2
+    cov = np.linalg.inv(precision)
+    return cov @ X.T @ y / NOISE**2, cov
+
+
+@pytest.fixture(scope="session")
+def linear_data():
+    X = random.normal(random.PRNGKey(0), (300, 3))
+    y = X @ jnp.array([1.0, -0.5, 0.3]) + NOISE * random.normal(random.PRNGKey(1), (300,))
+    return X, y
+
+
+@pytest.fixture(scope="session")
+def logistic_data():
+    X = random.normal(random.PRNGKey(2), (400, 3))
+    logits = X @ jnp.array([1.5, -1.0, 0.5]) - 0.3
+    y = random.bernoulli(random.PRNGKey(3), jax.nn.sigmoid(logits)).astype(jnp.float32)
+    return X, y
