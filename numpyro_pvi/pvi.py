@@ -156,12 +156,8 @@ class PVI:
         clients, expected = self._client_data(args, kwargs, read_key)
         sites, sizes = None, []
         for m, (c_args, c_kwargs) in enumerate(clients):
-            try:
-                client_sites = read_model(self.model, c_args, c_kwargs, read_key, relations=m == 0)
-            except (ValueError, NotImplementedError):
-                raise
-            except Exception as e:  # a shape error inside the model is the client's data at fault
-                raise ValueError(f"Client {m}'s data does not fit the model: {type(e).__name__}: {e}") from e
+            client_sites = read_model(self.model, c_args, c_kwargs, read_key, relations=m == 0,
+                                      who=f"Client {m}'s data")
             if expected is not None and client_sites.plate_size != expected[m]:
                 raise ValueError(
                     f"partition_plate '{client_sites.plate}' has size {client_sites.plate_size} in client {m}'s model "
@@ -203,7 +199,7 @@ class PVI:
             return self.partitions, None
         if not args and not kwargs:
             raise TypeError("Pass the pooled data to init/update/run (or give partitions=pvi.ClientData(...)).")
-        pooled = read_model(self.model, args, kwargs, read_key, relations=False)
+        pooled = read_model(self.model, args, kwargs, read_key, relations=False, who="The pooled data")
         partitions = [np.arange(pooled.plate_size)] if self.partitions is None else list(self.partitions)
         clients = pooled_to_client_data(args, kwargs, partitions, pooled.plate_size, pooled.plate)
         return clients, [len(p) for p in partitions]

@@ -88,12 +88,22 @@ class ModelSites:
         return out
 
 
-def read_model(model: Callable, args: tuple, kwargs: dict, rng_key: jax.Array, relations: bool = True) -> ModelSites:
+def read_model(model: Callable, args: tuple, kwargs: dict, rng_key: jax.Array, relations: bool = True,
+               who: str = "The data") -> ModelSites:
     """Trace ``model(*args, **kwargs)`` once and classify its sites; raise on what PVI cannot handle.
 
     :param relations: also find which priors are Gaussian in unconstrained space (one more trace).
+    :param who: names the data in errors, e.g. ``"Client 3's data"``.
     """
-    trace = handlers.trace(handlers.seed(model, rng_key)).get_trace(*args, **kwargs)
+    try:
+        trace = handlers.trace(handlers.seed(model, rng_key)).get_trace(*args, **kwargs)
+        for site in trace.values():  # evaluating the densities catches observations of the wrong shape
+            if site["type"] == "sample" and site["is_observed"]:
+                _site_log_prob(site)
+    except Exception as e:  # noqa: BLE001 - any failure of the user's model on these data is reported as such
+        raise ValueError(f"{who} does not fit the model: {type(e).__name__}: {e}. (The partition plate must be "
+                         "sized from the data, e.g. X.shape[0], and every row argument must have that many "
+                         "rows.)") from e
     plates = {s["infer"].get(PARTITION_TAG) for s in trace.values()
               if s["type"] == "sample" and s.get("infer") and PARTITION_TAG in s["infer"]}
     if not plates:

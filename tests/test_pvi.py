@@ -1,0 +1,232 @@
+"""PVI end to end: exact posteriors, agreement with NumPyro SVI, backends, the posterior API, bad input."""
+
+import jax.numpy as jnp
+import numpy as np
+import numpyro
+import numpyro.distributions as dist
+import optax
+import pytest
+from jax import random
+from numpyro.infer import SVI, Predictive, TraceMeanField_ELBO
+from numpyro.infer.autoguide import AutoDiagonalNormal, AutoMultivariateNormal
+
+import numpyro_pvi as pvi
+
+from conftest import NOISE, exact_linear_posterior, linear_model, logistic_model
+
+PARTS = [np.arange(0, 60), np.arange(60, 180), np.arange(180, 300)]  # unequal partitions of 300 rows
+
+
+def gradient_update(num_steps=400, lr=2e-2, num_particles=8, **kwargs):
+    schedule = optax.exponential_decay(lr, num_steps, 0.05)
+    return pvi.GradientUpdate(optax.adam(schedule), num_steps=num_steps, num_particles=num_particles, **kwargs)
+
+
+def q_moments(inference, state):
+    """Mean (D,) and covariance (D, D) of q over the flat vector."""
+    loc, scale = inference.family.loc_scale(state.q)
+    cov = scale @ scale.T if scale.ndim == 2 else jnp.diag(scale**2)
+    return np.asarray(loc), np.asarray(cov)
+
+
+def svi_moments(model, guide_class, data, num_steps=6000, seed=0):
+    """Mean and covariance of NumPyro SVI's optimum, reordered to PVI's flat (model) order."""
+    X, y = data
+    guide = guide_class(model)
+    optim = optax.adam(optax.exponential_decay(2e-2, num_steps, 0.02))
+    svi = SVI(model, guide, optim, TraceMeanField_ELBO(num_particles=8))
+    params = svi.run(random.PRNGKey(seed), num_steps, X, y=y, progress_bar=False).params
+    loc = params["auto_loc"]
+    L = params["auto_scale_tril"] if "auto_scale_tril" in params else jnp.diag(params["auto_scale"])
+    # AutoContinuous packs sites in sorted order; PVI keeps model order: map one to the other.
+    unpacked = guide._unpack_latent(jnp.arange(loc.shape[0], dtype=jnp.float32))
+    order = np.concatenate([np.asarray(unpacked[name]).reshape(-1) for name in _model_order(model, data)]).astype(int)
+    cov = L @ L.T
+    return np.asarray(loc)[order], np.asarray(cov)[np.ix_(order, order)]
+
+
+def _model_order(model, data):
+    tr = numpyro.handlers.trace(numpyro.handlers.seed(model, 0)).get_trace(data[0], y=data[1])
+    return [n for n, s in tr.items() if s["type"] == "sample" and not s["is_observed"]]
+
+
+def assert_close_to(mean, cov, ref_mean, ref_cov, mean_tol, cov_tol):
+    """Mean error in reference posterior sds; covariance error relative to the reference variances."""
+    sd = np.sqrt(np.diag(ref_cov))
+    assert np.max(np.abs(mean - ref_mean) / sd) < mean_tol, (mean, ref_mean, sd)
+    assert np.max(np.abs(cov - ref_cov) / np.outer(sd, sd)) < cov_tol, (cov, ref_cov)
+
+
+# ----------------------------------------------------------------------------- conjugate: the exact posterior
+
+
+@pytest.mark.parametrize("server, rounds", [(pvi.Sequential(), 3), (pvi.Sequential(damping=0.5), 8),
+                                             (pvi.Synchronous(), 3), (pvi.Synchronous(damping=0.5), 8)], ids=str)
+def test_gradient_pvi_reaches_the_exact_conjugate_posterior(linear_data, server, rounds):
+    mean, cov = exact_linear_posterior(*linear_data)
+    inference = pvi.PVI(linear_model, pvi.FullRankGaussian(), PARTS, gradient_update(), server)
+    result = inference.run(random.PRNGKey(0), rounds, linear_data[0], y=linear_data[1], progress_bar=False)
+    assert result.history.accepted.all()
+    # tolerances: ~4x the seed-to-seed spread measured over 8 seeds (see the closing note of issue 3)
+    assert_close_to(*q_moments(inference, result.state), mean, cov, mean_tol=0.1, cov_tol=0.1)
+
+
+# ----------------------------------------------------------------------------- one partition = NumPyro SVI
+
+
+@pytest.fixture(scope="module")
+def svi_logistic(logistic_data):
+    return {family: svi_moments(logistic_model, guide, logistic_data)
+            for family, guide in [("mf", AutoDiagonalNormal), ("fr", AutoMultivariateNormal)]}
+
+
+@pytest.mark.parametrize("family", ["mf", "fr"])
+def test_one_partition_equals_numpyro_svi(logistic_data, svi_logistic, family):
+    fam = pvi.MeanFieldGaussian() if family == "mf" else pvi.FullRankGaussian()
+    inference = pvi.PVI(logistic_model, fam, None, gradient_update(num_steps=3000), pvi.Sequential())
+    result = inference.run(random.PRNGKey(1), 1, *logistic_data[:1], y=logistic_data[1], progress_bar=False)
+    assert_close_to(*q_moments(inference, result.state), *svi_logistic[family], mean_tol=0.1, cov_tol=0.1)
+
+
+def test_ten_clients_reach_the_global_vi_optimum(logistic_data, svi_logistic):
+    parts = pvi.split_iid(random.PRNGKey(0), logistic_data[0].shape[0], 10)
+    inference = pvi.PVI(logistic_model, pvi.MeanFieldGaussian(), parts, gradient_update(), pvi.Synchronous(0.5))
+    result = inference.run(random.PRNGKey(2), 12, logistic_data[0], y=logistic_data[1], progress_bar=False)
+    assert result.history.accepted.all()
+    assert_close_to(*q_moments(inference, result.state), *svi_logistic["mf"], mean_tol=0.15, cov_tol=0.15)
+
+
+# ----------------------------------------------------------------------------- constrained global site
+
+
+def scale_model(X, y=None):
+    w = numpyro.sample("w", dist.Normal(0.0, 1.0).expand([X.shape[1]]).to_event(1))
+    sigma = numpyro.sample("sigma", dist.HalfNormal(1.0))
+    with pvi.partition_plate("data", X.shape[0]):
+        numpyro.sample("y", dist.Normal(X @ w, sigma), obs=y)
+
+
+def test_a_constrained_site_lives_in_unconstrained_space(linear_data):
+    ref_mean, ref_cov = svi_moments(scale_model, AutoDiagonalNormal, linear_data)
+    inference = pvi.PVI(scale_model, pvi.MeanFieldGaussian(), PARTS, gradient_update(), pvi.Sequential())
+    result = inference.run(random.PRNGKey(3), 4, linear_data[0], y=linear_data[1], progress_bar=False)
+    assert result.history.accepted.all()
+    mean, cov = q_moments(inference, result.state)
+    assert_close_to(mean, cov, ref_mean, ref_cov, mean_tol=0.15, cov_tol=0.15)
+    assert float(jnp.exp(mean[-1])) == pytest.approx(NOISE, rel=0.1)  # sigma is found, on the positive scale
+    samples = result.sample_posterior(random.PRNGKey(4), 500)
+    assert samples["sigma"].shape == (500,) and bool(jnp.all(samples["sigma"] > 0))
+    assert samples["w"].shape == (500, 3)
+
+
+# ----------------------------------------------------------------------------- backends, federated data, API
+
+
+def test_vmap_and_loop_backends_agree(logistic_data):
+    X, y = logistic_data
+    parts = pvi.split_iid(random.PRNGKey(0), X.shape[0], 4)
+    states = []
+    for backend in ["vmap", "loop"]:
+        inference = pvi.PVI(logistic_model, pvi.MeanFieldGaussian(), parts, gradient_update(num_steps=100),
+                            pvi.Synchronous(0.5), backend=backend)
+        states.append(inference.run(random.PRNGKey(5), 2, X, y=y, progress_bar=False).state)
+    np.testing.assert_allclose(states[0].q.eta1, states[1].q.eta1, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(states[0].q.eta2, states[1].q.eta2, rtol=1e-4)
+
+
+def test_federated_client_data_equals_index_partitions(linear_data):
+    X, y = linear_data
+    clients = pvi.ClientData([((X[p],), {"y": y[p]}) for p in PARTS])
+    by_index = pvi.PVI(linear_model, pvi.FullRankGaussian(), PARTS, gradient_update(100), pvi.Synchronous(0.5))
+    federated = pvi.PVI(linear_model, pvi.FullRankGaussian(), clients, gradient_update(100), pvi.Synchronous(0.5))
+    a = by_index.run(random.PRNGKey(6), 2, X, y=y, progress_bar=False).state
+    b = federated.run(random.PRNGKey(6), 2, progress_bar=False).state
+    np.testing.assert_allclose(a.q.eta1, b.q.eta1, rtol=1e-5)
+    np.testing.assert_allclose(a.q.eta2, b.q.eta2, rtol=1e-5)
+
+
+def test_guide_works_with_predictive_and_history_is_recorded(linear_data):
+    X, y = linear_data
+    inference = pvi.PVI(linear_model, pvi.MeanFieldGaussian(), PARTS, gradient_update(200), pvi.Sequential())
+    result = inference.run(random.PRNGKey(7), 2, X, y=y, progress_bar=False)
+    assert result.history.elbo.shape == (2,) and result.history.free_energy.shape == (2, 3)
+    assert result.history.num_rejected.tolist() == [0, 0]
+    assert np.isfinite(result.history.elbo).all() and result.history.elbo[1] > result.history.elbo[0] - 5.0
+    predictive = Predictive(linear_model, guide=result.guide(), num_samples=300, return_sites=["w", "y"])
+    draws = predictive(random.PRNGKey(8), X[:5])
+    assert draws["y"].shape == (300, 5) and draws["w"].shape == (300, 3)
+    mean, _ = exact_linear_posterior(X, y)
+    np.testing.assert_allclose(draws["y"].mean(0), X[:5] @ mean, atol=4 * NOISE / np.sqrt(300) + 0.05)
+
+
+def test_elbo_at_the_exact_posterior_is_the_log_evidence(linear_data):
+    from test_servers import ExactLinearUpdate
+
+    X, y = linear_data
+    inference = pvi.PVI(linear_model, pvi.FullRankGaussian(), PARTS, ExactLinearUpdate(), pvi.Sequential())
+    result = inference.run(random.PRNGKey(0), 1, X, y=y, progress_bar=False)
+    marginal = dist.MultivariateNormal(jnp.zeros(X.shape[0]), X @ X.T + NOISE**2 * jnp.eye(X.shape[0]))
+    # at q = posterior the ELBO is log p(y); the estimator's sd here is ~sqrt(D/2)/sqrt(4000) ≈ 0.02 nats
+    elbo = float(inference.evaluate(result.state, X, y=y, num_particles=4000))
+    assert elbo == pytest.approx(float(marginal.log_prob(y)), abs=0.15)
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+def make(model=linear_model, parts=PARTS, **kwargs):
+    return pvi.PVI(model, pvi.MeanFieldGaussian(), parts, gradient_update(10), **kwargs)
+
+
+def test_model_without_partition_plate(linear_data):
+    def plain(X, y=None):
+        w = numpyro.sample("w", dist.Normal(0.0, 1.0).expand([3]).to_event(1))
+        with numpyro.plate("data", X.shape[0]):
+            numpyro.sample("y", dist.Normal(X @ w, 1.0), obs=y)
+
+    with pytest.raises(ValueError, match="no pvi.partition_plate"):
+        make(plain).init(random.PRNGKey(0), linear_data[0], y=linear_data[1])
+
+
+@pytest.mark.parametrize("parts, match", [([np.arange(0, 200), np.arange(150, 300)], "overlap"),
+                                          ([np.arange(0, 100), np.arange(150, 300)], "miss")])
+def test_bad_partitions(linear_data, parts, match):
+    with pytest.raises(ValueError, match=match):
+        make(parts=parts).init(random.PRNGKey(0), linear_data[0], y=linear_data[1])
+
+
+def test_discrete_global_site(linear_data):
+    def model(X, y=None):
+        k = numpyro.sample("k", dist.Poisson(3.0))
+        with pvi.partition_plate("data", X.shape[0]):
+            numpyro.sample("y", dist.Normal(k, 1.0), obs=y)
+
+    with pytest.raises(ValueError, match="Global site 'k'"):
+        make(model).init(random.PRNGKey(0), linear_data[0], y=linear_data[1])
+
+
+def test_wrong_length_client_data(linear_data):
+    X, y = linear_data
+    clients = pvi.ClientData([((X[:10],), {"y": y[:10]}), ((X[10:20],), {"y": y[10:19]})])
+    with pytest.raises(ValueError, match="Client 1's data"):
+        make(parts=clients).init(random.PRNGKey(0))
+    with pytest.raises(TypeError, match="pass no data"):
+        make(parts=pvi.ClientData([((X,), {"y": y})])).init(random.PRNGKey(0), X, y=y)
+
+
+def test_plate_sized_by_a_constant(linear_data):
+    def model(X, y=None):
+        w = numpyro.sample("w", dist.Normal(0.0, 1.0).expand([3]).to_event(1))
+        with pvi.partition_plate("data", 300):
+            numpyro.sample("y", dist.Normal(X @ w, 1.0), obs=y)
+
+    with pytest.raises(ValueError, match="Client 0's data does not fit the model.*sized from the data"):
+        make(model).init(random.PRNGKey(0), linear_data[0], y=linear_data[1])
+
+
+@pytest.mark.parametrize("kwargs, error", [(dict(family="mf"), TypeError), (dict(local_update=None), TypeError),
+                                           (dict(server="sync"), TypeError), (dict(backend="gpu"), ValueError)])
+def test_bad_constructor_arguments(kwargs, error):
+    args = dict(model=linear_model, family=pvi.MeanFieldGaussian(), partitions=PARTS, local_update=gradient_update(10))
+    with pytest.raises(error):
+        pvi.PVI(**{**args, **kwargs})

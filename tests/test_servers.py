@@ -1,0 +1,125 @@
+"""Server algebra, checked with a closed-form local update in float64, and the merge's safety rules."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import enable_x64, random
+
+import numpyro_pvi as pvi
+from numpyro_pvi.families import NatParams
+from numpyro_pvi.servers import merge
+
+from conftest import NOISE, exact_linear_posterior, linear_model
+
+
+class ExactLinearUpdate:
+    """The exact local optimum for `linear_model`: q_new = cavity x the client's Gaussian likelihood."""
+
+    def init_state(self, problem):
+        return ()
+
+    def bind(self, problem):
+        def client_update(rng_key, client, cavity, q, state):
+            X, y = client.arrays  # leaves of ((X,), {"y": y})
+            Xm = X * client.mask[:, None]
+            likelihood = NatParams(Xm.T @ y / NOISE**2, -0.5 * Xm.T @ X / NOISE**2)
+            return pvi.ClientResult(cavity + likelihood - q, jnp.zeros(()), state)
+
+        return client_update
+
+
+class PoisonedUpdate(ExactLinearUpdate):
+    """Returns NaN for the client holding `bad_size` rows."""
+
+    def __init__(self, bad_size):
+        self.bad_size = bad_size
+
+    def bind(self, problem):
+        exact = super().bind(problem)
+
+        def client_update(rng_key, client, cavity, q, state):
+            result = exact(rng_key, client, cavity, q, state)
+            poison = jnp.where(client.size == self.bad_size, jnp.nan, 0.0)
+            return result._replace(delta=jax.tree.map(lambda d: d + poison, result.delta))
+
+        return client_update
+
+
+UNEQUAL = [np.arange(0, 40), np.arange(40, 130), np.arange(130, 150), np.arange(150, 300)]
+
+
+@pytest.mark.parametrize("server, rounds, backend", [
+    (pvi.Sequential(), 1, "vmap"), (pvi.Sequential(damping=0.5), 40, "vmap"),
+    (pvi.Synchronous(), 1, "vmap"), (pvi.Synchronous(damping=0.5), 40, "vmap"),
+    (pvi.Synchronous(damping=0.5), 40, "loop"),
+], ids=str)
+def test_exact_local_updates_reach_the_exact_posterior(linear_data, server, rounds, backend):
+    with enable_x64(True):
+        X, y = (jnp.asarray(a, jnp.float64) for a in linear_data)
+        mean, cov = exact_linear_posterior(X, y)
+        inference = pvi.PVI(linear_model, pvi.FullRankGaussian(), UNEQUAL, ExactLinearUpdate(), server, backend)
+        result = inference.run(random.PRNGKey(0), rounds, X, y=y, progress_bar=False)
+        loc, scale_tril = inference.family.loc_scale(result.state.q)
+        np.testing.assert_allclose(loc, mean, rtol=1e-9, atol=1e-12)
+        np.testing.assert_allclose(scale_tril @ scale_tril.T, cov, rtol=1e-9, atol=1e-14)
+        assert result.history.accepted.all()
+        # each factor is its client's exact likelihood, and q = prior + sum of factors
+        prior = inference.family.from_mean_precision(jnp.zeros(3), jnp.ones(3))
+        total = jax.tree.map(lambda f: f.sum(0), result.state.factors)
+        np.testing.assert_allclose((prior + NatParams(*total)).eta2, result.state.q.eta2, rtol=1e-10)
+
+
+def test_a_nan_client_is_rejected_and_the_rest_still_learn(linear_data):
+    X, y = linear_data
+    inference = pvi.PVI(linear_model, pvi.FullRankGaussian(), UNEQUAL, PoisonedUpdate(bad_size=20), pvi.Sequential())
+    state = inference.init(random.PRNGKey(0), X, y=y)
+    state, info = inference.update(state, X, y=y)
+    np.testing.assert_array_equal(info.accepted, [True, True, False, True])
+    np.testing.assert_array_equal(info.damping, [1.0, 1.0, 0.0, 1.0])
+    assert np.all(np.asarray(state.factors.eta2[2]) == 0.0)  # the poisoned client's factor never changed
+    assert bool(inference.family.is_valid(state.q))
+    # q equals the posterior given the three healthy clients' data
+    healthy = np.concatenate([UNEQUAL[0], UNEQUAL[1], UNEQUAL[3]])
+    mean, _ = exact_linear_posterior(X[healthy], y[healthy])
+    np.testing.assert_allclose(inference.family.loc_scale(state.q)[0], mean, rtol=1e-4)
+
+
+def _mf(eta2):
+    eta2 = jnp.asarray(eta2, jnp.float32)
+    return NatParams(jnp.zeros_like(eta2), eta2)
+
+
+def test_merge_backtracks_until_every_cavity_is_valid():
+    family = pvi.MeanFieldGaussian()
+    q, factors = _mf([-1.0]), _mf([[-0.5], [-0.5]])
+    deltas = _mf([[0.9]])
+    out = merge(family, q, factors, jnp.array([0]), deltas, jnp.array([True]), damping=1.0, max_backtracks=5)
+    # rho = 1 leaves client 1's cavity at -0.1 + 0.5 > 0 (improper); rho = 0.5 is the first valid one
+    assert bool(out.valid) and float(out.damping) == 0.5
+    np.testing.assert_allclose(out.q.eta2, [-0.55], rtol=1e-6)
+    np.testing.assert_allclose(out.factors.eta2, [[-0.05], [-0.5]], rtol=1e-6)
+
+
+def test_merge_rejects_what_no_damping_can_save_and_keeps_the_state():
+    family = pvi.MeanFieldGaussian()
+    q, factors = _mf([-1.0]), _mf([[-0.5], [-0.5]])
+    out = merge(family, q, factors, jnp.array([1]), _mf([[10.0]]), jnp.array([True]), damping=1.0, max_backtracks=2)
+    assert not bool(out.valid) and float(out.damping) == 0.0
+    np.testing.assert_array_equal(out.q.eta2, q.eta2)
+    np.testing.assert_array_equal(out.factors.eta2, factors.eta2)
+
+
+def test_merge_drops_non_finite_deltas():
+    family = pvi.MeanFieldGaussian()
+    q, factors = _mf([-1.0]), _mf([[-0.5], [-0.5]])
+    deltas = _mf([[-0.2], [jnp.nan]])
+    out = merge(family, q, factors, jnp.array([0, 1]), deltas, jnp.array([True, False]), 1.0, 5)
+    np.testing.assert_allclose(out.q.eta2, [-1.2], rtol=1e-6)
+    np.testing.assert_allclose(out.factors.eta2, [[-0.7], [-0.5]], rtol=1e-6)
+
+
+@pytest.mark.parametrize("bad", [dict(damping=0.0), dict(damping=1.5), dict(max_backtracks=-1)])
+def test_server_arguments_are_checked(bad):
+    with pytest.raises(ValueError, match="Synchronous"):
+        pvi.Synchronous(**bad)
