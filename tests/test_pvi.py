@@ -7,7 +7,7 @@ import numpyro.distributions as dist
 import optax
 import pytest
 from jax import random
-from numpyro.infer import SVI, Predictive, TraceMeanField_ELBO
+from numpyro.infer import MCMC, NUTS, SVI, Predictive, TraceMeanField_ELBO
 from numpyro.infer.autoguide import AutoDiagonalNormal, AutoMultivariateNormal
 
 import numpyro_pvi as pvi
@@ -67,8 +67,8 @@ def test_gradient_pvi_reaches_the_exact_conjugate_posterior(linear_data, server,
     inference = pvi.PVI(linear_model, pvi.FullRankGaussian(), PARTS, gradient_update(), server)
     result = inference.run(random.PRNGKey(0), rounds, linear_data[0], y=linear_data[1], progress_bar=False)
     assert result.history.accepted.all()
-    # tolerances: ~4x the seed-to-seed spread measured over 8 seeds (see the closing note of issue 3)
-    assert_close_to(*q_moments(inference, result.state), mean, cov, mean_tol=0.1, cov_tol=0.1)
+    # over seeds 0-7 the worst errors of the four servers were 0.046 sd (mean) and 0.071 (covariance)
+    assert_close_to(*q_moments(inference, result.state), mean, cov, mean_tol=0.1, cov_tol=0.12)
 
 
 # ----------------------------------------------------------------------------- one partition = NumPyro SVI
@@ -85,7 +85,9 @@ def test_one_partition_equals_numpyro_svi(logistic_data, svi_logistic, family):
     fam = pvi.MeanFieldGaussian() if family == "mf" else pvi.FullRankGaussian()
     inference = pvi.PVI(logistic_model, fam, None, gradient_update(num_steps=3000), pvi.Sequential())
     result = inference.run(random.PRNGKey(1), 1, *logistic_data[:1], y=logistic_data[1], progress_bar=False)
-    assert_close_to(*q_moments(inference, result.state), *svi_logistic[family], mean_tol=0.1, cov_tol=0.1)
+    # both sides are noisy: SVI vs SVI at other seeds differs by up to 0.036 sd / 0.051; PVI vs SVI over seeds 0-7
+    # by up to 0.059 sd / 0.077
+    assert_close_to(*q_moments(inference, result.state), *svi_logistic[family], mean_tol=0.12, cov_tol=0.12)
 
 
 def test_ten_clients_reach_the_global_vi_optimum(logistic_data, svi_logistic):
@@ -93,7 +95,8 @@ def test_ten_clients_reach_the_global_vi_optimum(logistic_data, svi_logistic):
     inference = pvi.PVI(logistic_model, pvi.MeanFieldGaussian(), parts, gradient_update(), pvi.Synchronous(0.5))
     result = inference.run(random.PRNGKey(2), 12, logistic_data[0], y=logistic_data[1], progress_bar=False)
     assert result.history.accepted.all()
-    assert_close_to(*q_moments(inference, result.state), *svi_logistic["mf"], mean_tol=0.15, cov_tol=0.15)
+    # over seeds 0-7: up to 0.044 sd (mean) and 0.040 (covariance) from SVI's optimum
+    assert_close_to(*q_moments(inference, result.state), *svi_logistic["mf"], mean_tol=0.1, cov_tol=0.1)
 
 
 # ----------------------------------------------------------------------------- constrained global site
@@ -107,12 +110,20 @@ def scale_model(X, y=None):
 
 
 def test_a_constrained_site_lives_in_unconstrained_space(linear_data):
-    ref_mean, ref_cov = svi_moments(scale_model, AutoDiagonalNormal, linear_data)
+    X, y = linear_data
+    mcmc = MCMC(NUTS(scale_model), num_warmup=500, num_samples=4000, progress_bar=False)
+    mcmc.run(random.PRNGKey(0), X, y=y)
+    draws = mcmc.get_samples()
+    zeta = np.concatenate([draws["w"], np.log(draws["sigma"])[:, None]], axis=1)  # NUTS in PVI's flat space
     inference = pvi.PVI(scale_model, pvi.MeanFieldGaussian(), PARTS, gradient_update(), pvi.Sequential())
-    result = inference.run(random.PRNGKey(3), 4, linear_data[0], y=linear_data[1], progress_bar=False)
+    result = inference.run(random.PRNGKey(3), 4, X, y=y, progress_bar=False)
     assert result.history.accepted.all()
     mean, cov = q_moments(inference, result.state)
-    assert_close_to(mean, cov, ref_mean, ref_cov, mean_tol=0.15, cov_tol=0.15)
+    # the posterior is nearly uncorrelated here, so mean-field VI matches NUTS's means and sds; the NUTS means
+    # carry ~0.02 sd of MC error (ESS ~ 3000) and PVI's ~0.03 sd (seed spread)
+    ref_sd = zeta.std(0)
+    assert np.max(np.abs(mean - zeta.mean(0)) / ref_sd) < 0.1
+    np.testing.assert_allclose(np.sqrt(np.diag(cov)), ref_sd, rtol=0.1)
     assert float(jnp.exp(mean[-1])) == pytest.approx(NOISE, rel=0.1)  # sigma is found, on the positive scale
     samples = result.sample_posterior(random.PRNGKey(4), 500)
     assert samples["sigma"].shape == (500,) and bool(jnp.all(samples["sigma"] > 0))
