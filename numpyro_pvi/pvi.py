@@ -51,6 +51,7 @@ class RoundInfo(NamedTuple):
     :ivar free_energy: ``(M,)`` each client's local free energy at the end of its update.
     :ivar accepted: ``(M,)`` whether each client's update was merged (finite and valid).
     :ivar damping: ``(M,)`` the damping applied to each client's update (0 if rejected).
+    :ivar clamped: ``(M,)`` corrections each client's local update made to stay valid.
     :ivar time: wall-clock seconds of the round.
     """
 
@@ -58,6 +59,7 @@ class RoundInfo(NamedTuple):
     free_energy: Any
     accepted: Any
     damping: Any
+    clamped: Any
     time: Any
 
     @property
@@ -227,7 +229,8 @@ class PVI:
                 state.client_states, result.state)
             state = state._replace(q=merged.q, factors=merged.factors, client_states=client_states)
             damping = jnp.broadcast_to(merged.damping, ids.shape) * accepted
-            return state, (result.free_energy, accepted, damping)
+            clamped = jnp.broadcast_to(result.clamped, ids.shape)
+            return state, (result.free_energy, accepted, damping, clamped)
 
         return jax.jit(group_step) if self.backend.jit_group else group_step
 
@@ -302,12 +305,13 @@ class PVI:
         if setup.prior_step is not None:
             state = setup.prior_step(state)
         num_clients = int(setup.data[1].shape[0])
-        free_energy, accepted, damping = np.zeros(num_clients), np.zeros(num_clients, bool), np.zeros(num_clients)
+        free_energy, damping = np.zeros(num_clients), np.zeros(num_clients)
+        accepted, clamped = np.zeros(num_clients, bool), np.zeros(num_clients, int)
         for ids in self.server.schedule(num_clients):
-            state, (f, a, d) = setup.group_step(state, jnp.asarray(ids), round_key, setup.data)
-            free_energy[ids], accepted[ids], damping[ids] = f, a, d
+            state, (f, a, d, c) = setup.group_step(state, jnp.asarray(ids), round_key, setup.data)
+            free_energy[ids], accepted[ids], damping[ids], clamped[ids] = f, a, d, c
         elbo = float(setup.elbo(state.q, elbo_key, setup.data, self.num_elbo_particles))
-        info = RoundInfo(elbo, free_energy, accepted, damping, time.perf_counter() - start)
+        info = RoundInfo(elbo, free_energy, accepted, damping, clamped, time.perf_counter() - start)
         return state._replace(rng_key=next_key), info
 
     def run(self, rng_key: jax.Array, num_rounds: int, *args: Any, progress_bar: bool = True,

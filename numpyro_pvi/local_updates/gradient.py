@@ -1,17 +1,8 @@
-"""How a client improves its factor ``t_m`` against its cavity (the client step of PVI).
-
-Every local update has the same interface: ``bind(problem)`` returns a pure function
-
-``client_update(rng_key, client, cavity, q, state) -> ClientResult(delta, free_energy, state)``
-
-that a backend ``jit``s and ``vmap``s over clients. ``delta = lambda(q_new) - lambda(q)`` is the
-natural-parameter change the client proposes; the server damps and merges it.
-"""
+"""``GradientUpdate``: the client fits its local free energy with NumPyro's ``SVI`` and an optax optimiser."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -19,47 +10,8 @@ import numpyro
 from numpyro.infer import SVI, TraceMeanField_ELBO
 from numpyro.infer.elbo import ELBO
 
-from numpyro_pvi.families import MeanFieldGaussian, NatParams
-
-
-class Client(NamedTuple):
-    """One client's data as a backend passes it: padded ``arrays``, ``(rows,)`` ``mask`` and ``size``."""
-
-    arrays: list
-    mask: jax.Array
-    size: jax.Array
-
-
-class ClientResult(NamedTuple):
-    """What a client returns: ``delta`` (natural parameters), its local ``free_energy`` and its ``state``."""
-
-    delta: NatParams
-    free_energy: jax.Array
-    state: Any
-
-
-@dataclass(frozen=True)
-class ClientProblem:
-    """Everything a local update needs, independent of which client it runs for.
-
-    :ivar family: the Gaussian family.
-    :ivar dim: ``D``, the size of the flat unconstrained vector.
-    :ivar log_likelihood: ``(zeta, client) -> log p(y_m | zeta)``, a scalar; masked rows count 0.
-    :ivar is_row: for each array of ``client.arrays``, whether its leading axis is the row axis.
-    """
-
-    family: MeanFieldGaussian
-    dim: int
-    log_likelihood: Callable[[jax.Array, Client], jax.Array]
-    is_row: tuple
-
-    def minibatch(self, rng_key: jax.Array, client: Client, batch_size: int) -> tuple[Client, jax.Array]:
-        """A batch of ``batch_size`` distinct real rows, and the factor ``size / rows`` that unbiases it."""
-        noise = jax.random.uniform(rng_key, client.mask.shape)
-        _, idx = jax.lax.top_k(jnp.where(client.mask, noise, -1.0), batch_size)
-        arrays = [a[idx] if row else a for a, row in zip(client.arrays, self.is_row)]
-        mask = client.mask[idx]
-        return Client(arrays, mask, client.size), client.size / jnp.maximum(jnp.sum(mask), 1)
+from numpyro_pvi.families import NatParams
+from numpyro_pvi.local_updates.base import Client, ClientProblem, ClientResult
 
 
 class GradientUpdate:

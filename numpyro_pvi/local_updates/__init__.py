@@ -1,0 +1,6 @@
+"""How a client improves its factor ``t_m`` against its cavity: one local update per module."""
+
+from numpyro_pvi.local_updates.base import Client, ClientProblem, ClientResult
+from numpyro_pvi.local_updates.gradient import GradientUpdate
+
+__all__ = ["Client", "ClientProblem", "ClientResult", "GradientUpdate"]
