@@ -1,16 +1,19 @@
 """numpyro_pvi: Partitioned Variational Inference (PVI) as a NumPyro inference method."""
 
 from numpyro_pvi.backends import LoopBackend, VmapBackend
+from numpyro_pvi.checkpoint import load, save
 from numpyro_pvi.families import FullRankGaussian, MeanFieldGaussian, NatParams
 from numpyro_pvi.local_updates import Client, ClientProblem, ClientResult, GradientUpdate
 from numpyro_pvi.partition import ClientData, partition_plate, split_by_label, split_iid
 from numpyro_pvi.pvi import PVI, PVIRunResult, PVIState, RoundInfo
-from numpyro_pvi.servers import Sequential, Server, Synchronous
+from numpyro_pvi.servers import Asynchronous, Continual, Sequential, Server, Synchronous
 
 __version__ = "0.1.0"
 
 __all__ = [
     "PVI",
+    "Asynchronous",
+    "Continual",
     "Client",
     "ClientData",
     "ClientProblem",
@@ -27,6 +30,8 @@ __all__ = [
     "Server",
     "Synchronous",
     "VmapBackend",
+    "load",
+    "save",
     "partition_plate",
     "split_by_label",
     "split_iid",

@@ -34,6 +34,7 @@ class PVIState(NamedTuple):
     :ivar factors: client factors ``t_m`` stacked ``(M, ...)``.
     :ivar prior_factor: ``t_0`` for the non-Gaussian prior sites (zeros if the prior is Gaussian).
     :ivar client_states: each client's persistent local-update state, stacked ``(M, ...)``; never merged.
+    :ivar server_state: the server's own bookkeeping (e.g. ``Asynchronous``'s stale copies of q).
     :ivar rng_key: the random key of the next round.
     """
 
@@ -41,6 +42,7 @@ class PVIState(NamedTuple):
     factors: NatParams
     prior_factor: NatParams
     client_states: Any
+    server_state: Any
     rng_key: jax.Array
 
 
@@ -48,15 +50,17 @@ class RoundInfo(NamedTuple):
     """What happened in a round (in ``history`` every field gains a leading round axis).
 
     :ivar elbo: global ELBO estimate of ``q`` after the round.
-    :ivar free_energy: ``(M,)`` each client's local free energy at the end of its update.
-    :ivar accepted: ``(M,)`` whether each client's update was merged (finite and valid).
-    :ivar damping: ``(M,)`` the damping applied to each client's update (0 if rejected).
+    :ivar free_energy: ``(M,)`` each client's local free energy at the end of its last update (NaN if none).
+    :ivar attempts: ``(M,)`` updates each client sent (1 per round except under ``Asynchronous``/``Continual``).
+    :ivar accepted: ``(M,)`` how many of them were merged (finite, valid, not too stale).
+    :ivar damping: ``(M,)`` the damping applied to each client's last update (0 if rejected).
     :ivar clamped: ``(M,)`` corrections each client's local update made to stay valid.
     :ivar time: wall-clock seconds of the round.
     """
 
     elbo: Any
     free_energy: Any
+    attempts: Any
     accepted: Any
     damping: Any
     clamped: Any
@@ -65,7 +69,7 @@ class RoundInfo(NamedTuple):
     @property
     def num_rejected(self) -> Any:
         """Number of rejected client updates (per round in ``history``)."""
-        return np.sum(~np.asarray(self.accepted), axis=-1)
+        return np.sum(np.asarray(self.attempts) - np.asarray(self.accepted), axis=-1)
 
 
 @dataclass(frozen=True)
@@ -207,19 +211,21 @@ class PVI:
         return clients, [len(p) for p in partitions]
 
     def _group_step(self, problem: ClientProblem, padded: PaddedClients) -> Callable:
-        """``(state, ids, round_key, data) -> (state, (free_energy, accepted, damping))`` for one group."""
+        """``(state, ids, key, data, pulled, allow) -> (state, (free_energy, accepted, damping, clamped))``."""
         client_map = self.backend.map(self.local_update.bind(problem))
         family, server = self.family, self.server
         merge_fn = jax.jit(lambda *a: merge(family, *a, server.damping, server.max_backtracks))
 
-        def group_step(state: PVIState, ids: jax.Array, round_key: jax.Array, data: tuple) -> tuple:
+        def group_step(state: PVIState, ids: jax.Array, key: jax.Array, data: tuple, pulled: NatParams,
+                       allow: jax.Array) -> tuple:
+            """Clients ``ids`` update against ``pulled`` (their copy of q); the deltas merge into ``state.q``."""
             arrays, mask, sizes = data
             clients = Client([a[ids] for a in arrays], mask[ids], sizes[ids])
-            keys = jax.vmap(lambda i: jax.random.fold_in(round_key, i))(ids)
-            cavities = jax.tree.map(lambda a, f: a[None] - f[ids], state.q, state.factors)
+            keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(ids)
+            cavities = jax.tree.map(lambda a, f: a[None] - f[ids], pulled, state.factors)
             local = jax.tree.map(lambda s: s[ids], state.client_states)
-            result = client_map(keys, clients, cavities, state.q, local)
-            finite = jnp.isfinite(result.free_energy)
+            result = client_map(keys, clients, cavities, pulled, local)
+            finite = jnp.isfinite(result.free_energy) & allow
             for leaf in jax.tree.leaves(result.delta):
                 finite &= jnp.all(jnp.isfinite(leaf.reshape(leaf.shape[0], -1)), axis=1)
             merged = merge_fn(state.q, state.factors, ids, result.delta, finite)
@@ -292,7 +298,7 @@ class PVI:
                              "proper priors.")
         local = self.local_update.init_state(setup.problem)
         client_states = jax.tree.map(lambda x: jnp.broadcast_to(x, (num_clients,) + jnp.shape(x)), local)
-        return PVIState(q, factors, t0, client_states, rng_key)
+        return PVIState(q, factors, t0, client_states, self.server.init(q, num_clients), rng_key)
 
     def update(self, state: PVIState, *args: Any, **kwargs: Any) -> tuple[PVIState, RoundInfo]:
         """One round: the prior factor's step (if any), then every client once in the server's schedule.
@@ -305,13 +311,26 @@ class PVI:
         if setup.prior_step is not None:
             state = setup.prior_step(state)
         num_clients = int(setup.data[1].shape[0])
-        free_energy, damping = np.zeros(num_clients), np.zeros(num_clients)
-        accepted, clamped = np.zeros(num_clients, bool), np.zeros(num_clients, int)
-        for ids in self.server.schedule(num_clients):
-            state, (f, a, d, c) = setup.group_step(state, jnp.asarray(ids), round_key, setup.data)
-            free_energy[ids], accepted[ids], damping[ids], clamped[ids] = f, a, d, c
+        if int(state.factors.eta1.shape[0]) != num_clients:
+            raise ValueError(f"The state has {state.factors.eta1.shape[0]} clients but the data {num_clients}.")
+        free_energy, damping = np.full(num_clients, np.nan), np.zeros(num_clients)
+        attempts, accepted, clamped = (np.zeros(num_clients, int) for _ in range(3))
+
+        def step(state: PVIState, ids: list, pulled: NatParams | None = None, salt: int = 0,
+                 allow: bool = True) -> tuple[PVIState, np.ndarray]:
+            key = round_key if salt == 0 else jax.random.fold_in(round_key, salt)
+            pulled = state.q if pulled is None else pulled
+            state, (f, a, d, c) = setup.group_step(state, jnp.asarray(ids), key, setup.data, pulled, jnp.asarray(allow))
+            a = np.asarray(a)
+            free_energy[ids], damping[ids] = f, d
+            attempts[ids] += 1
+            accepted[ids] += a
+            clamped[ids] += np.asarray(c)
+            return state, a
+
+        state = self.server.run_round(state, step, num_clients)
         elbo = float(setup.elbo(state.q, elbo_key, setup.data, self.num_elbo_particles))
-        info = RoundInfo(elbo, free_energy, accepted, damping, clamped, time.perf_counter() - start)
+        info = RoundInfo(elbo, free_energy, attempts, accepted, damping, clamped, time.perf_counter() - start)
         return state._replace(rng_key=next_key), info
 
     def run(self, rng_key: jax.Array, num_rounds: int, *args: Any, progress_bar: bool = True,
@@ -329,6 +348,31 @@ class PVI:
                 rounds.set_postfix(elbo=f"{info.elbo:.4g}", rejected=int(info.num_rejected))
         history = RoundInfo(*(np.stack([np.asarray(x) for x in field]) for field in zip(*infos))) if infos else None
         return PVIRunResult(state, history, self)
+
+    def add_client(self, state: PVIState, *args: Any, **kwargs: Any) -> PVIState:
+        """Append a client that holds ``model(*args, **kwargs)``'s data to a running federated inference.
+
+        Its factor starts at 1 (``q`` is unchanged); with :class:`~numpyro_pvi.Continual` the next
+        round visits only it (continual learning: a new task or batch of data arrives).
+        Only for ``partitions=ClientData``. The next round recompiles if the new client is larger.
+
+        :return: the state extended by one client.
+        """
+        if not isinstance(self.partitions, ClientData):
+            raise TypeError("add_client needs partitions=pvi.ClientData(...): with pooled data, pass the new rows "
+                            "in the pooled arrays and new index partitions to a new PVI instead.")
+        previous, self.partitions, self._cache = self.partitions, ClientData([*self.partitions, (args, kwargs)]), None
+        try:
+            setup = self._setup((), {})
+        except Exception:
+            self.partitions, self._cache = previous, None
+            raise
+        zeros = self.family.zeros(setup.sites.dim)
+        local = self.local_update.init_state(setup.problem)
+        append = lambda stack, new: jnp.concatenate([stack, jnp.asarray(new)[None]])  # noqa: E731
+        return state._replace(factors=jax.tree.map(append, state.factors, zeros),
+                              client_states=jax.tree.map(append, state.client_states, local),
+                              server_state=self.server.add_client(state.server_state, state.q))
 
     def evaluate(self, state: PVIState, *args: Any, num_particles: int | None = None, **kwargs: Any) -> jax.Array:
         """Monte Carlo estimate of the global ELBO ``E_q[log p(y, theta)] + H[q]`` (all clients' data)."""

@@ -1,14 +1,14 @@
 """Servers: which clients update against which ``q``, and how their deltas are merged.
 
-A server is a *schedule* (groups of clients; the clients of a group all see the same ``q``) plus a
-damping policy. Every server merges with :func:`merge`, which never corrupts the state: a non-finite
+A server is a *schedule* (which clients update against which ``q``, in what order) plus a damping
+policy. Every server merges with :func:`merge`, which never corrupts the state: a non-finite
 client delta is dropped, and a damped sum that would leave ``q`` or any cavity invalid is retried
 with the damping halved, up to ``max_backtracks`` times, then rejected as a whole.
 """
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -18,7 +18,12 @@ from numpyro_pvi.families import MeanFieldGaussian, NatParams
 
 
 class Server:
-    """Base class: ``schedule(num_clients)`` and damping ``rho`` in ``(0, 1]`` with backtracking."""
+    """Base class: damping ``rho`` in ``(0, 1]`` with backtracking, and the schedule of a round.
+
+    A server drives a round through ``run_round(state, step, num_clients)``, where
+    ``step(state, ids, pulled=None, salt=0) -> (state, accepted)`` lets the clients ``ids`` update
+    against ``pulled`` (default: the current ``q``) and merges their deltas into the current ``q``.
+    """
 
     def __init__(self, damping: float = 1.0, max_backtracks: int = 5) -> None:
         if not (isinstance(damping, (int, float)) and 0.0 < damping <= 1.0):
@@ -29,8 +34,16 @@ class Server:
         self.damping = float(damping)
         self.max_backtracks = max_backtracks
 
-    def schedule(self, num_clients: int) -> list[np.ndarray]:
-        """The groups of client indices of one round, in order."""
+    def init(self, q: NatParams, num_clients: int) -> Any:
+        """The server's own state, kept in ``PVIState.server_state`` (none by default)."""
+        return None
+
+    def add_client(self, server_state: Any, q: NatParams) -> Any:
+        """The server state with one more client (see :meth:`PVI.add_client`)."""
+        return server_state
+
+    def run_round(self, state: Any, step: Callable, num_clients: int) -> Any:
+        """Run one round; return the new state."""
         raise NotImplementedError
 
     def __repr__(self) -> str:
@@ -43,8 +56,10 @@ class Sequential(Server):
     **Example:** ``pvi.PVI(..., server=pvi.Sequential())``
     """
 
-    def schedule(self, num_clients: int) -> list[np.ndarray]:
-        return [np.array([m]) for m in range(num_clients)]
+    def run_round(self, state: Any, step: Callable, num_clients: int) -> Any:
+        for m in range(num_clients):
+            state, _ = step(state, [m])
+        return state
 
 
 class Synchronous(Server):
@@ -56,8 +71,115 @@ class Synchronous(Server):
     **Example:** ``pvi.PVI(..., server=pvi.Synchronous(damping=0.5))``
     """
 
-    def schedule(self, num_clients: int) -> list[np.ndarray]:
-        return [np.arange(num_clients)]
+    def run_round(self, state: Any, step: Callable, num_clients: int) -> Any:
+        state, _ = step(state, list(range(num_clients)))
+        return state
+
+
+class Continual(Server):
+    """Each client is visited once, in order, with the current ``q`` as its prior (online VI / VCL).
+
+    A round visits every client that has no accepted update yet, so one round over all clients is
+    a streaming pass, and after :meth:`PVI.add_client` the next round visits only the new client.
+    Factors of visited clients are never revised. A rejected client is tried again next round.
+
+    **Example:** ``pvi.PVI(..., server=pvi.Continual())``
+    """
+
+    def __init__(self, max_backtracks: int = 5) -> None:
+        super().__init__(1.0, max_backtracks)
+
+    def init(self, q: NatParams, num_clients: int) -> jax.Array:
+        return jnp.zeros(num_clients, bool)  # visited
+
+    def add_client(self, server_state: jax.Array, q: NatParams) -> jax.Array:
+        return jnp.append(server_state, False)
+
+    def run_round(self, state: Any, step: Callable, num_clients: int) -> Any:
+        visited = np.asarray(state.server_state)
+        for m in np.flatnonzero(~visited):
+            state, accepted = step(state, [int(m)])
+            state = state._replace(server_state=state.server_state.at[m].set(bool(accepted[0])))
+        return state
+
+    def __repr__(self) -> str:
+        return "Continual()"
+
+
+class AsyncState(NamedTuple):
+    """The asynchronous server's bookkeeping: the ``q`` each client pulled, when, and the clock."""
+
+    pulled: NatParams  # (M, ...) the q each client computes against
+    pulled_at: jax.Array  # (M,) number of merges when it pulled
+    merges: jax.Array  # () merges so far
+    round: jax.Array  # () rounds so far (the simulated clock)
+
+
+class Asynchronous(Server):
+    """Lock-free asynchronous PVI, simulated in process with a seeded clock (PVI-async / SNEP's server).
+
+    Client ``m`` finishes updates at times ``(phase_m + k) / speeds[m]``, ``k = 0, 1, ...`` (a random
+    phase per client from ``seed``); round ``r`` processes the updates finished in ``[r, r + 1)`` in
+    time order. Each update was computed against the ``q`` the client pulled when it finished its
+    previous one (possibly stale); the server adds its damped delta to the *current* ``q`` and the
+    client pulls the result. Updates older than ``max_staleness`` merges are rejected.
+
+    :param speeds: relative speeds of the clients (default all 1: each updates once per round).
+
+    **Example:** ``pvi.PVI(..., server=pvi.Asynchronous(damping=0.5, speeds=[1, 1, 0.2]))``
+    """
+
+    def __init__(self, damping: float = 1.0, max_staleness: int | None = None, speeds: Any = None,
+                 seed: int = 0, max_backtracks: int = 5) -> None:
+        super().__init__(damping, max_backtracks)
+        if max_staleness is not None and (not isinstance(max_staleness, int) or max_staleness < 0):
+            raise ValueError(f"Asynchronous: max_staleness must be a non-negative integer or None, "
+                             f"got {max_staleness!r}.")
+        if speeds is not None and not np.all(np.asarray(speeds, float) > 0):
+            raise ValueError(f"Asynchronous: speeds must be positive, got {speeds!r}.")
+        self.max_staleness, self.speeds, self.seed = max_staleness, speeds, seed
+
+    def init(self, q: NatParams, num_clients: int) -> AsyncState:
+        if self.speeds is not None and len(self.speeds) != num_clients:
+            raise ValueError(f"Asynchronous: {len(self.speeds)} speeds for {num_clients} clients.")
+        pulled = jax.tree.map(lambda x: jnp.broadcast_to(x, (num_clients,) + x.shape), q)
+        zero = jnp.zeros((), jnp.int32)
+        return AsyncState(pulled, jnp.zeros(num_clients, jnp.int32), zero, zero)
+
+    def add_client(self, server_state: AsyncState, q: NatParams) -> AsyncState:
+        if self.speeds is not None:
+            raise ValueError("Asynchronous(speeds=...) has one speed per client: make a new server to add a client.")
+        pulled = jax.tree.map(lambda p, x: jnp.concatenate([p, x[None]]), server_state.pulled, q)
+        return server_state._replace(pulled=pulled, pulled_at=jnp.append(server_state.pulled_at, server_state.merges))
+
+    def events(self, round_index: int, num_clients: int) -> list[tuple[float, int]]:
+        """``(time, client)`` of the updates finished in round ``round_index``, in time order."""
+        speeds = np.ones(num_clients) if self.speeds is None else np.asarray(self.speeds, float)
+        phase = np.random.default_rng(self.seed).uniform(size=num_clients)
+        out = []
+        for m in range(num_clients):
+            first = int(np.ceil(round_index * speeds[m] - phase[m]))
+            k = max(first, 0)
+            while (phase[m] + k) / speeds[m] < round_index + 1:
+                out.append(((phase[m] + k) / speeds[m], m))
+                k += 1
+        return sorted(out)
+
+    def run_round(self, state: Any, step: Callable, num_clients: int) -> Any:
+        server = state.server_state
+        for salt, (_, m) in enumerate(self.events(int(server.round), num_clients)):
+            pulled = jax.tree.map(lambda x, m=m: x[m], server.pulled)
+            stale = int(server.merges - server.pulled_at[m])
+            fresh = self.max_staleness is None or stale <= self.max_staleness
+            state, accepted = step(state, [m], pulled=pulled, salt=salt, allow=fresh)
+            merges = server.merges + 1
+            server = AsyncState(jax.tree.map(lambda p, q, m=m: p.at[m].set(q), server.pulled, state.q),
+                                server.pulled_at.at[m].set(merges), merges, server.round)
+        server = server._replace(round=server.round + 1)
+        return state._replace(server_state=server)
+
+    def __repr__(self) -> str:
+        return f"Asynchronous(damping={self.damping}, max_staleness={self.max_staleness})"
 
 
 class Merged(NamedTuple):

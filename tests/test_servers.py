@@ -123,3 +123,58 @@ def test_merge_drops_non_finite_deltas():
 def test_server_arguments_are_checked(bad):
     with pytest.raises(ValueError, match="Synchronous"):
         pvi.Synchronous(**bad)
+
+
+def test_continual_visits_each_client_once_and_add_client_extends_the_run(linear_data):
+    with enable_x64(True):
+        X, y = (jnp.asarray(a, jnp.float64) for a in linear_data)
+        tasks = pvi.ClientData([((X[p],), {"y": y[p]}) for p in UNEQUAL[:3]])
+        inference = pvi.PVI(linear_model, pvi.FullRankGaussian(), tasks, ExactLinearUpdate(), pvi.Continual())
+        state = inference.init(random.PRNGKey(0))
+        state, info = inference.update(state)
+        np.testing.assert_array_equal(info.attempts, [1, 1, 1])
+        seen = np.concatenate(UNEQUAL[:3])
+        np.testing.assert_allclose(inference.family.loc_scale(state.q)[0], exact_linear_posterior(X[seen], y[seen])[0],
+                                   rtol=1e-9)
+        state, info = inference.update(state)  # nothing new: no client is revisited
+        np.testing.assert_array_equal(info.attempts, [0, 0, 0])
+        state = inference.add_client(state, X[UNEQUAL[3]], y=y[UNEQUAL[3]])  # a new task arrives
+        state, info = inference.update(state)
+        np.testing.assert_array_equal(info.attempts, [0, 0, 0, 1])
+        mean, cov = exact_linear_posterior(X, y)
+        loc, scale_tril = inference.family.loc_scale(state.q)
+        np.testing.assert_allclose(loc, mean, rtol=1e-9)
+        np.testing.assert_allclose(scale_tril @ scale_tril.T, cov, rtol=1e-9)
+
+
+def test_asynchronous_with_a_slow_client_reaches_the_exact_posterior(linear_data):
+    with enable_x64(True):
+        X, y = (jnp.asarray(a, jnp.float64) for a in linear_data)
+        server = pvi.Asynchronous(speeds=[1.0, 1.0, 0.2, 1.0], seed=1)
+        inference = pvi.PVI(linear_model, pvi.FullRankGaussian(), UNEQUAL, ExactLinearUpdate(), server)
+        result = inference.run(random.PRNGKey(0), 6, X, y=y, progress_bar=False)
+        attempts = result.history.attempts
+        np.testing.assert_array_equal(attempts[:, [0, 1, 3]], 1)  # fast clients: once per round
+        assert attempts[:, 2].sum() in (1, 2)  # the 5x slower client: once or twice in 6 rounds
+        # exact local updates do not depend on how stale q was, so q is exact once every client has reported
+        mean, cov = exact_linear_posterior(X, y)
+        np.testing.assert_allclose(inference.family.loc_scale(result.state.q)[0], mean, rtol=1e-9)
+
+
+def test_asynchronous_rejects_updates_staler_than_max_staleness(linear_data):
+    X, y = linear_data
+    parts = [np.arange(0, 150), np.arange(150, 300)]
+    server = pvi.Asynchronous(max_staleness=1, speeds=[4.0, 1.0], seed=0)
+    inference = pvi.PVI(linear_model, pvi.FullRankGaussian(), parts, ExactLinearUpdate(), server)
+    result = inference.run(random.PRNGKey(0), 3, X, y=y, progress_bar=False)
+    np.testing.assert_array_equal(result.history.attempts, [[4, 1]] * 3)
+    # the fast client merges 4 times between two updates of the slow one, so from round 2 on the slow one is stale;
+    # the fast client's own updates are at most 1 merge stale and are all accepted
+    np.testing.assert_array_equal(result.history.accepted[:, 0], 4)
+    assert result.history.accepted[1:, 1].sum() == 0 and result.history.num_rejected[1:].tolist() == [1, 1]
+
+
+@pytest.mark.parametrize("bad", [dict(max_staleness=-1), dict(speeds=[1.0, 0.0])])
+def test_asynchronous_arguments_are_checked(bad):
+    with pytest.raises(ValueError, match="Asynchronous"):
+        pvi.Asynchronous(**bad)
