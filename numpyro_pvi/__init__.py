@@ -1,6 +1,6 @@
 """numpyro_pvi: Partitioned Variational Inference (PVI) as a NumPyro inference method."""
 
-from numpyro_pvi.backends import LoopBackend, VmapBackend
+from numpyro_pvi.backends import LoopBackend, RayBackend, VmapBackend
 from numpyro_pvi.checkpoint import load, save
 from numpyro_pvi.families import FullRankGaussian, MeanFieldGaussian, NatParams
 from numpyro_pvi.local_updates import Client, ClientProblem, ClientResult, GradientUpdate
@@ -25,6 +25,7 @@ __all__ = [
     "NatParams",
     "PVIRunResult",
     "PVIState",
+    "RayBackend",
     "RoundInfo",
     "Sequential",
     "Server",

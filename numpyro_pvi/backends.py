@@ -3,20 +3,50 @@
 * ``"vmap"`` (default): a group's clients run in one ``jax.vmap`` under one ``jax.jit`` together with
   the gather of their (padded, masked) data and the server's merge: one compiled call per round,
   compiled once, whatever the round.
-* ``"loop"``: a Python loop over clients, each a call of one jitted ``client_update``.
+* ``"loop"``: a Python loop over clients, each a call of one jitted ``client_update``; a client that
+  raises is reported as a failed (rejected) update.
+* :class:`RayBackend` (``"ray"``): each client is a Ray actor that holds only its own data; the server
+  sends it ``q`` and its cavity and receives its delta. Failures, time-outs and dead actors (restarted
+  from the client's data) are reported as rejected updates; ``Asynchronous`` merges each client's
+  update as soon as it arrives (``ray.wait``).
 
-Both hand every client the same per-client random key, so they give the same result.
+A backend has ``jit_group`` and ``prepare(local_update, problem, data) -> run`` where
+``run(ids, keys, cavities, q, states, data) -> ClientResult`` (stacked over ``ids``). Every backend
+hands a client the same random key, so all give the same result for the same seed.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+from numpyro_pvi.local_updates.base import Client, ClientProblem, ClientResult
 
 # client_update(rng_key, client, cavity, q, state): q is shared, the rest is per client.
 IN_AXES = (0, 0, 0, None, 0)
+
+
+def gather(data: tuple, ids: jax.Array) -> Client:
+    """The clients ``ids`` of padded ``data = (arrays, mask, sizes)``."""
+    arrays, mask, sizes = data
+    return Client([a[ids] for a in arrays], mask[ids], sizes[ids])
+
+
+def take(tree: Any, i: int) -> Any:
+    return jax.tree.map(lambda x: x[i], tree)
+
+
+def stack(trees: list) -> Any:
+    return jax.tree.map(lambda *xs: jnp.stack(xs), *trees)
+
+
+def failed_result(cavity: Any, state: Any) -> ClientResult:
+    """What a failed client reports: a non-finite delta, which the server rejects."""
+    nan = jax.tree.map(lambda x: jnp.full(jnp.shape(x), jnp.nan, jnp.result_type(x)), cavity)
+    return ClientResult(nan, jnp.asarray(jnp.nan), state, jnp.asarray(0))
 
 
 class VmapBackend:
@@ -25,8 +55,9 @@ class VmapBackend:
     name = "vmap"
     jit_group = True
 
-    def map(self, client_update: Callable) -> Callable:
-        return jax.vmap(client_update, in_axes=IN_AXES)
+    def prepare(self, local_update: Any, problem: ClientProblem, data: tuple) -> Callable:
+        batched = jax.vmap(local_update.bind(problem), in_axes=IN_AXES)
+        return lambda ids, keys, cavities, q, states, data: batched(keys, gather(data, ids), cavities, q, states)
 
 
 class LoopBackend:
@@ -35,19 +66,110 @@ class LoopBackend:
     name = "loop"
     jit_group = False
 
-    def map(self, client_update: Callable) -> Callable:
-        single = jax.jit(client_update)
+    def prepare(self, local_update: Any, problem: ClientProblem, data: tuple) -> Callable:
+        single = jax.jit(local_update.bind(problem))
 
-        def looped(keys: jax.Array, clients, cavities, q, states):  # noqa: ANN001, ANN202
-            take = lambda tree, m: jax.tree.map(lambda x: x[m], tree)  # noqa: E731
-            outs = [single(keys[m], take(clients, m), take(cavities, m), q, take(states, m))
-                    for m in range(keys.shape[0])]
-            return jax.tree.map(lambda *xs: jnp.stack(xs), *outs)
+        def run(ids, keys, cavities, q, states, data):  # noqa: ANN001, ANN202
+            clients, results = gather(data, ids), []
+            for i in range(len(ids)):
+                cavity, state = take(cavities, i), take(states, i)
+                try:
+                    results.append(jax.block_until_ready(single(keys[i], take(clients, i), cavity, q, state)))
+                except Exception:  # noqa: BLE001 - a failing client is rejected, the run goes on
+                    results.append(failed_result(cavity, state))
+            return stack(results)
 
-        return looped
+        return run
 
 
-BACKENDS = {"vmap": VmapBackend, "loop": LoopBackend}
+class RayBackend:
+    """Each client is a Ray actor holding its own data; the server only sends ``q`` and cavities.
+
+    ``ray`` is an optional dependency (``pip install numpyro-pvi[ray]``). If Ray is not running,
+    ``ray.init(num_cpus=num_cpus)`` is called. A client whose update raises, exceeds ``timeout``
+    seconds or whose actor died is reported as a rejected update; a dead or timed-out actor is
+    restarted from the client's data and the client is tried again next time.
+
+    :param int num_cpus: CPUs for ``ray.init`` when Ray is not running yet.
+    :param float timeout: seconds to wait for one client update (``None``: no limit).
+    :param float cpus_per_client: the CPU share each actor reserves (several actors share a core).
+
+    **Example:** ``pvi.PVI(..., backend=pvi.RayBackend(num_cpus=2))``
+    """
+
+    name = "ray"
+    jit_group = False
+
+    def __init__(self, num_cpus: int | None = None, timeout: float | None = None,
+                 cpus_per_client: float = 0.25) -> None:
+        try:
+            import ray
+        except ImportError as e:  # pragma: no cover - exercised only without ray
+            raise ImportError("RayBackend needs Ray: pip install 'numpyro-pvi[ray]'") from e
+        self.ray, self.num_cpus, self.timeout, self.cpus_per_client = ray, num_cpus, timeout, cpus_per_client
+        self.actors: list = []
+
+    def prepare(self, local_update: Any, problem: ClientProblem, data: tuple) -> Callable:
+        ray = self.ray
+        if not ray.is_initialized():
+            ray.init(num_cpus=self.num_cpus, include_dashboard=False, log_to_driver=False)
+        actor_class = ray.remote(num_cpus=self.cpus_per_client)(ClientActor)
+        clients = [jax.device_get(take(gather(data, np.arange(len(data[1]))), m)) for m in range(len(data[1]))]
+        self._spawn = lambda m: actor_class.remote(local_update, problem, clients[m])
+        self.actors = [self._spawn(m) for m in range(len(clients))]
+        try:
+            ray.get([actor.ping.remote() for actor in self.actors])
+        except ray.exceptions.RayError as e:
+            raise RuntimeError("A Ray client actor failed to start. Its worker process must be able to import the "
+                               "model's module (define the model in __main__, or register its module with "
+                               f"ray.cloudpickle.register_pickle_by_value, or set a runtime_env): {e}") from e
+
+        def run(ids, keys, cavities, q, states, data):  # noqa: ANN001, ANN202
+            futures = [self.submit(int(m), keys[i], take(cavities, i), q, take(states, i)) for i, m in enumerate(ids)]
+            return stack([self.result(int(m), f, take(cavities, i), take(states, i))
+                          for i, (m, f) in enumerate(zip(ids, futures))])
+
+        return run
+
+    def submit(self, m: int, key: jax.Array, cavity: Any, q: Any, state: Any) -> Any:
+        """Start client ``m``'s update; returns a Ray object reference."""
+        return self.actors[m].update.remote(*jax.device_get((key, cavity, q, state)))
+
+    def result(self, m: int, future: Any, cavity: Any, state: Any) -> ClientResult:
+        """Client ``m``'s result, or a rejected one if it failed, timed out or its actor died."""
+        ray = self.ray
+        try:
+            return jax.tree.map(jnp.asarray, ray.get(future, timeout=self.timeout))
+        except (ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError):
+            ray.kill(self.actors[m], no_restart=True)
+            self.actors[m] = self._spawn(m)  # restarted from the client's own data
+        except ray.exceptions.RayError:
+            pass  # the update raised: reject it, keep the actor
+        return failed_result(cavity, state)
+
+    def wait_any(self, futures: dict) -> int:
+        """The client whose pending update (``{client: future}``) finishes first."""
+        refs = list(futures.values())
+        done, _ = self.ray.wait(refs, num_returns=1, timeout=self.timeout)
+        ref = done[0] if done else refs[0]  # on time-out, collect (and fail) the oldest
+        return next(m for m, f in futures.items() if f is ref)
+
+
+class ClientActor:
+    """A Ray actor: one client's data and its jitted ``client_update`` (built in the actor's process)."""
+
+    def __init__(self, local_update: Any, problem: ClientProblem, client: Client) -> None:
+        self.client = jax.tree.map(jnp.asarray, client)
+        self.client_update = jax.jit(local_update.bind(problem))
+
+    def update(self, key: Any, cavity: Any, q: Any, state: Any) -> ClientResult:
+        return jax.device_get(self.client_update(key, self.client, cavity, q, state))
+
+    def ping(self) -> bool:
+        return True
+
+
+BACKENDS = {"vmap": VmapBackend, "loop": LoopBackend, "ray": RayBackend}
 
 
 def get_backend(backend: str | object) -> object:
@@ -56,6 +178,7 @@ def get_backend(backend: str | object) -> object:
         if backend not in BACKENDS:
             raise ValueError(f"Unknown backend {backend!r}; choose one of {sorted(BACKENDS)} or pass an instance.")
         return BACKENDS[backend]()
-    if not hasattr(backend, "map"):
-        raise TypeError(f"backend must be a name {sorted(BACKENDS)} or an object with a `map` method, got {backend!r}.")
+    if not hasattr(backend, "prepare"):
+        raise TypeError(f"backend must be a name {sorted(BACKENDS)} or an object with a `prepare` method, "
+                        f"got {backend!r}.")
     return backend

@@ -152,6 +152,23 @@ class ClientData(Sequence):
 # ----------------------------------------------------------------------------- padded client data
 
 
+class ArgsLayout(NamedTuple):
+    """How a client's array leaves become ``(args, kwargs)``: the tree structure and the static leaves.
+
+    It holds no data, so it can be shipped to a remote client without anyone else's rows.
+    """
+
+    treedef: Any
+    static: tuple  # (position, value) of each non-array leaf
+
+    def build(self, arrays: Sequence) -> tuple[tuple, dict]:
+        """Rebuild ``(args, kwargs)`` of one client from its array leaves."""
+        leaves: list = list(arrays)
+        for pos, value in self.static:
+            leaves.insert(pos, value)
+        return jax.tree_util.tree_unflatten(self.treedef, leaves)
+
+
 class PaddedClients(NamedTuple):
     """All clients' model arguments stacked along a leading client axis, for ``vmap``.
 
@@ -162,14 +179,14 @@ class PaddedClients(NamedTuple):
     :ivar tuple is_row: for each array leaf, whether its axis 1 is the (padded) row axis.
     :ivar mask: ``(M, max_rows)`` boolean mask of real rows.
     :ivar sizes: ``(M,)`` number of real rows of each client.
+    :ivar layout: the :class:`ArgsLayout` that rebuilds one client's model arguments.
     """
 
     arrays: list
     is_row: tuple
     mask: jax.Array
     sizes: jax.Array
-    treedef: Any
-    static: tuple  # (position, value) of each non-array leaf
+    layout: ArgsLayout
 
 
 def pooled_to_client_data(args: tuple, kwargs: dict, partitions: Sequence, num_data: int,
@@ -252,15 +269,7 @@ def pad_clients(clients: ClientData, sizes: Sequence[int], plate_name: str) -> P
         arrays.append(jnp.stack([jnp.asarray(x) for x in column]))
         is_row.append(False)
     mask = jnp.arange(max_rows)[None, :] < jnp.asarray(sizes)[:, None]
-    return PaddedClients(arrays, tuple(is_row), mask, jnp.asarray(sizes), treedef, tuple(static))
-
-
-def client_args(padded: PaddedClients, arrays: Sequence) -> tuple[tuple, dict]:
-    """Rebuild ``(args, kwargs)`` of one client from its slices of ``padded.arrays``."""
-    leaves: list = list(arrays)
-    for pos, value in padded.static:
-        leaves.insert(pos, value)
-    return jax.tree_util.tree_unflatten(padded.treedef, leaves)
+    return PaddedClients(arrays, tuple(is_row), mask, jnp.asarray(sizes), ArgsLayout(treedef, tuple(static)))
 
 
 def _is_array(x: Any) -> bool:

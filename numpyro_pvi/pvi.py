@@ -20,8 +20,8 @@ from tqdm.auto import trange
 
 from numpyro_pvi.backends import get_backend
 from numpyro_pvi.families import MeanFieldGaussian, NatParams
-from numpyro_pvi.local_updates import Client, ClientProblem
-from numpyro_pvi.partition import ClientData, PaddedClients, client_args, pad_clients, pooled_to_client_data
+from numpyro_pvi.local_updates import Client, ClientProblem, ClientResult
+from numpyro_pvi.partition import ClientData, pad_clients, pooled_to_client_data
 from numpyro_pvi.prior import PriorFactor, exact_prior
 from numpyro_pvi.servers import Server, Synchronous, backtrack, is_valid_state, merge
 from numpyro_pvi.sites import ModelSites, log_likelihood, log_prior, read_model
@@ -82,6 +82,7 @@ class _Setup:
     prior: NatParams
     prior_factor: PriorFactor | None
     group_step: Callable
+    apply: Callable
     prior_step: Callable | None
     elbo: Callable
 
@@ -176,14 +177,16 @@ class PVI:
             sizes.append(client_sites.plate_size)
         padded = pad_clients(clients, sizes, sites.plate)
         data = (padded.arrays, padded.mask, padded.sizes)
+        # The closures hold the model and the argument layout only, never data: a remote client gets its own rows.
+        model, layout = self.model, padded.layout
 
         def client_loglik(zeta: jax.Array, client: Client) -> jax.Array:
-            c_args, c_kwargs = client_args(padded, client.arrays)
-            return log_likelihood(self.model, sites, zeta, c_args, c_kwargs, client.mask)
+            c_args, c_kwargs = layout.build(client.arrays)
+            return log_likelihood(model, sites, zeta, c_args, c_kwargs, client.mask)
 
         def prior_logdensity(zeta: jax.Array, arrays: list, names: Any = None) -> jax.Array:
-            c_args, c_kwargs = client_args(padded, arrays)
-            return log_prior(self.model, sites, zeta, c_args, c_kwargs, names=names)
+            c_args, c_kwargs = layout.build(arrays)
+            return log_prior(model, sites, zeta, c_args, c_kwargs, names=names)
 
         problem = ClientProblem(self.family, sites.dim, client_loglik, padded.is_row)
         prior, rest = exact_prior(self.family, sites)
@@ -194,7 +197,8 @@ class PVI:
             for name in rest:
                 rest_mask[sites.slices()[name]] = True
             prior_factor = PriorFactor(self.family, lambda z: prior_logdensity(z, first, rest), rest_mask)
-        return _Setup(sites, data, problem, prior, prior_factor, self._group_step(problem, padded),
+        group_step, apply = self._group_step(problem, data)
+        return _Setup(sites, data, problem, prior, prior_factor, group_step, apply,
                       self._prior_step(prior_factor), self._elbo(problem, prior_logdensity))
 
     def _client_data(self, args: tuple, kwargs: dict, read_key: jax.Array) -> tuple[ClientData, list | None]:
@@ -210,25 +214,21 @@ class PVI:
         clients = pooled_to_client_data(args, kwargs, partitions, pooled.plate_size, pooled.plate)
         return clients, [len(p) for p in partitions]
 
-    def _group_step(self, problem: ClientProblem, padded: PaddedClients) -> Callable:
-        """``(state, ids, key, data, pulled, allow) -> (state, (free_energy, accepted, damping, clamped))``."""
-        client_map = self.backend.map(self.local_update.bind(problem))
-        family, server = self.family, self.server
-        merge_fn = jax.jit(lambda *a: merge(family, *a, server.damping, server.max_backtracks))
+    def _group_step(self, problem: ClientProblem, data: tuple) -> tuple[Callable, Callable]:
+        """``group_step(state, ids, key, data, pulled, allow)`` runs clients ``ids`` and merges; ``apply`` merges.
 
-        def group_step(state: PVIState, ids: jax.Array, key: jax.Array, data: tuple, pulled: NatParams,
-                       allow: jax.Array) -> tuple:
-            """Clients ``ids`` update against ``pulled`` (their copy of q); the deltas merge into ``state.q``."""
-            arrays, mask, sizes = data
-            clients = Client([a[ids] for a in arrays], mask[ids], sizes[ids])
-            keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(ids)
-            cavities = jax.tree.map(lambda a, f: a[None] - f[ids], pulled, state.factors)
-            local = jax.tree.map(lambda s: s[ids], state.client_states)
-            result = client_map(keys, clients, cavities, pulled, local)
+        Both return ``(state, (free_energy, accepted, damping, clamped))``.
+        """
+        run_clients = self.backend.prepare(self.local_update, problem, data)
+        family, server = self.family, self.server
+
+        def apply(state: PVIState, ids: jax.Array, result: ClientResult, allow: jax.Array) -> tuple:
+            """Merge the clients' ``result`` (stacked over ``ids``) into the state."""
             finite = jnp.isfinite(result.free_energy) & allow
             for leaf in jax.tree.leaves(result.delta):
                 finite &= jnp.all(jnp.isfinite(leaf.reshape(leaf.shape[0], -1)), axis=1)
-            merged = merge_fn(state.q, state.factors, ids, result.delta, finite)
+            merged = merge(family, state.q, state.factors, ids, result.delta, finite, server.damping,
+                           server.max_backtracks)
             accepted = finite & merged.valid
             client_states = jax.tree.map(
                 lambda s, new: s.at[ids].set(jnp.where(accepted.reshape((-1,) + (1,) * (new.ndim - 1)), new, s[ids])),
@@ -238,7 +238,17 @@ class PVI:
             clamped = jnp.broadcast_to(result.clamped, ids.shape)
             return state, (result.free_energy, accepted, damping, clamped)
 
-        return jax.jit(group_step) if self.backend.jit_group else group_step
+        apply = jax.jit(apply)
+
+        def group_step(state: PVIState, ids: jax.Array, key: jax.Array, data: tuple, pulled: NatParams,
+                       allow: jax.Array) -> tuple:
+            """Clients ``ids`` update against ``pulled`` (their copy of q); the deltas merge into ``state.q``."""
+            keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(ids)
+            cavities = jax.tree.map(lambda a, f: a[None] - f[ids], pulled, state.factors)
+            local = jax.tree.map(lambda s: s[ids], state.client_states)
+            return apply(state, ids, run_clients(ids, keys, cavities, pulled, local, data), allow)
+
+        return (jax.jit(group_step) if self.backend.jit_group else group_step), apply
 
     def _prior_step(self, prior_factor: PriorFactor | None) -> Callable | None:
         """Damped natural-gradient step of ``t_0`` toward ``grad_mu E_q[log p_rest]``."""
@@ -313,24 +323,10 @@ class PVI:
         num_clients = int(setup.data[1].shape[0])
         if int(state.factors.eta1.shape[0]) != num_clients:
             raise ValueError(f"The state has {state.factors.eta1.shape[0]} clients but the data {num_clients}.")
-        free_energy, damping = np.full(num_clients, np.nan), np.zeros(num_clients)
-        attempts, accepted, clamped = (np.zeros(num_clients, int) for _ in range(3))
-
-        def step(state: PVIState, ids: list, pulled: NatParams | None = None, salt: int = 0,
-                 allow: bool = True) -> tuple[PVIState, np.ndarray]:
-            key = round_key if salt == 0 else jax.random.fold_in(round_key, salt)
-            pulled = state.q if pulled is None else pulled
-            state, (f, a, d, c) = setup.group_step(state, jnp.asarray(ids), key, setup.data, pulled, jnp.asarray(allow))
-            a = np.asarray(a)
-            free_energy[ids], damping[ids] = f, d
-            attempts[ids] += 1
-            accepted[ids] += a
-            clamped[ids] += np.asarray(c)
-            return state, a
-
+        step = _RoundSteps(setup, self.backend, round_key, num_clients)
         state = self.server.run_round(state, step, num_clients)
         elbo = float(setup.elbo(state.q, elbo_key, setup.data, self.num_elbo_particles))
-        info = RoundInfo(elbo, free_energy, attempts, accepted, damping, clamped, time.perf_counter() - start)
+        info = RoundInfo(elbo, *step.record, time.perf_counter() - start)
         return state._replace(rng_key=next_key), info
 
     def run(self, rng_key: jax.Array, num_rounds: int, *args: Any, progress_bar: bool = True,
@@ -410,6 +406,63 @@ class PVI:
         if self._cache is None:
             raise RuntimeError("Call init/run first: PVI reads the model's sites from the data.")
         return self._cache[1].sites
+
+
+class _RoundSteps:
+    """What a server calls to run clients in one round, recording what each client did.
+
+    ``step(state, ids, pulled=None, salt=0, allow=True) -> (state, accepted)`` runs clients ``ids``
+    against ``pulled`` (default: the current q) and merges them. With a backend that runs clients
+    concurrently (Ray), ``concurrent`` is true and ``start`` / ``wait`` / ``finish`` run one client
+    in the background and merge it when it arrives.
+    """
+
+    def __init__(self, setup: _Setup, backend: Any, round_key: jax.Array, num_clients: int) -> None:
+        self.setup, self.backend, self.round_key = setup, backend, round_key
+        self.concurrent = hasattr(backend, "submit")
+        self.free_energy, self.damping = np.full(num_clients, np.nan), np.zeros(num_clients)
+        self.attempts, self.accepted, self.clamped = (np.zeros(num_clients, int) for _ in range(3))
+
+    @property
+    def record(self) -> tuple:
+        """``(free_energy, attempts, accepted, damping, clamped)`` for :class:`RoundInfo`."""
+        return self.free_energy, self.attempts, self.accepted, self.damping, self.clamped
+
+    def _key(self, salt: int) -> jax.Array:
+        return self.round_key if salt == 0 else jax.random.fold_in(self.round_key, salt)
+
+    def _note(self, ids: list, out: tuple) -> np.ndarray:
+        f, a, d, c = (np.asarray(x) for x in out)
+        self.free_energy[ids], self.damping[ids] = f, d
+        self.attempts[ids] += 1
+        self.accepted[ids] += a
+        self.clamped[ids] += c
+        return a
+
+    def __call__(self, state: PVIState, ids: list, pulled: NatParams | None = None, salt: int = 0,
+                 allow: bool = True) -> tuple[PVIState, np.ndarray]:
+        pulled = state.q if pulled is None else pulled
+        state, out = self.setup.group_step(state, jnp.asarray(ids), self._key(salt), self.setup.data, pulled,
+                                           jnp.asarray(allow))
+        return state, self._note(ids, out)
+
+    def start(self, state: PVIState, m: int, salt: int) -> tuple:
+        """Start client ``m`` against the current q; returns a handle for :meth:`finish`."""
+        key = jax.random.fold_in(self._key(salt), m)
+        cavity = jax.tree.map(lambda a, f: a - f[m], state.q, state.factors)
+        local = jax.tree.map(lambda s: s[m], state.client_states)
+        return self.backend.submit(m, key, cavity, state.q, local), cavity, local
+
+    def wait(self, handles: dict) -> int:
+        """The client (a key of ``{client: handle}``) that finishes first."""
+        return self.backend.wait_any({m: h[0] for m, h in handles.items()})
+
+    def finish(self, state: PVIState, m: int, handle: tuple, allow: bool = True) -> tuple[PVIState, np.ndarray]:
+        """Collect client ``m``'s update and merge it into the current q."""
+        future, cavity, local = handle
+        result = jax.tree.map(lambda x: jnp.asarray(x)[None], self.backend.result(m, future, cavity, local))
+        state, out = self.setup.apply(state, jnp.asarray([m]), result, jnp.asarray(allow))
+        return state, self._note([m], out)
 
 
 class PVIRunResult(NamedTuple):

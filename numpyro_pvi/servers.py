@@ -166,6 +166,8 @@ class Asynchronous(Server):
         return sorted(out)
 
     def run_round(self, state: Any, step: Callable, num_clients: int) -> Any:
+        if getattr(step, "concurrent", False):
+            return self._run_concurrent(state, step, num_clients)
         server = state.server_state
         for salt, (_, m) in enumerate(self.events(int(server.round), num_clients)):
             pulled = jax.tree.map(lambda x, m=m: x[m], server.pulled)
@@ -177,6 +179,27 @@ class Asynchronous(Server):
                                 server.pulled_at.at[m].set(merges), merges, server.round)
         server = server._replace(round=server.round + 1)
         return state._replace(server_state=server)
+
+    def _run_concurrent(self, state: Any, step: Callable, num_clients: int) -> Any:
+        """Real asynchrony (Ray): every client works all the time; a round is ``num_clients`` merges.
+
+        Each arriving update is merged at once and its client restarts from the new q, so fast clients
+        are never held back by slow ones. Updates still running at the end of a round carry over.
+        """
+        server = state.server_state
+        pending = getattr(self, "_pending", {})
+        for m in range(num_clients):
+            if m not in pending:
+                pending[m] = (step.start(state, m, salt=int(server.merges) + 1), int(server.merges))
+        for _ in range(num_clients):
+            m = step.wait({k: h for k, (h, _) in pending.items()})
+            handle, pulled_at = pending.pop(m)
+            fresh = self.max_staleness is None or int(server.merges) - pulled_at <= self.max_staleness
+            state, _ = step.finish(state, m, handle, allow=fresh)
+            server = server._replace(merges=server.merges + 1, pulled_at=server.pulled_at.at[m].set(server.merges + 1))
+            pending[m] = (step.start(state, m, salt=int(server.merges) + 1), int(server.merges))
+        self._pending = pending
+        return state._replace(server_state=server._replace(round=server.round + 1))
 
     def __repr__(self) -> str:
         return f"Asynchronous(damping={self.damping}, max_staleness={self.max_staleness})"

@@ -92,7 +92,7 @@ def test_pad_clients_pads_rows_and_masks():
     padded = pad_clients(clients, [2, 4], "data")
     assert [a.shape for a in padded.arrays] == [(2, 4, 3), (2, 4)]
     np.testing.assert_array_equal(padded.mask, [[True, True, False, False], [True] * 4])
-    assert padded.static == ((1, 4),)  # kwargs leaves flatten in sorted key order: X, n, y
+    assert padded.layout.static == ((1, 4),)  # kwargs leaves flatten in sorted key order: X, n, y
 
 
 def test_client_data_validation():

@@ -1,0 +1,141 @@
+"""Backends: a failing client is rejected, never fatal; Ray clients hold their own data and match vmap."""
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import random
+
+import numpyro_pvi as pvi
+
+from conftest import exact_linear_posterior, linear_model
+from test_servers import UNEQUAL, ExactLinearUpdate, PoisonedUpdate
+
+
+class FaultyUpdate(ExactLinearUpdate):
+    """The client holding `size` rows raises (mode="raise") or takes `seconds` longer (mode="sleep")."""
+
+    def __init__(self, size, mode, seconds=0.0):
+        self.size, self.mode, self.seconds = size, mode, seconds
+
+    def bind(self, problem):
+        exact = super().bind(problem)
+        size, mode, seconds = self.size, self.mode, self.seconds
+
+        def host(n):
+            if int(n) == size:
+                if mode == "raise":
+                    raise RuntimeError("client failure injected by the test")
+                time.sleep(seconds)
+            return np.float32(0.0)
+
+        def client_update(rng_key, client, cavity, q, state):
+            zero = jax.pure_callback(host, jax.ShapeDtypeStruct((), jnp.float32), client.size)
+            result = exact(rng_key, client, cavity, q, state)
+            return result._replace(free_energy=result.free_energy + zero)
+
+        return client_update
+
+
+def test_loop_backend_rejects_a_raising_client(linear_data):
+    X, y = linear_data
+    inference = pvi.PVI(linear_model, pvi.FullRankGaussian(), UNEQUAL, FaultyUpdate(90, "raise"),
+                        pvi.Synchronous(), backend="loop")
+    state, info = inference.update(inference.init(random.PRNGKey(0), X, y=y), X, y=y)
+    np.testing.assert_array_equal(info.accepted, [1, 0, 1, 1])
+    assert info.num_rejected == 1 and bool(inference.family.is_valid(state.q))
+
+
+# ----------------------------------------------------------------------------- Ray
+
+ray = pytest.importorskip("ray")
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    import sys
+
+    for name in ["conftest", "test_servers", __name__]:  # the workers cannot import the test modules
+        ray.cloudpickle.register_pickle_by_value(sys.modules[name])
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def test_ray_synchronous_equals_vmap(ray_cluster, linear_data):
+    import optax
+
+    X, y = linear_data
+    update = pvi.GradientUpdate(optax.adam(1e-2), num_steps=100, num_particles=4)
+    states = []
+    for backend in ["vmap", pvi.RayBackend()]:
+        inference = pvi.PVI(linear_model, pvi.MeanFieldGaussian(), UNEQUAL, update, pvi.Synchronous(0.5), backend)
+        states.append(inference.run(random.PRNGKey(0), 2, X, y=y, progress_bar=False).state)
+    np.testing.assert_allclose(states[0].q.eta1, states[1].q.eta1, rtol=1e-4)
+    np.testing.assert_allclose(states[0].q.eta2, states[1].q.eta2, rtol=1e-4)
+
+
+def test_ray_clients_hold_only_their_own_rows(ray_cluster, linear_data):
+    X, y = linear_data
+    backend = pvi.RayBackend()
+    inference = pvi.PVI(linear_model, pvi.FullRankGaussian(), UNEQUAL, ExactLinearUpdate(), pvi.Synchronous(), backend)
+    inference.init(random.PRNGKey(0), X, y=y)
+    held = ray.get([a.__ray_call__.remote(lambda self: self.client) for a in backend.actors])
+    for client, rows in zip(held, UNEQUAL):
+        assert int(client.size) == len(rows)
+        np.testing.assert_array_equal(np.asarray(client.arrays[0])[: len(rows)], np.asarray(X[rows]))
+
+
+def test_ray_asynchronous_with_a_5x_slower_client(ray_cluster, linear_data):
+    X, y = linear_data
+    update = FaultyUpdate(size=20, mode="sleep", seconds=0.25)  # client 2 is ~5x slower than the others
+    inference = pvi.PVI(linear_model, pvi.FullRankGaussian(), UNEQUAL, update,
+                        pvi.Asynchronous(damping=0.5), pvi.RayBackend())
+    state = inference.init(random.PRNGKey(0), X, y=y)
+    inference.update(state, X, y=y)  # compiles in every actor
+    attempts = np.zeros(4, int)
+    for _ in range(12):
+        state, info = inference.update(state, X, y=y)
+        attempts += info.attempts
+    assert attempts.sum() == 12 * 4 and attempts[2] < attempts[[0, 1, 3]].min()  # fast clients are not held back
+    mean, cov = exact_linear_posterior(X, y)
+    loc, scale_tril = inference.family.loc_scale(state.q)
+    # with exact local updates each factor converges as 0.5^k in its own number k of updates
+    np.testing.assert_allclose(loc, mean, rtol=0.5**attempts[2] * 4)
+
+
+def test_ray_faults_are_rejected_and_recovered(ray_cluster, linear_data):
+    X, y = linear_data
+    mean, _ = exact_linear_posterior(X, y)
+    # a NaN update and a raising client are rejected, the others merge
+    for update, bad in [(PoisonedUpdate(bad_size=20), 2), (FaultyUpdate(90, "raise"), 1)]:
+        inference = pvi.PVI(linear_model, pvi.FullRankGaussian(), UNEQUAL, update, pvi.Synchronous(), pvi.RayBackend())
+        state, info = inference.update(inference.init(random.PRNGKey(0), X, y=y), X, y=y)
+        expected = np.ones(4, int)
+        expected[bad] = 0
+        np.testing.assert_array_equal(info.accepted, expected)
+        assert bool(inference.family.is_valid(state.q))
+    # a killed actor is restarted from its data: its client misses one round, then catches up
+    backend = pvi.RayBackend()
+    inference = pvi.PVI(linear_model, pvi.FullRankGaussian(), UNEQUAL, ExactLinearUpdate(), pvi.Synchronous(), backend)
+    state = inference.init(random.PRNGKey(0), X, y=y)
+    ray.kill(backend.actors[3])
+    state, info = inference.update(state, X, y=y)
+    np.testing.assert_array_equal(info.accepted, [1, 1, 1, 0])
+    state, info = inference.update(state, X, y=y)
+    np.testing.assert_array_equal(info.accepted, [1, 1, 1, 1])
+    np.testing.assert_allclose(inference.family.loc_scale(state.q)[0], mean, rtol=1e-4)
+
+
+def test_ray_timeout_rejects_and_restarts(ray_cluster, linear_data):
+    X, y = linear_data
+    update = FaultyUpdate(size=20, mode="sleep", seconds=10.0)
+    backend = pvi.RayBackend(timeout=5.0)
+    inference = pvi.PVI(linear_model, pvi.FullRankGaussian(), UNEQUAL, update, pvi.Synchronous(), backend)
+    state = inference.init(random.PRNGKey(0), X, y=y)
+    old = backend.actors[2]
+    state, info = inference.update(state, X, y=y)
+    np.testing.assert_array_equal(info.accepted, [1, 1, 0, 1])
+    assert backend.actors[2] is not old
