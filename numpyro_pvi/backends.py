@@ -86,33 +86,33 @@ class RayBackend:
     """Each client is a Ray actor holding its own data; the server only sends ``q`` and cavities.
 
     ``ray`` is an optional dependency (``pip install numpyro-pvi[ray]``). If Ray is not running,
-    ``ray.init(num_cpus=num_cpus)`` is called. A client whose update raises, exceeds ``timeout``
+    ``ray.init(num_cpus=num_workers)`` is called. A client whose update raises, exceeds ``timeout``
     seconds or whose actor died is reported as a rejected update; a dead or timed-out actor is
     restarted from the client's data and the client is tried again next time.
 
-    :param int num_cpus: CPUs for ``ray.init`` when Ray is not running yet.
+    :param int num_workers: CPUs (concurrently running clients) for ``ray.init`` when Ray is not running yet.
     :param float timeout: seconds to wait for one client update (``None``: no limit).
     :param float cpus_per_client: the CPU share each actor reserves (several actors share a core).
 
-    **Example:** ``pvi.PVI(..., backend=pvi.RayBackend(num_cpus=2))``
+    **Example:** ``pvi.PVI(..., backend=pvi.RayBackend(num_workers=2))``
     """
 
     name = "ray"
     jit_group = False
 
-    def __init__(self, num_cpus: int | None = None, timeout: float | None = None,
+    def __init__(self, num_workers: int | None = None, timeout: float | None = None,
                  cpus_per_client: float = 0.25) -> None:
         try:
             import ray
         except ImportError as e:  # pragma: no cover - exercised only without ray
             raise ImportError("RayBackend needs Ray: pip install 'numpyro-pvi[ray]'") from e
-        self.ray, self.num_cpus, self.timeout, self.cpus_per_client = ray, num_cpus, timeout, cpus_per_client
+        self.ray, self.num_workers, self.timeout, self.cpus_per_client = ray, num_workers, timeout, cpus_per_client
         self.actors: list = []
 
     def prepare(self, local_update: Any, problem: ClientProblem, data: tuple) -> Callable:
         ray = self.ray
         if not ray.is_initialized():
-            ray.init(num_cpus=self.num_cpus, include_dashboard=False, log_to_driver=False)
+            ray.init(num_cpus=self.num_workers, include_dashboard=False, log_to_driver=False)
         actor_class = ray.remote(num_cpus=self.cpus_per_client)(ClientActor)
         clients = [jax.device_get(take(gather(data, np.arange(len(data[1]))), m)) for m in range(len(data[1]))]
         self._spawn = lambda m: actor_class.remote(local_update, problem, clients[m])
