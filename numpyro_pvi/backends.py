@@ -43,6 +43,12 @@ def stack(trees: list) -> Any:
     return jax.tree.map(lambda *xs: jnp.stack(xs), *trees)
 
 
+def unpad(client: Client, is_row: tuple) -> Client:
+    """One client without its padding rows (a remote client computes on its own size)."""
+    n = int(client.size)
+    return Client([a[:n] if row else a for a, row in zip(client.arrays, is_row)], client.mask[:n], client.size)
+
+
 def failed_result(cavity: Any, state: Any) -> ClientResult:
     """What a failed client reports: a non-finite delta, which the server rejects."""
     nan = jax.tree.map(lambda x: jnp.full(jnp.shape(x), jnp.nan, jnp.result_type(x)), cavity)
@@ -114,7 +120,8 @@ class RayBackend:
         if not ray.is_initialized():
             ray.init(num_cpus=self.num_workers, include_dashboard=False, log_to_driver=False)
         actor_class = ray.remote(num_cpus=self.cpus_per_client)(ClientActor)
-        clients = [jax.device_get(take(gather(data, np.arange(len(data[1]))), m)) for m in range(len(data[1]))]
+        clients = [unpad(jax.device_get(take(gather(data, np.arange(len(data[1]))), m)), problem.is_row)
+                   for m in range(len(data[1]))]
         self._spawn = lambda m: actor_class.remote(local_update, problem, clients[m])
         self.actors = [self._spawn(m) for m in range(len(clients))]
         try:
