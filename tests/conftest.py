@@ -30,6 +30,17 @@ def logistic_model(X, y=None):
         numpyro.sample("y", dist.Bernoulli(logits=X @ w + b), obs=y)
 
 
+def scale_model(X, y=None):
+    """Linear regression with an unknown noise scale: a constrained global site with a non-Gaussian prior.
+
+    "w" comes before "sigma" in the model, the reverse of sorted order: PVI's flat vector keeps model order.
+    """
+    w = numpyro.sample("w", dist.Normal(0.0, 1.0).expand([X.shape[1]]).to_event(1))
+    sigma = numpyro.sample("sigma", dist.HalfNormal(1.0))
+    with pvi.partition_plate("data", X.shape[0]):
+        numpyro.sample("y", dist.Normal(X @ w, sigma), obs=y)
+
+
 def exact_linear_posterior(X, y):
     """Mean and covariance of w under linear_model (prior N(0, I), noise NOISE)."""
     X, y = np.asarray(X, np.float64), np.asarray(y, np.float64)

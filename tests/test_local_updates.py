@@ -20,8 +20,9 @@ def test_minibatch_draws_distinct_real_rows_and_unbiases():
         assert len(set(picked.tolist())) == 3 and picked.max() < 7  # padded rows are never drawn
         assert batch.mask.all() and float(scale) == pytest.approx(7 / 3)
         assert batch.arrays[1] is shared
-    batch, scale = problem.minibatch(random.PRNGKey(0), client, 9)  # larger than the client: all 7 real rows
-    assert int(batch.mask.sum()) == 7 and float(scale) == pytest.approx(1.0)
+    for size in (9, 50):  # larger than the client's 7 rows (and than its 10 padded ones): all 7 real rows
+        batch, scale = problem.minibatch(random.PRNGKey(0), client, size)
+        assert int(batch.mask.sum()) == 7 and float(scale) == pytest.approx(1.0)
 
 
 def test_minibatch_gradient_update_reaches_the_exact_posterior(linear_data):

@@ -12,7 +12,7 @@ from numpyro.infer.autoguide import AutoDiagonalNormal, AutoMultivariateNormal
 
 import numpyro_pvi as pvi
 
-from conftest import NOISE, exact_linear_posterior, linear_model, logistic_model
+from conftest import NOISE, exact_linear_posterior, linear_model, logistic_model, scale_model
 
 PARTS = [np.arange(0, 60), np.arange(60, 180), np.arange(180, 300)]  # unequal partitions of 300 rows
 
@@ -136,11 +136,6 @@ def test_continual_equals_online_vi_by_hand_with_svi(logistic_data):
 # ----------------------------------------------------------------------------- constrained global site
 
 
-def scale_model(X, y=None):
-    w = numpyro.sample("w", dist.Normal(0.0, 1.0).expand([X.shape[1]]).to_event(1))
-    sigma = numpyro.sample("sigma", dist.HalfNormal(1.0))
-    with pvi.partition_plate("data", X.shape[0]):
-        numpyro.sample("y", dist.Normal(X @ w, sigma), obs=y)
 
 
 def test_a_constrained_site_lives_in_unconstrained_space(linear_data):

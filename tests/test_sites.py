@@ -9,17 +9,11 @@ from numpyro.infer.util import potential_energy
 import numpyro_pvi as pvi
 from numpyro_pvi.sites import log_likelihood, log_prior, read_model
 
-from conftest import linear_model
+from conftest import linear_model, scale_model
 
 KEY = random.PRNGKey(0)
 
 
-def scale_model(X, y=None):
-    # "w" before "sigma" in the model, the reverse of sorted order: the flat vector keeps model order.
-    w = numpyro.sample("w", dist.Normal(0.0, 1.0).expand([X.shape[1]]).to_event(1))
-    sigma = numpyro.sample("sigma", dist.HalfNormal(1.0))
-    with pvi.partition_plate("data", X.shape[0]):
-        numpyro.sample("y", dist.Normal(X @ w, sigma), obs=y)
 
 
 def test_read_model_classifies_sites(linear_data):

@@ -57,9 +57,12 @@ class ClientProblem:
     is_row: tuple
 
     def minibatch(self, rng_key: jax.Array, client: Client, batch_size: int) -> tuple[Client, jax.Array]:
-        """A batch of ``batch_size`` distinct real rows, and the factor ``size / rows`` that unbiases it."""
+        """A batch of ``batch_size`` distinct real rows, and the factor ``size / rows`` that unbiases it.
+
+        A batch larger than the client holds all its rows.
+        """
         noise = jax.random.uniform(rng_key, client.mask.shape)
-        _, idx = jax.lax.top_k(jnp.where(client.mask, noise, -1.0), batch_size)
+        _, idx = jax.lax.top_k(jnp.where(client.mask, noise, -1.0), min(batch_size, client.mask.shape[0]))
         arrays = [a[idx] if row else a for a, row in zip(client.arrays, self.is_row)]
         mask = client.mask[idx]
         return Client(arrays, mask, client.size), client.size / jnp.maximum(jnp.sum(mask), 1)
