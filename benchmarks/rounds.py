@@ -7,8 +7,9 @@ PyTorch reference library of Ashman et al. (2022) takes about 1.7 s (M = 10) and
 round on a 2-core machine. Also: the final global ELBO of the synchronous runs against the global
 mean-field optimum (a long full-batch SVI run), both estimated with the same draws.
 
-    python benchmarks/rounds.py            # the full configuration (a few minutes)
+    python benchmarks/rounds.py            # the full configuration (a few minutes), clients over 2 CPU devices
     python benchmarks/rounds.py --quick    # a small smoke run
+    python benchmarks/rounds.py --devices 1
 """
 
 import argparse
@@ -114,7 +115,9 @@ def main():
     parser.add_argument("--rounds", type=int, default=None, help="synchronous rounds per run")
     parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--batch-size", type=int, default=100)
+    parser.add_argument("--devices", type=int, default=2, help="CPU devices to split a round's clients over")
     args = parser.parse_args()
+    numpyro.set_host_device_count(args.devices)  # before the first JAX operation
     num_data, rounds, optimum_steps = (2000, 4, 4000) if args.quick else (10_000, 30, 30_000)
     rounds = args.rounds or rounds
     X, y = make_data(num_data, 10)

@@ -56,14 +56,29 @@ def failed_result(cavity: Any, state: Any) -> ClientResult:
 
 
 class VmapBackend:
-    """All clients of a group in one ``jax.vmap``; the whole group step is jitted."""
+    """All clients of a group in one ``jax.vmap``; the whole group step is jitted.
+
+    With several JAX devices (e.g. ``numpyro.set_host_device_count(2)`` to use 2 CPU cores), a group
+    whose size divides evenly is split across them along the client axis (XLA SPMD partitioning).
+    """
 
     name = "vmap"
     jit_group = True
 
     def prepare(self, local_update: Any, problem: ClientProblem, data: tuple) -> Callable:
         batched = jax.vmap(local_update.bind(problem), in_axes=IN_AXES)
-        return lambda ids, keys, cavities, q, states, data: batched(keys, gather(data, ids), cavities, q, states)
+        num_devices = jax.device_count()
+        mesh = jax.make_mesh((num_devices,), ("clients",), axis_types=(jax.sharding.AxisType.Auto,))
+        by_client = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("clients"))
+
+        def run(ids, keys, cavities, q, states, data):  # noqa: ANN001, ANN202
+            inputs = (keys, gather(data, ids), cavities, states)
+            if num_devices > 1 and len(ids) % num_devices == 0:
+                inputs = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, by_client), inputs)
+            keys, clients, cavities, states = inputs
+            return batched(keys, clients, cavities, q, states)
+
+        return run
 
 
 class LoopBackend:

@@ -74,12 +74,15 @@ class GradientUpdate:
             numpyro.sample("_pvi_zeta", family.distribution(loc, spread))
 
         svi = SVI(tilted_model, tilted_guide, self.optimizer, self.elbo)
-        num_steps, num_average, batch_size = self.num_steps, self.num_average, self.batch_size
+        num_steps, num_average = self.num_steps, self.num_average
 
         def client_update(rng_key: jax.Array, client: Client, cavity: NatParams, q: NatParams,
                           state: Any) -> ClientResult:
             cavity_params, q_params = family.loc_scale(cavity), family.loc_scale(q)
             init_key, batch_key = jax.random.split(rng_key)
+            # a batch as large as the (padded) client is the whole client: no sampling needed
+            batch_size = None if self.batch_size is not None and self.batch_size >= client.mask.shape[0] \
+                else self.batch_size
             svi_state = svi.init(init_key, client, 1.0, cavity_params, q_params)
             get = svi.optim.get_params
 
