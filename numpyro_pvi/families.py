@@ -10,7 +10,7 @@ as a ``(D, D)`` matrix. Factors ``t_m`` may be improper; ``q`` and every cavity 
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -145,3 +145,26 @@ class FullRankGaussian(MeanFieldGaussian):
 
     def site_update(self, grad_mean: jax.Array, hess_mean: jax.Array, loc: jax.Array) -> NatParams:
         return NatParams(grad_mean - hess_mean @ loc, 0.5 * hess_mean)
+
+
+def expected_site(family: MeanFieldGaussian, q: NatParams, eps: jax.Array, grad: Callable,
+                  hessian: Callable | None = None) -> NatParams:
+    """Natural parameters of ``grad_mu E_q[f(zeta)]``, the CVI / natural-gradient site of ``f`` under ``q``.
+
+    By Bonnet's and Price's theorems ``eta2 = E_q[H] / 2`` and ``eta1 = E_q[g] - E_q[H] mu``, estimated at
+    ``zeta = mu + scale * eps`` (``eps`` ``(S, D)`` standard-normal points; antithetic pairs make it exact
+    for a quadratic ``f``).
+
+    :param grad: ``(S, D) -> (S, D)``, the gradient of ``f`` at each point.
+    :param hessian: ``(S, D) -> (S, D, D)``, its Hessian; if ``None``, ``E_q[H]`` comes from the gradients by
+        Stein's lemma.
+    """
+    loc, scale = family.loc_scale(q)
+    zeta = loc + (eps * scale if jnp.ndim(scale) == 1 else eps @ scale.T)
+    grads = grad(zeta)
+    if hessian is None:
+        hess = family.stein_hessian(grads, eps, scale)
+    else:
+        hess = jnp.mean(hessian(zeta), axis=0)
+        hess = jnp.diagonal(hess) if jnp.ndim(scale) == 1 else hess
+    return family.site_update(jnp.mean(grads, axis=0), hess, loc)

@@ -22,7 +22,7 @@ import numpy as np
 from scipy.special import ndtri
 from scipy.stats import qmc
 
-from numpyro_pvi.families import MeanFieldGaussian, NatParams
+from numpyro_pvi.families import MeanFieldGaussian, NatParams, expected_site
 from numpyro_pvi.sites import ModelSites
 
 
@@ -56,7 +56,6 @@ class PriorFactor:
     :param family: the Gaussian family of ``q``.
     :param log_density: ``zeta -> log p_rest(theta(zeta)) + log|J|`` over the non-Gaussian sites.
     :param rest_mask: ``(D,)`` boolean, the coordinates of the non-Gaussian sites.
-    :param rng_key: draws the fixed standard-normal points.
     :param seed: seed of the scrambled Sobol points.
     :param num_points: number of points.
     :param max_hessian_dim: largest ``D`` for which Hessians are computed; above it, Stein's lemma.
@@ -74,15 +73,7 @@ class PriorFactor:
 
     def target(self, q: NatParams) -> NatParams:
         """``grad_mu E_q[log p_rest]``: the value ``t_0`` takes at a fixed point, given ``q``."""
-        loc, scale = self.family.loc_scale(q)
-        zeta = loc + (self.eps * scale if jnp.ndim(scale) == 1 else self.eps @ scale.T)
-        grads = self.grad(zeta)
-        if self.hessian is None:
-            hess = self.family.stein_hessian(grads, self.eps, scale)
-        else:
-            hess = jnp.mean(self.hessian(zeta), axis=0)
-            hess = jnp.diagonal(hess) if jnp.ndim(scale) == 1 else hess
-        return self.family.site_update(jnp.mean(grads, axis=0), hess, loc)
+        return expected_site(self.family, q, self.eps, self.grad, self.hessian)
 
     def initial(self, prior: NatParams, num_iters: int = 50, step_size: float = 0.5) -> NatParams:
         """``t_0`` fitted to the prior alone (``q = lambda_0 t_0``), from ``N(0, 1)`` on the other coordinates."""

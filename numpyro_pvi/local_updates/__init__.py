@@ -2,5 +2,6 @@
 
 from numpyro_pvi.local_updates.base import Client, ClientProblem, ClientResult
 from numpyro_pvi.local_updates.gradient import GradientUpdate
+from numpyro_pvi.local_updates.natural_gradient import NaturalGradientUpdate
 
-__all__ = ["Client", "ClientProblem", "ClientResult", "GradientUpdate"]
+__all__ = ["Client", "ClientProblem", "ClientResult", "GradientUpdate", "NaturalGradientUpdate"]
