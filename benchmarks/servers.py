@@ -4,13 +4,18 @@ Bayesian logistic regression (N = 8,000, d = 10 + intercept), 8 clients on Ray w
 a Ray actor holding its own rows; one client is 5x slower (its device adds 4x its compute time as a
 delay, like a slow phone in a federated round). A synchronous round waits for the slowest client; the
 asynchronous server merges every update as it arrives. We report the wall time until the global ELBO
-is within 1 % of the global mean-field optimum (a long full-batch SVI run, same ELBO estimator).
+is within 1 % of the global mean-field optimum (a long full-batch SVI run, same ELBO estimator), the
+issue's criterion, and until it is within 2 nats of it (1 % of this ELBO is ~20 nats, which one damped
+round already reaches). Compilation is not timed: a warm-up run fills JAX's persistent compilation
+cache, which every Ray actor reads, so no actor is still compiling while the others are timed.
 
     python benchmarks/servers.py            # a few minutes
     python benchmarks/servers.py --quick    # a smoke run
 """
 
 import argparse
+import os
+import tempfile
 import time
 
 import jax
@@ -89,23 +94,32 @@ def client_seconds(parts, X, y, args):
     return info.time / len(parts)
 
 
-def time_to_optimum(server, parts, X, y, args, delay, target=None, optimum_steps=0):
+def ray_inference(server, parts, args, delay):
     update = SlowDevice(optax.adam(1e-2), num_steps=args.steps, num_particles=10, slow_rows=len(parts[-1]),
                         delay=delay)
-    inference = pvi.PVI(model, pvi.MeanFieldGaussian(), parts, update, server, backend=pvi.RayBackend(num_workers=2))
-    state = inference.init(random.PRNGKey(0), X, y=y)
-    if target is None:
-        best = optimum_elbo(inference, state, X, y, optimum_steps)
-        target = best - 0.01 * abs(best)
-    state, _ = inference.update(state, X, y=y)  # compiles in every actor: not counted
-    start, trace = time.perf_counter(), []
+    return pvi.PVI(model, pvi.MeanFieldGaussian(), parts, update, server, backend=pvi.RayBackend(num_workers=2))
+
+
+def time_to_optimum(server, parts, X, y, args, delay, targets):
+    """Wall seconds until the global ELBO first reaches each of ``targets`` (NaN if never), and the trace."""
+    inference = ray_inference(server, parts, args, delay)
+    state = inference.init(random.PRNGKey(0), X, y=y)  # actors start and load their compiled update from the cache
+    start, trace, reached = time.perf_counter(), [], [float("nan")] * len(targets)
     for _ in range(args.max_rounds):
         state, info = inference.update(state, X, y=y)
         elapsed = time.perf_counter() - start
         trace.append((elapsed, info.elbo, info.attempts.tolist()))
-        if info.elbo >= target:
-            return elapsed, trace, target
-    return float("nan"), trace, target
+        reached = [r if r == r or info.elbo < t else elapsed for r, t in zip(reached, targets)]
+        if info.elbo >= max(targets):
+            break
+    release(inference)
+    return reached, trace
+
+
+def release(inference):
+    """Kill the run's actors: each reserves a CPU share, and later runs' actors need those shares."""
+    for actor in inference.backend.actors:
+        ray.kill(actor)
 
 
 def main():
@@ -121,18 +135,29 @@ def main():
     sizes = [base] * (NUM_CLIENTS - 1) + [num_data - (NUM_CLIENTS - 1) * base]
     parts = np.split(np.asarray(random.permutation(random.PRNGKey(1), num_data)), np.cumsum(sizes)[:-1])
     delay = (SLOWDOWN - 1.0) * client_seconds(parts, X, y, args)
+    # every Ray worker inherits this environment: one compilation cache for the driver and all actors
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="pvi-jax-cache-")
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    warm_up = ray_inference(pvi.Synchronous(0.5), parts, args, delay)
+    warm_up.update(warm_up.init(random.PRNGKey(0), X, y=y), X, y=y)  # fills the cache: not timed
+    best = optimum_elbo(warm_up, warm_up.init(random.PRNGKey(0), X, y=y), X, y, optimum_steps)
+    targets = [best - 0.01 * abs(best), best - 2.0]
+    release(warm_up)
     print(f"logistic regression N={num_data}, {NUM_CLIENTS} Ray clients on 2 workers, the last {SLOWDOWN:.0f}x "
-          f"slower (+{delay:.3f} s per update); {args.steps} local steps per update\n")
+          f"slower (+{delay:.3f} s per update); {args.steps} local steps per update; global MF optimum ELBO "
+          f"{best:.1f}\n")
+    print(f"{'server':>12}  {'s to 1 %':>9}  {'s to 2 nats':>11}  rounds  updates per client (slow one last)")
     results = {}
-    target = None
     for name, server in [("synchronous", pvi.Synchronous(damping=0.5)), ("asynchronous", pvi.Asynchronous(0.5))]:
-        seconds, trace, target = time_to_optimum(server, parts, X, y, args, delay, target, optimum_steps)
-        results[name] = seconds
+        reached, trace = time_to_optimum(server, parts, X, y, args, delay, targets)
+        results[name] = reached
         updates = np.sum([t[2] for t in trace], axis=0)
-        print(f"{name:>12}: {seconds:6.1f} s to reach ELBO >= {target:.1f} in {len(trace)} rounds; "
-              f"updates per client {updates.tolist()}; last ELBO {trace[-1][1]:.1f}")
-    print(f"\nasynchronous / synchronous wall time: {results['asynchronous'] / results['synchronous']:.2f}")
+        print(f"{name:>12}  {reached[0]:9.1f}  {reached[1]:11.1f}  {len(trace):6d}  {updates.tolist()}  "
+              f"(last ELBO {trace[-1][1]:.1f})")
+    ratios = [a / s for a, s in zip(results["asynchronous"], results["synchronous"])]
+    print(f"\nasynchronous / synchronous wall time: {ratios[0]:.2f} (to 1 %), {ratios[1]:.2f} (to 2 nats)")
     ray.shutdown()
 
 

@@ -66,13 +66,17 @@ class VmapBackend:
     jit_group = True
 
     def prepare(self, local_update: Any, problem: ClientProblem, data: tuple) -> Callable:
-        batched = jax.vmap(local_update.bind(problem), in_axes=IN_AXES)
+        client_update = local_update.bind(problem)
+        batched = jax.vmap(client_update, in_axes=IN_AXES)
         num_devices = jax.device_count()
         mesh = jax.make_mesh((num_devices,), ("clients",), axis_types=(jax.sharding.AxisType.Auto,))
         by_client = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("clients"))
 
         def run(ids, keys, cavities, q, states, data):  # noqa: ANN001, ANN202
             inputs = (keys, gather(data, ids), cavities, states)
+            if len(ids) == 1:  # one client (Sequential, M = 1): unbatched, as XLA's batched matmuls are slower
+                keys, client, cavity, state = take(inputs, 0)
+                return stack([client_update(keys, client, cavity, q, state)])
             if num_devices > 1 and len(ids) % num_devices == 0:
                 inputs = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, by_client), inputs)
             keys, clients, cavities, states = inputs
