@@ -3,7 +3,15 @@
 from numpyro_pvi.backends import LoopBackend, RayBackend, VmapBackend
 from numpyro_pvi.checkpoint import load, save
 from numpyro_pvi.families import FullRankGaussian, MeanFieldGaussian, NatParams
-from numpyro_pvi.local_updates import Client, ClientProblem, ClientResult, GradientUpdate, NaturalGradientUpdate
+from numpyro_pvi.local_updates import (
+    Client,
+    ClientProblem,
+    ClientResult,
+    GradientUpdate,
+    MomentMatchingUpdate,
+    NaturalGradientUpdate,
+    SNEPUpdate,
+)
 from numpyro_pvi.partition import ClientData, partition_plate, split_by_label, split_iid
 from numpyro_pvi.pvi import PVI, PVIRunResult, PVIState, RoundInfo
 from numpyro_pvi.servers import Asynchronous, Continual, Sequential, Server, Synchronous
@@ -22,12 +30,14 @@ __all__ = [
     "GradientUpdate",
     "LoopBackend",
     "MeanFieldGaussian",
+    "MomentMatchingUpdate",
     "NaturalGradientUpdate",
     "NatParams",
     "PVIRunResult",
     "PVIState",
     "RayBackend",
     "RoundInfo",
+    "SNEPUpdate",
     "Sequential",
     "Server",
     "Synchronous",

@@ -2,6 +2,17 @@
 
 from numpyro_pvi.local_updates.base import Client, ClientProblem, ClientResult
 from numpyro_pvi.local_updates.gradient import GradientUpdate
+from numpyro_pvi.local_updates.moment_matching import MomentMatchingUpdate
 from numpyro_pvi.local_updates.natural_gradient import NaturalGradientUpdate
+from numpyro_pvi.local_updates.snep import SNEPState, SNEPUpdate
 
-__all__ = ["Client", "ClientProblem", "ClientResult", "GradientUpdate", "NaturalGradientUpdate"]
+__all__ = [
+    "Client",
+    "ClientProblem",
+    "ClientResult",
+    "GradientUpdate",
+    "MomentMatchingUpdate",
+    "NaturalGradientUpdate",
+    "SNEPState",
+    "SNEPUpdate",
+]

@@ -1,0 +1,130 @@
+"""``MomentMatchingUpdate`` (EP / power EP): exact on a conjugate model, closer to NUTS than VI, safe steps."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax import random
+from numpyro.infer import MCMC, NUTS, SVI, Trace_ELBO
+from numpyro.infer.autoguide import AutoMultivariateNormal
+
+import numpyro_pvi as pvi
+
+from conftest import exact_linear_posterior, linear_model, logistic_model
+
+
+@pytest.mark.parametrize("server", [pvi.Sequential(), pvi.Synchronous()], ids=["sequential", "synchronous"])
+@pytest.mark.parametrize("num_clients", [1, 4])
+def test_ep_is_exact_on_a_conjugate_model_in_one_pass(linear_data, server, num_clients):
+    X, y = linear_data
+    mean, cov = exact_linear_posterior(X, y)
+    partitions = pvi.split_iid(random.PRNGKey(num_clients), X.shape[0], num_clients)
+    inference = pvi.PVI(linear_model, pvi.FullRankGaussian(), partitions, pvi.MomentMatchingUpdate(), server)
+    result = inference.run(random.PRNGKey(0), 1, X, y=y, progress_bar=False)
+    loc, scale_tril = inference.family.loc_scale(result.state.q)
+    # The Laplace proposal is the (Gaussian) tilted distribution, so the importance weights are uniform and the
+    # control-variate estimate is exact: only float32 error remains (measured <= 1.2e-7 in the mean, 5e-9 in cov).
+    np.testing.assert_allclose(loc, mean, atol=1e-5)
+    np.testing.assert_allclose(scale_tril @ scale_tril.T, cov, atol=1e-6)
+    assert result.history.clamped.sum() == 0
+
+
+def test_ep_with_nuts_is_exact_on_a_conjugate_model_up_to_mc_error(linear_data):
+    X, y = linear_data
+    mean, cov = exact_linear_posterior(X, y)
+    sd = np.sqrt(np.diag(cov))
+    update = pvi.MomentMatchingUpdate(tilted="nuts", num_samples=200, num_warmup=100, num_chains=2)
+    partitions = pvi.split_iid(random.PRNGKey(4), X.shape[0], 4)
+    inference = pvi.PVI(linear_model, pvi.FullRankGaussian(), partitions, update, pvi.Synchronous())
+    state = inference.run(random.PRNGKey(0), 1, X, y=y, progress_bar=False).state
+    loc, scale_tril = inference.family.loc_scale(state.q)
+    # Each site's moments come from 2 x 200 NUTS draws: over seeds 0-4 the mean was off by 0.12-0.37 posterior sd
+    # and the sds by 3.5-7 %; the tolerances are about twice the largest.
+    assert np.max(np.abs(loc - mean) / sd) < 0.75
+    np.testing.assert_allclose(np.sqrt(np.diag(scale_tril @ scale_tril.T)), sd, rtol=0.15)
+
+
+# A small, skewed logistic regression (N = 60, d = 2 + intercept), where the posterior is visibly non-Gaussian.
+def skewed_logistic_data():
+    X = random.normal(random.PRNGKey(10), (60, 2))
+    y = random.bernoulli(random.PRNGKey(11), jax.nn.sigmoid(X @ jnp.array([2.0, -1.5]) + 0.5)).astype(jnp.float32)
+    return X, y
+
+
+@pytest.fixture(scope="module")
+def skewed_reference():
+    """Mean and covariance of (w, b) from one long NUTS run, and from global VI (SVI, AutoMultivariateNormal)."""
+    X, y = skewed_logistic_data()
+    mcmc = MCMC(NUTS(logistic_model), num_warmup=500, num_samples=10_000, progress_bar=False)
+    mcmc.run(random.PRNGKey(0), X, y=y)
+    samples = mcmc.get_samples()
+    z = np.concatenate([samples["w"], samples["b"][:, None]], axis=1)
+    guide = AutoMultivariateNormal(logistic_model)
+    svi = SVI(logistic_model, guide, optax.adam(optax.exponential_decay(1e-2, 4000, 0.05)), Trace_ELBO(8))
+    params = svi.run(random.PRNGKey(1), 4000, X, y=y, progress_bar=False).params
+    order = guide._unpack_latent(jnp.arange(3.0))
+    perm = np.concatenate([np.atleast_1d(order["w"]), np.atleast_1d(order["b"])]).astype(int)
+    scale_tril = np.asarray(params["auto_scale_tril"])
+    vi_cov = (scale_tril @ scale_tril.T)[np.ix_(perm, perm)]
+    return (z.mean(0), np.cov(z.T)), (np.asarray(params["auto_loc"])[perm], vi_cov)
+
+
+def errors(reference, mean, cov):
+    """(max |mean error| in NUTS posterior sds, relative Frobenius error of the covariance)."""
+    ref_mean, ref_cov = reference
+    sd = np.sqrt(np.diag(ref_cov))
+    return np.max(np.abs(mean - ref_mean) / sd), np.linalg.norm(cov - ref_cov) / np.linalg.norm(ref_cov)
+
+
+def test_ep_covariance_is_closer_to_nuts_than_global_vi(skewed_reference):
+    X, y = skewed_logistic_data()
+    nuts, vi = skewed_reference
+    family = pvi.FullRankGaussian()
+    inference = pvi.PVI(logistic_model, family, pvi.split_iid(random.PRNGKey(3), 60, 4),
+                        pvi.MomentMatchingUpdate(), pvi.Sequential())
+    loc, scale_tril = family.loc_scale(inference.run(random.PRNGKey(0), 4, X, y=y, progress_bar=False).state.q)
+    ep_mean_err, ep_cov_err = errors(nuts, np.asarray(loc), np.asarray(scale_tril @ scale_tril.T))
+    _, vi_cov_err = errors(nuts, *vi)
+    # Metric: relative Frobenius error of the covariance against NUTS. Over seeds 0-4 (of NUTS, SVI and EP) EP's was
+    # 3.1-5.8 % and VI's 5.8-7.9 %, EP/VI 0.50-0.91 (the margin is thin: NUTS's own error is a few %); EP's mean was
+    # within 0.035 NUTS sd (VI's within 0.040), so 0.07 is the tolerance.
+    assert ep_cov_err < vi_cov_err
+    assert ep_mean_err < 0.07
+
+
+@pytest.mark.parametrize("family", [pvi.MeanFieldGaussian(), pvi.FullRankGaussian()], ids=["mean_field", "full_rank"])
+def test_power_ep_halves_steps_that_would_make_q_improper(family):
+    from test_natural_gradient import robust_model
+
+    X = random.normal(random.PRNGKey(0), (40, 2))
+    y = (X @ jnp.array([1.0, -0.5]) + 0.1 * random.normal(random.PRNGKey(1), (40,))).at[:10].set(30.0)
+    update = pvi.MomentMatchingUpdate(alpha=0.5, num_samples=512)
+    inference = pvi.PVI(robust_model, family, pvi.split_iid(random.PRNGKey(3), 40, 4), update, pvi.Synchronous(0.5))
+    result = inference.run(random.PRNGKey(0), 6, X, y=y, progress_bar=False)
+    assert result.history.clamped.sum() > 0  # (q_tilde - q) / alpha overshoots out of the PD cone
+    assert bool(family.is_valid(result.state.q)) and np.isfinite(result.history.elbo).all()
+    assert all(np.isfinite(leaf).all() for leaf in result.state.factors)
+    loc, _ = family.loc_scale(result.state.q)
+    # The Cauchy likelihood ignores the 10 outliers: over seeds 0-2 and both families power EP ended 0.017-0.034
+    # from the true w (seed-to-seed spread 0.001; 7-18 clamps), as CVI's test allows 0.05.
+    np.testing.assert_allclose(loc, [1.0, -0.5], atol=0.05)
+
+
+def test_low_effective_sample_size_halves_the_step(linear_data):
+    X, y = linear_data
+    # Importance sampling from the prior (the cavity) for all 300 rows: almost all the weight on one draw.
+    update = pvi.MomentMatchingUpdate(proposal="cavity", num_samples=256, min_ess=0.1)
+    inference = pvi.PVI(linear_model, pvi.FullRankGaussian(), None, update, pvi.Sequential())
+    result = inference.run(random.PRNGKey(0), 2, X, y=y, progress_bar=False)
+    assert (result.history.clamped >= 1).all()
+    assert bool(inference.family.is_valid(result.state.q)) and np.isfinite(result.history.elbo).all()
+
+
+@pytest.mark.parametrize("kwargs, match", [(dict(alpha=0.0), "alpha"), (dict(alpha=1.5), "alpha"),
+                                           (dict(tilted="mcmc"), "tilted"), (dict(proposal="q"), "proposal"),
+                                           (dict(num_samples=1), "num_samples"), (dict(min_ess=1.0), "min_ess"),
+                                           (dict(num_chains=0), "num_chains"), (dict(num_warmup=-1), "num_warmup")])
+def test_moment_matching_update_arguments_are_checked(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        pvi.MomentMatchingUpdate(**kwargs)
