@@ -11,8 +11,9 @@
   update as soon as it arrives (``ray.wait``).
 
 A backend has ``jit_group`` and ``prepare(local_update, problem, data) -> run`` where
-``run(ids, keys, cavities, q, states, data) -> ClientResult`` (stacked over ``ids``). Every backend
-hands a client the same random key, so all give the same result for the same seed.
+``run(ids, keys, cavities, q, states, data, hyper=()) -> ClientResult`` (stacked over ``ids``); ``hyper``
+(the hyperparameters, shared by all clients) reaches ``client_update`` only if the model has any.
+Every backend hands a client the same random key, so all give the same result for the same seed.
 """
 
 from __future__ import annotations
@@ -49,10 +50,15 @@ def unpad(client: Client, is_row: tuple) -> Client:
     return Client([a[:n] if row else a for a, row in zip(client.arrays, is_row)], client.mask[:n], client.size)
 
 
-def failed_result(cavity: Any, state: Any) -> ClientResult:
+def failed_result(cavity: Any, state: Any, hyper: Any = ()) -> ClientResult:
     """What a failed client reports: a non-finite delta, which the server rejects."""
-    nan = jax.tree.map(lambda x: jnp.full(jnp.shape(x), jnp.nan, jnp.result_type(x)), cavity)
-    return ClientResult(nan, jnp.asarray(jnp.nan), state, jnp.asarray(0))
+    nan_like = lambda tree: jax.tree.map(lambda x: jnp.full(jnp.shape(x), jnp.nan, jnp.result_type(x)), tree)  # noqa: E731
+    return ClientResult(nan_like(cavity), jnp.asarray(jnp.nan), state, jnp.asarray(0), nan_like(hyper))
+
+
+def _extra(problem: ClientProblem, hyper: Any) -> tuple:
+    """The optional sixth argument of ``client_update``: the hyperparameters, if the model has any."""
+    return (hyper,) if problem.has_hyper else ()
 
 
 class VmapBackend:
@@ -67,20 +73,20 @@ class VmapBackend:
 
     def prepare(self, local_update: Any, problem: ClientProblem, data: tuple) -> Callable:
         client_update = local_update.bind(problem)
-        batched = jax.vmap(client_update, in_axes=IN_AXES)
+        batched = jax.vmap(client_update, in_axes=IN_AXES + (None,) * problem.has_hyper)
         num_devices = jax.device_count()
         mesh = jax.make_mesh((num_devices,), ("clients",), axis_types=(jax.sharding.AxisType.Auto,))
         by_client = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("clients"))
 
-        def run(ids, keys, cavities, q, states, data):  # noqa: ANN001, ANN202
-            inputs = (keys, gather(data, ids), cavities, states)
+        def run(ids, keys, cavities, q, states, data, hyper=()):  # noqa: ANN001, ANN202
+            inputs, extra = (keys, gather(data, ids), cavities, states), _extra(problem, hyper)
             if len(ids) == 1:  # one client (Sequential, M = 1): unbatched, as XLA's batched matmuls are slower
                 keys, client, cavity, state = take(inputs, 0)
-                return stack([client_update(keys, client, cavity, q, state)])
+                return stack([client_update(keys, client, cavity, q, state, *extra)])
             if num_devices > 1 and len(ids) % num_devices == 0:
                 inputs = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, by_client), inputs)
             keys, clients, cavities, states = inputs
-            return batched(keys, clients, cavities, q, states)
+            return batched(keys, clients, cavities, q, states, *extra)
 
         return run
 
@@ -94,14 +100,14 @@ class LoopBackend:
     def prepare(self, local_update: Any, problem: ClientProblem, data: tuple) -> Callable:
         single = jax.jit(local_update.bind(problem))
 
-        def run(ids, keys, cavities, q, states, data):  # noqa: ANN001, ANN202
-            clients, results = gather(data, ids), []
+        def run(ids, keys, cavities, q, states, data, hyper=()):  # noqa: ANN001, ANN202
+            clients, results, extra = gather(data, ids), [], _extra(problem, hyper)
             for i in range(len(ids)):
                 cavity, state = take(cavities, i), take(states, i)
                 try:
-                    results.append(jax.block_until_ready(single(keys[i], take(clients, i), cavity, q, state)))
+                    results.append(jax.block_until_ready(single(keys[i], take(clients, i), cavity, q, state, *extra)))
                 except Exception:  # noqa: BLE001 - a failing client is rejected, the run goes on
-                    results.append(failed_result(cavity, state))
+                    results.append(failed_result(cavity, state, hyper))
             return stack(results)
 
         return run
@@ -150,18 +156,21 @@ class RayBackend:
                                "model's module (define the model in __main__, or register its module with "
                                f"ray.cloudpickle.register_pickle_by_value, or set a runtime_env): {e}") from e
 
-        def run(ids, keys, cavities, q, states, data):  # noqa: ANN001, ANN202
-            futures = [self.submit(int(m), keys[i], take(cavities, i), q, take(states, i)) for i, m in enumerate(ids)]
-            return stack([self.result(int(m), f, take(cavities, i), take(states, i))
+        self._extra = lambda hyper: _extra(problem, hyper)
+
+        def run(ids, keys, cavities, q, states, data, hyper=()):  # noqa: ANN001, ANN202
+            futures = [self.submit(int(m), keys[i], take(cavities, i), q, take(states, i), hyper)
+                       for i, m in enumerate(ids)]
+            return stack([self.result(int(m), f, take(cavities, i), take(states, i), hyper)
                           for i, (m, f) in enumerate(zip(ids, futures))])
 
         return run
 
-    def submit(self, m: int, key: jax.Array, cavity: Any, q: Any, state: Any) -> Any:
+    def submit(self, m: int, key: jax.Array, cavity: Any, q: Any, state: Any, hyper: Any = ()) -> Any:
         """Start client ``m``'s update; returns a Ray object reference."""
-        return self.actors[m].update.remote(*jax.device_get((key, cavity, q, state)))
+        return self.actors[m].update.remote(*jax.device_get((key, cavity, q, state) + self._extra(hyper)))
 
-    def result(self, m: int, future: Any, cavity: Any, state: Any) -> ClientResult:
+    def result(self, m: int, future: Any, cavity: Any, state: Any, hyper: Any = ()) -> ClientResult:
         """Client ``m``'s result, or a rejected one if it failed, timed out or its actor died."""
         ray = self.ray
         try:
@@ -171,7 +180,7 @@ class RayBackend:
             self.actors[m] = self._spawn(m)  # restarted from the client's own data
         except ray.exceptions.RayError:
             pass  # the update raised: reject it, keep the actor
-        return failed_result(cavity, state)
+        return failed_result(cavity, state, hyper)
 
     def wait_any(self, futures: dict) -> int:
         """The client whose pending update (``{client: future}``) finishes first."""
@@ -188,8 +197,8 @@ class ClientActor:
         self.client = jax.tree.map(jnp.asarray, client)
         self.client_update = jax.jit(local_update.bind(problem))
 
-    def update(self, key: Any, cavity: Any, q: Any, state: Any) -> ClientResult:
-        return jax.device_get(self.client_update(key, self.client, cavity, q, state))
+    def update(self, key: Any, cavity: Any, q: Any, state: Any, *hyper: Any) -> ClientResult:
+        return jax.device_get(self.client_update(key, self.client, cavity, q, state, *hyper))
 
     def ping(self) -> bool:
         return True

@@ -49,6 +49,17 @@ class partition_plate(numpyro.plate):
         ...         numpyro.sample("y", dist.Normal(mu, 1.0), obs=y)
     """
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        # numpyro.contrib.funsor.plate_to_enum_plate (used by TraceEnum_ELBO) swaps numpyro.plate.__new__ for
+        # funsor's enumeration plate, and on exit leaves a __new__ that builds a plain numpyro.plate whatever
+        # the subclass: inside, be funsor's plate (needed for enumeration); outside, be a partition_plate.
+        new = numpyro.plate.__dict__.get("__new__")
+        if new is not None:
+            plate = new(numpyro.plate, *args, **kwargs)
+            if not isinstance(plate, numpyro.plate):
+                return plate
+        return object.__new__(cls)
+
     def process_message(self, msg: dict) -> None:
         super().process_message(msg)
         if msg["type"] == "sample":

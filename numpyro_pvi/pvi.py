@@ -16,15 +16,18 @@ import jax.numpy as jnp
 import numpy as np
 import numpyro
 import numpyro.distributions as dist
+import optax
+from numpyro.infer import Trace_ELBO, TraceEnum_ELBO
 from tqdm.auto import trange
 
 from numpyro_pvi.backends import get_backend
 from numpyro_pvi.families import MeanFieldGaussian, NatParams
+from numpyro_pvi.local_latents import expected_local_elbo, local_distribution, sample_local
 from numpyro_pvi.local_updates import Client, ClientProblem, ClientResult
 from numpyro_pvi.partition import ClientData, pad_clients, pooled_to_client_data
 from numpyro_pvi.prior import PriorFactor, exact_prior
 from numpyro_pvi.servers import Server, Synchronous, backtrack, is_valid_state, merge
-from numpyro_pvi.sites import ModelSites, log_likelihood, log_prior, read_model
+from numpyro_pvi.sites import ModelSites, local_model, log_likelihood, log_prior, read_model
 
 
 class PVIState(NamedTuple):
@@ -36,6 +39,8 @@ class PVIState(NamedTuple):
     :ivar client_states: each client's persistent local-update state, stacked ``(M, ...)``; never merged.
     :ivar server_state: the server's own bookkeeping (e.g. ``Asynchronous``'s stale copies of q).
     :ivar rng_key: the random key of the next round.
+    :ivar hyper: the hyperparameters (``numpyro.param`` sites) in unconstrained space, ``()`` if none.
+    :ivar hyper_state: the state of the server's ``hyper_optimizer``.
     """
 
     q: NatParams
@@ -44,6 +49,8 @@ class PVIState(NamedTuple):
     client_states: Any
     server_state: Any
     rng_key: jax.Array
+    hyper: Any = ()
+    hyper_state: Any = ()
 
 
 class RoundInfo(NamedTuple):
@@ -85,6 +92,7 @@ class _Setup:
     apply: Callable
     prior_step: Callable | None
     elbo: Callable
+    hyper_step: Callable | None = None
 
 
 class PVI:
@@ -105,6 +113,14 @@ class PVI:
     :param server: ``Synchronous(damping)`` (default) or ``Sequential()``.
     :param backend: ``"vmap"`` (default: a round's clients in one compiled, vmapped call) or ``"loop"``.
     :param int num_elbo_particles: samples of the global ELBO estimate recorded every round.
+    :param hyper_optimizer: optax optimiser of the model's hyperparameters (``numpyro.param`` sites
+        outside the partition plate, in unconstrained space); default ``optax.adam(1e-2)``. After
+        every round it takes one step along the sum of the clients' gradients of their local free
+        energies (Bui et al. 2018, eq. 5).
+
+    Local latent sites (unobserved, inside the partition plate) get client-private guides kept in
+    the clients' states, and discrete ones marked for enumeration are summed out: see
+    :mod:`numpyro_pvi.local_latents` and ``GradientUpdate``.
 
     **Example:**
 
@@ -129,7 +145,8 @@ class PVI:
     """
 
     def __init__(self, model: Callable, family: MeanFieldGaussian, partitions: Any = None, local_update: Any = None,
-                 server: Server | None = None, backend: Any = "vmap", num_elbo_particles: int = 64) -> None:
+                 server: Server | None = None, backend: Any = "vmap", num_elbo_particles: int = 64,
+                 hyper_optimizer: Any = None) -> None:
         if not isinstance(family, MeanFieldGaussian):
             raise TypeError(f"family must be pvi.MeanFieldGaussian() or pvi.FullRankGaussian(), got {family!r}.")
         if local_update is None or not hasattr(local_update, "bind"):
@@ -145,6 +162,7 @@ class PVI:
         self.server = server
         self.backend = get_backend(backend)
         self.num_elbo_particles = num_elbo_particles
+        self.hyper_optimizer = optax.adam(1e-2) if hyper_optimizer is None else hyper_optimizer
         self._cache: tuple | None = None
 
     # ------------------------------------------------------------------ set-up (once per data set)
@@ -179,16 +197,27 @@ class PVI:
         data = (padded.arrays, padded.mask, padded.sizes)
         # The closures hold the model and the argument layout only, never data: a remote client gets its own rows.
         model, layout = self.model, padded.layout
+        if sites.has_local:  # the local sites' shapes as a padded client's model call sees them
+            first_args, first_kwargs = layout.build([a[0] for a in padded.arrays])
+            local = read_model(model, first_args, first_kwargs, read_key, relations=False, who="Client 0's padded data")
+            sites = ModelSites(sites.plate, sites.plate_size, sites.globals, sites.likelihoods, sites.gaussian_prior,
+                               local.locals, local.enumerated, sites.hyper)
+        self._check_support(sites)
 
-        def client_loglik(zeta: jax.Array, client: Client) -> jax.Array:
+        def client_loglik(zeta: jax.Array, client: Client, hyper: Any = None) -> jax.Array:
             c_args, c_kwargs = layout.build(client.arrays)
-            return log_likelihood(model, sites, zeta, c_args, c_kwargs, client.mask)
+            return log_likelihood(model, sites, zeta, c_args, c_kwargs, client.mask, hyper)
+
+        def client_local_model(zeta: jax.Array, client: Client, hyper: Any = None) -> None:
+            c_args, c_kwargs = layout.build(client.arrays)
+            local_model(model, sites, zeta, c_args, c_kwargs, client.mask, hyper)
 
         def prior_logdensity(zeta: jax.Array, arrays: list, names: Any = None) -> jax.Array:
             c_args, c_kwargs = layout.build(arrays)
             return log_prior(model, sites, zeta, c_args, c_kwargs, names=names)
 
-        problem = ClientProblem(self.family, sites.dim, client_loglik, padded.is_row)
+        problem = ClientProblem(self.family, sites.dim, client_loglik, padded.is_row, sites,
+                                client_local_model if sites.has_local else None)
         prior, rest = exact_prior(self.family, sites)
         prior_factor = None
         if rest:
@@ -199,7 +228,30 @@ class PVI:
             prior_factor = PriorFactor(self.family, lambda z: prior_logdensity(z, first, rest), rest_mask)
         group_step, apply = self._group_step(problem, data)
         return _Setup(sites, data, problem, prior, prior_factor, group_step, apply,
-                      self._prior_step(prior_factor), self._elbo(problem, prior_logdensity))
+                      self._prior_step(prior_factor), self._elbo(problem, prior_logdensity), self._hyper_step(sites))
+
+    def _check_support(self, sites: ModelSites) -> None:
+        """Refuse a model whose local latents or hyperparameters the local update cannot handle."""
+        name = type(self.local_update).__name__
+        if sites.has_local and not getattr(self.local_update, "supports_local_latents", False):
+            names = [s.name for s in sites.locals] + list(sites.enumerated)
+            raise NotImplementedError(f"{name} does not support local latent variables (sites {names} inside "
+                                      f"partition plate '{sites.plate}'); use pvi.GradientUpdate.")
+        if sites.hyper and not getattr(self.local_update, "supports_hyperparameters", False):
+            raise NotImplementedError(f"{name} does not support hyperparameters (numpyro.param sites "
+                                      f"{[h.name for h in sites.hyper]}); use pvi.GradientUpdate.")
+
+    def _hyper_step(self, sites: ModelSites) -> Callable | None:
+        """One step of ``hyper_optimizer`` up the summed clients' gradients (it minimises, so their negative)."""
+        if not sites.hyper:
+            return None
+        optimizer = self.hyper_optimizer
+
+        def hyper_step(state: PVIState, grad: Any) -> PVIState:
+            updates, opt_state = optimizer.update(jax.tree.map(jnp.negative, grad), state.hyper_state, state.hyper)
+            return state._replace(hyper=optax.apply_updates(state.hyper, updates), hyper_state=opt_state)
+
+        return jax.jit(hyper_step)
 
     def _client_data(self, args: tuple, kwargs: dict, read_key: jax.Array) -> tuple[ClientData, list | None]:
         if isinstance(self.partitions, ClientData):
@@ -217,7 +269,7 @@ class PVI:
     def _group_step(self, problem: ClientProblem, data: tuple) -> tuple[Callable, Callable]:
         """``group_step(state, ids, key, data, pulled, allow)`` runs clients ``ids`` and merges; ``apply`` merges.
 
-        Both return ``(state, (free_energy, accepted, damping, clamped))``.
+        Both return ``(state, (free_energy, accepted, damping, clamped, hyper_grad))``.
         """
         run_clients = self.backend.prepare(self.local_update, problem, data)
         family, server = self.family, self.server
@@ -236,7 +288,9 @@ class PVI:
             state = state._replace(q=merged.q, factors=merged.factors, client_states=client_states)
             damping = jnp.broadcast_to(merged.damping, ids.shape) * accepted
             clamped = jnp.broadcast_to(result.clamped, ids.shape)
-            return state, (result.free_energy, accepted, damping, clamped)
+            hyper_grad = jax.tree.map(lambda g: jnp.where(accepted.reshape((-1,) + (1,) * (g.ndim - 1)), g, 0.0),
+                                      result.hyper_grad)
+            return state, (result.free_energy, accepted, damping, clamped, hyper_grad)
 
         apply = jax.jit(apply)
 
@@ -246,7 +300,7 @@ class PVI:
             keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(ids)
             cavities = jax.tree.map(lambda a, f: a[None] - f[ids], pulled, state.factors)
             local = jax.tree.map(lambda s: s[ids], state.client_states)
-            return apply(state, ids, run_clients(ids, keys, cavities, pulled, local, data), allow)
+            return apply(state, ids, run_clients(ids, keys, cavities, pulled, local, data, state.hyper), allow)
 
         return (jax.jit(group_step) if self.backend.jit_group else group_step), apply
 
@@ -271,19 +325,35 @@ class PVI:
         return jax.jit(prior_step)
 
     def _elbo(self, problem: ClientProblem, prior_logdensity: Callable) -> Callable:
-        family = self.family
+        family, sites = self.family, problem.sites
+        local_elbos = {}  # num_particles -> E_q[ELBO_m(theta)] of a client with local latents
 
-        def elbo(q: NatParams, rng_key: jax.Array, data: tuple, num_particles: int) -> jax.Array:
+        def local_elbo(num_particles: int) -> Callable:
+            if num_particles not in local_elbos:
+                elbo = TraceEnum_ELBO(num_particles) if sites.enumerated else Trace_ELBO(num_particles)
+                local_elbos[num_particles] = expected_local_elbo(elbo, family, problem.local_model, sites)
+            return local_elbos[num_particles]
+
+        def elbo(q: NatParams, rng_key: jax.Array, data: tuple, num_particles: int, client_states: Any = (),
+                 hyper: Any = ()) -> jax.Array:
             arrays, mask, sizes = data
             q_dist = family.to_dist(q)
-            zeta = q_dist.sample(rng_key, (num_particles,))
-
-            def client_loglik(arrays: list, mask: jax.Array, size: jax.Array) -> jax.Array:
-                return jax.vmap(lambda z: problem.log_likelihood(z, Client(arrays, mask, size)))(zeta)
-
-            loglik = jnp.sum(jax.vmap(client_loglik)(arrays, mask, sizes), axis=0)
+            zeta_key, local_key = jax.random.split(rng_key)
+            zeta = q_dist.sample(zeta_key, (num_particles,))
             first = [a[0] for a in arrays]
             logprior = jax.vmap(lambda z: prior_logdensity(z, first))(zeta)
+            if problem.has_local:  # E_q[log p(y_m, z_m | theta) - log q_m(z_m)] with each client's local guides
+                expected = local_elbo(num_particles)
+                keys = jax.random.split(local_key, mask.shape[0])
+                terms = jax.vmap(lambda k, a, m, s, st: expected(k, Client(a, m, s), q, st, hyper))(
+                    keys, arrays, mask, sizes, client_states)
+                return jnp.sum(terms) + jnp.mean(logprior) + q_dist.entropy()
+            extra = (hyper,) if problem.has_hyper else ()
+
+            def client_loglik(arrays: list, mask: jax.Array, size: jax.Array) -> jax.Array:
+                return jax.vmap(lambda z: problem.log_likelihood(z, Client(arrays, mask, size), *extra))(zeta)
+
+            loglik = jnp.sum(jax.vmap(client_loglik)(arrays, mask, sizes), axis=0)
             return jnp.mean(loglik + logprior) + q_dist.entropy()
 
         return jax.jit(elbo, static_argnums=3)
@@ -308,7 +378,11 @@ class PVI:
                              "proper priors.")
         local = self.local_update.init_state(setup.problem)
         client_states = jax.tree.map(lambda x: jnp.broadcast_to(x, (num_clients,) + jnp.shape(x)), local)
-        return PVIState(q, factors, t0, client_states, self.server.init(q, num_clients), rng_key)
+        # not weak-typed, so that the optimiser's first step does not change the state's types (a recompilation)
+        hyper = {h.name: jnp.asarray(h.init, jnp.result_type(float)) for h in setup.sites.hyper} if setup.sites.hyper \
+            else ()
+        hyper_state = self.hyper_optimizer.init(hyper) if setup.sites.hyper else ()
+        return PVIState(q, factors, t0, client_states, self.server.init(q, num_clients), rng_key, hyper, hyper_state)
 
     def update(self, state: PVIState, *args: Any, **kwargs: Any) -> tuple[PVIState, RoundInfo]:
         """One round: the prior factor's step (if any), then every client once in the server's schedule.
@@ -325,7 +399,10 @@ class PVI:
             raise ValueError(f"The state has {state.factors.eta1.shape[0]} clients but the data {num_clients}.")
         step = _RoundSteps(setup, self.backend, round_key, num_clients)
         state = self.server.run_round(state, step, num_clients)
-        elbo = float(setup.elbo(state.q, elbo_key, setup.data, self.num_elbo_particles))
+        if setup.hyper_step is not None and step.hyper_grad:
+            state = setup.hyper_step(state, jax.tree.map(lambda *g: sum(g), *step.hyper_grad.values()))
+        elbo = float(setup.elbo(state.q, elbo_key, setup.data, self.num_elbo_particles, state.client_states,
+                                state.hyper))
         info = RoundInfo(elbo, *step.record, time.perf_counter() - start)
         return state._replace(rng_key=next_key), info
 
@@ -365,6 +442,10 @@ class PVI:
             raise
         zeros = self.family.zeros(setup.sites.dim)
         local = self.local_update.init_state(setup.problem)
+        if jax.tree.map(jnp.shape, local) != jax.tree.map(lambda x: jnp.shape(x)[1:], state.client_states):
+            self.partitions, self._cache = previous, None
+            raise NotImplementedError("add_client: the new client holds more local-latent rows than any client so "
+                                      "far, which would change every client's local guide shapes; not supported.")
         append = lambda stack, new: jnp.concatenate([stack, jnp.asarray(new)[None]])  # noqa: E731
         return state._replace(factors=jax.tree.map(append, state.factors, zeros),
                               client_states=jax.tree.map(append, state.client_states, local),
@@ -373,7 +454,8 @@ class PVI:
     def evaluate(self, state: PVIState, *args: Any, num_particles: int | None = None, **kwargs: Any) -> jax.Array:
         """Monte Carlo estimate of the global ELBO ``E_q[log p(y, theta)] + H[q]`` (all clients' data)."""
         setup = self._setup(args, kwargs)
-        return setup.elbo(state.q, state.rng_key, setup.data, num_particles or self.num_elbo_particles)
+        return setup.elbo(state.q, state.rng_key, setup.data, num_particles or self.num_elbo_particles,
+                          state.client_states, state.hyper)
 
     # ------------------------------------------------------------------ the posterior
 
@@ -385,20 +467,49 @@ class PVI:
         """``q`` as a NumPyro distribution over the flat unconstrained vector ``zeta``."""
         return self.family.to_dist(state.q)
 
-    def sample_posterior(self, rng_key: jax.Array, state: PVIState, num_samples: int) -> dict:
-        """Draw ``num_samples`` from ``q``: a dict site -> constrained samples ``(num_samples, *shape)``."""
-        sites = self._current_sites()
-        zeta = self.get_posterior(state).sample(rng_key, (num_samples,))
-        return jax.vmap(sites.unflatten)(zeta)
+    def sample_posterior(self, rng_key: jax.Array, state: PVIState, num_samples: int,
+                         client: int | None = None) -> dict:
+        """Draw ``num_samples`` from ``q``: a dict site -> constrained samples ``(num_samples, *shape)``.
 
-    def guide(self, state: PVIState) -> Callable:
-        """A NumPyro guide drawing the global sites from ``q``, for ``Predictive(model, guide=...)``."""
+        :param client: also draw client ``client``'s local latent sites from its private guide (its
+            own rows only); the hyperparameters are in :meth:`hyperparameters`.
+        """
+        sites = self._current_sites()
+        zeta_key, local_key = jax.random.split(rng_key) if client is not None else (rng_key, None)
+        zeta = self.get_posterior(state).sample(zeta_key, (num_samples,))
+        samples = jax.vmap(sites.unflatten)(zeta)
+        if client is not None:
+            local = jax.tree.map(lambda s: s[client], state.client_states)
+            rows = int(self._cache[1].data[2][client])
+            samples.update(sample_local(sites, local_key, local, num_samples, rows))
+        return samples
+
+    def hyperparameters(self, state: PVIState) -> dict:
+        """The learned hyperparameters (``numpyro.param`` sites), constrained: site -> value."""
+        return dict(self._current_sites().hyper_values(state.hyper)) if state.hyper else {}
+
+    def guide(self, state: PVIState, client: int | None = None) -> Callable:
+        """A NumPyro guide drawing the global sites from ``q``, for ``Predictive(model, guide=...)``.
+
+        Pass the learned hyperparameters to the model with ``Predictive(..., params=hyperparameters)``.
+        With ``client``, the guide also draws that client's local latent sites from its private guide:
+        call ``Predictive`` with the client's own data (its rows in the order it holds them).
+        """
         sites, q_dist = self._current_sites(), self.get_posterior(state)
+        local, rows = None, None
+        if client is not None and sites.locals:
+            local = jax.tree.map(lambda s: s[client], state.client_states)
+            rows = int(self._cache[1].data[2][client])
 
         def guide(*args: Any, **kwargs: Any) -> None:
             zeta = numpyro.sample("_pvi_latent", q_dist, infer={"is_auxiliary": True})
             for name, value in sites.unflatten(zeta).items():
                 numpyro.sample(name, dist.Delta(value, event_dim=jnp.ndim(value)))
+            for site in sites.locals if local is not None else ():
+                index = [slice(None)] * len(site.flat_shape)
+                index[site.row_axis] = slice(0, rows)
+                loc, scale = (x[tuple(index)] for x in local[site.name])
+                numpyro.sample(site.name, local_distribution(site, loc, scale))
 
         return guide
 
@@ -422,6 +533,7 @@ class _RoundSteps:
         self.concurrent = hasattr(backend, "submit")
         self.free_energy, self.damping = np.full(num_clients, np.nan), np.zeros(num_clients)
         self.attempts, self.accepted, self.clamped = (np.zeros(num_clients, int) for _ in range(3))
+        self.hyper_grad: dict = {}  # client -> its last accepted hyperparameter gradient this round
 
     @property
     def record(self) -> tuple:
@@ -432,11 +544,15 @@ class _RoundSteps:
         return self.round_key if salt == 0 else jax.random.fold_in(self.round_key, salt)
 
     def _note(self, ids: list, out: tuple) -> np.ndarray:
-        f, a, d, c = (np.asarray(x) for x in out)
+        f, a, d, c = (np.asarray(x) for x in out[:4])
         self.free_energy[ids], self.damping[ids] = f, d
         self.attempts[ids] += 1
         self.accepted[ids] += a
         self.clamped[ids] += c
+        if out[4]:
+            for i, m in enumerate(ids):
+                if a[i]:
+                    self.hyper_grad[int(m)] = jax.tree.map(lambda g, i=i: g[i], out[4])
         return a
 
     def __call__(self, state: PVIState, ids: list, pulled: NatParams | None = None, salt: int = 0,
@@ -451,7 +567,7 @@ class _RoundSteps:
         key = jax.random.fold_in(self._key(salt), m)
         cavity = jax.tree.map(lambda a, f: a - f[m], state.q, state.factors)
         local = jax.tree.map(lambda s: s[m], state.client_states)
-        return self.backend.submit(m, key, cavity, state.q, local), cavity, local
+        return self.backend.submit(m, key, cavity, state.q, local, state.hyper), cavity, local, state.hyper
 
     def wait(self, handles: dict) -> int:
         """The client (a key of ``{client: handle}``) that finishes first."""
@@ -459,8 +575,8 @@ class _RoundSteps:
 
     def finish(self, state: PVIState, m: int, handle: tuple, allow: bool = True) -> tuple[PVIState, np.ndarray]:
         """Collect client ``m``'s update and merge it into the current q."""
-        future, cavity, local = handle
-        result = jax.tree.map(lambda x: jnp.asarray(x)[None], self.backend.result(m, future, cavity, local))
+        future, cavity, local, hyper = handle
+        result = jax.tree.map(lambda x: jnp.asarray(x)[None], self.backend.result(m, future, cavity, local, hyper))
         state, out = self.setup.apply(state, jnp.asarray([m]), result, jnp.asarray(allow))
         return state, self._note([m], out)
 
@@ -472,14 +588,55 @@ class PVIRunResult(NamedTuple):
     history: RoundInfo | None
     inference: PVI
 
-    def sample_posterior(self, rng_key: jax.Array, num_samples: int) -> dict:
-        """Constrained samples of every global site from ``q``: site -> ``(num_samples, *shape)``."""
-        return self.inference.sample_posterior(rng_key, self.state, num_samples)
+    def sample_posterior(self, rng_key: jax.Array, num_samples: int, client: int | None = None) -> dict:
+        """Constrained samples of every global site from ``q``: site -> ``(num_samples, *shape)``.
 
-    def guide(self) -> Callable:
-        """A guide for ``numpyro.infer.Predictive(model, guide=result.guide(), num_samples=...)``."""
-        return self.inference.guide(self.state)
+        With ``client``, also that client's local latent sites (its rows only).
+        """
+        return self.inference.sample_posterior(rng_key, self.state, num_samples, client)
+
+    def guide(self, client: int | None = None) -> Callable:
+        """A guide for ``numpyro.infer.Predictive(model, guide=result.guide(), num_samples=...)``.
+
+        With ``client``, it also draws that client's local latents (call ``Predictive`` with its data).
+        """
+        return self.inference.guide(self.state, client)
+
+    @property
+    def hyperparameters(self) -> dict:
+        """The learned hyperparameters (``numpyro.param`` sites), constrained: site -> value."""
+        return self.inference.hyperparameters(self.state)
 
     def get_posterior(self) -> dist.Distribution:
         """``q`` over the flat unconstrained vector."""
         return self.inference.get_posterior(self.state)
+
+    def to_arviz(self, num_samples: int = 1000, rng_key: jax.Array | None = None, **kwargs: Any) -> Any:
+        """The run as an ``arviz.InferenceData``: draws from ``q`` and the per-round history.
+
+        See :func:`~numpyro_pvi.diagnostics.to_arviz` (``kwargs``: ``num_chains``, ``coords``, ``dims``).
+
+        **Example:**
+
+        .. doctest::
+
+            >>> import optax, numpyro, numpyro.distributions as dist
+            >>> from jax import random
+            >>> import numpyro_pvi as pvi
+            >>> def model(y=None):
+            ...     mu = numpyro.sample("mu", dist.Normal(0.0, 1.0))
+            ...     with pvi.partition_plate("data", y.shape[0]):
+            ...         numpyro.sample("y", dist.Normal(mu, 1.0), obs=y)
+            >>> y = 1.0 + random.normal(random.PRNGKey(0), (40,))
+            >>> inference = pvi.PVI(model, pvi.MeanFieldGaussian(),
+            ...                     partitions=pvi.split_iid(random.PRNGKey(1), 40, num_clients=4),
+            ...                     local_update=pvi.GradientUpdate(optax.adam(0.05), num_steps=200),
+            ...                     server=pvi.Sequential())
+            >>> result = inference.run(random.PRNGKey(2), 2, y=y, progress_bar=False)
+            >>> idata = result.to_arviz(num_samples=400)
+            >>> idata.posterior["mu"].shape, idata.sample_stats["free_energy"].dims
+            ((4, 100), ('round', 'client'))
+        """
+        from numpyro_pvi.diagnostics import to_arviz
+
+        return to_arviz(self, num_samples, rng_key, **kwargs)

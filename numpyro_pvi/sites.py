@@ -1,8 +1,10 @@
-"""Reading a model: which sites are global latents and likelihoods, and the flat unconstrained vector.
+"""Reading a model: which sites are global latents, likelihoods, local latents and hyperparameters.
 
 PVI's factors live in the unconstrained space of the global latent sites, flattened into one vector
 ``zeta`` of size ``D`` in model order (like ``AutoDiagonalNormal``), never in ``ravel_pytree``'s
-sorted-key order.
+sorted-key order. Unobserved sites inside the partition plate are *local latents*: continuous ones
+get a client-private guide, discrete ones marked for enumeration are summed out (``TraceEnum_ELBO``).
+``numpyro.param`` sites outside the partition plate are *hyperparameters*, learned as point estimates.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import numpyro.distributions as dist
 from numpyro import handlers
+from numpyro.distributions import constraints
 from numpyro.distributions.transforms import (
     ExpTransform,
     IdentityTransform,
@@ -43,6 +46,39 @@ class GlobalSite:
 
 
 @dataclass(frozen=True)
+class LocalSite:
+    """A continuous local latent site (inside the partition plate), as one client's model call sees it.
+
+    :ivar shape: constrained value shape (with the client's rows on the partition plate's axis).
+    :ivar flat_shape: unconstrained shape, where the client's guide lives.
+    :ivar event_dim: event dimensions of the unconstrained value.
+    :ivar frames: ``(name, size, dim)`` of every plate the site is in (to rebuild them in a guide).
+    :ivar row_axis: the (negative) axis of the unconstrained value that indexes the partition plate's rows.
+    """
+
+    name: str
+    shape: tuple
+    flat_shape: tuple
+    transform: Transform
+    event_dim: int
+    frames: tuple
+    row_axis: int
+
+
+@dataclass(frozen=True)
+class HyperSite:
+    """A hyperparameter: a ``numpyro.param`` site outside the partition plate, learned as a point estimate.
+
+    :ivar init: its initial value in unconstrained space.
+    :ivar transform: ``biject_to(constraint)``, unconstrained -> constrained.
+    """
+
+    name: str
+    init: Any
+    transform: Transform
+
+
+@dataclass(frozen=True)
 class ModelSites:
     """What PVI needs to know about a model, read once from a trace.
 
@@ -53,6 +89,9 @@ class ModelSites:
     :ivar gaussian_prior: for each global site whose prior is Gaussian in unconstrained space with
         fixed parameters, ``(loc, precision)``: flat loc ``(size,)`` and a diagonal ``(size,)`` or
         full ``(size, size)`` precision. The other sites' priors are fitted by a prior factor.
+    :ivar locals: continuous local latent sites (:class:`LocalSite`), in model order.
+    :ivar enumerated: names of the discrete local latent sites marked for enumeration.
+    :ivar hyper: hyperparameters (:class:`HyperSite`), in model order.
     """
 
     plate: str
@@ -60,6 +99,18 @@ class ModelSites:
     globals: tuple
     likelihoods: tuple
     gaussian_prior: dict
+    locals: tuple = ()
+    enumerated: tuple = ()
+    hyper: tuple = ()
+
+    @property
+    def has_local(self) -> bool:
+        """Whether clients have local latents (continuous or enumerated)."""
+        return bool(self.locals or self.enumerated)
+
+    def hyper_values(self, hyper: dict) -> dict:
+        """Unconstrained hyperparameters -> constrained values, by name."""
+        return {h.name: h.transform(hyper[h.name]) for h in self.hyper}
 
     @property
     def dim(self) -> int:
@@ -117,12 +168,18 @@ def read_model(model: Callable, args: tuple, kwargs: dict, rng_key: jax.Array, r
         raise ValueError(f"partition_plate '{plate}' uses subsample_size={subsample_size}; under PVI use "
                          "GradientUpdate(batch_size=...) for mini-batches instead.")
 
-    global_sites, likelihoods = [], []
+    global_sites, likelihoods, local_sites, enumerated, hyper = [], [], [], [], []
     for name, site in trace.items():
         in_plate = any(f.name == plate for f in site.get("cond_indep_stack", ()))
         if site["type"] == "param":
-            raise NotImplementedError(f"numpyro.param site '{name}': hyperparameters are not supported by PVI yet; "
-                                      "give it a prior and make it a global latent site.")
+            if in_plate:
+                raise ValueError(f"numpyro.param site '{name}' is inside partition plate '{plate}': a per-row "
+                                 "parameter would belong to one client only. Make it a local latent (a sample "
+                                 "site with a prior) or move it outside the plate to learn it as a hyperparameter.")
+            constraint = site["kwargs"].get("constraint", constraints.real)
+            transform = biject_to(constraint)
+            hyper.append(HyperSite(name, transform.inv(jnp.asarray(site["value"])), transform))
+            continue
         if site["type"] != "sample":
             continue
         if site["is_observed"]:
@@ -132,8 +189,15 @@ def read_model(model: Callable, args: tuple, kwargs: dict, rng_key: jax.Array, r
             likelihoods.append(name)
             continue
         if in_plate:
-            raise NotImplementedError(f"Latent site '{name}' is inside partition plate '{plate}': local latent "
-                                      "variables are not supported by PVI yet.")
+            if site["fn"].support.is_discrete:
+                if (site.get("infer") or {}).get("enumerate") != "parallel":
+                    raise ValueError(f"Local latent site '{name}' is discrete: mark it for enumeration "
+                                     "(numpyro.infer.config_enumerate or infer={'enumerate': 'parallel'}) so that "
+                                     "clients sum it out with TraceEnum_ELBO.")
+                enumerated.append(name)
+            else:
+                local_sites.append(_local_site(name, site, plate))
+            continue
         if site["fn"].support.is_discrete:
             raise ValueError(f"Global site '{name}' has a discrete support ({site['fn'].support}); PVI's factors "
                              "are Gaussian in unconstrained space, so global latents must be continuous.")
@@ -145,15 +209,33 @@ def read_model(model: Callable, args: tuple, kwargs: dict, rng_key: jax.Array, r
     if not global_sites:
         raise ValueError("The model has no global latent site outside the partition plate: nothing to infer.")
 
-    parents = get_model_relations(model, args, kwargs)["sample_sample"] if relations else {}
+    model_relations = get_model_relations(model, args, kwargs) if relations else {}
+    parents = model_relations.get("sample_sample", {})
     names = {s.name for s in global_sites}
+    for site in global_sites if hyper else ():
+        used = set(model_relations.get("sample_param", {}).get(site.name, ())) & {h.name for h in hyper}
+        if used:
+            raise NotImplementedError(f"Hyperparameter(s) {sorted(used)} enter the prior of global site '{site.name}'; "
+                                      "PVI learns hyperparameters of the likelihood and of local latents only. Give "
+                                      "them a prior (make them global latent sites) instead.")
     gaussian = {}
     for site in global_sites if relations else ():
         if names.isdisjoint(parents.get(site.name, ())):
             block = _gaussian_block(trace[site.name]["fn"], site)
             if block is not None:
                 gaussian[site.name] = block
-    return ModelSites(plate, int(size), tuple(global_sites), tuple(likelihoods), gaussian)
+    return ModelSites(plate, int(size), tuple(global_sites), tuple(likelihoods), gaussian, tuple(local_sites),
+                      tuple(enumerated), tuple(hyper))
+
+
+def _local_site(name: str, site: dict, plate: str) -> LocalSite:
+    transform = biject_to(site["fn"].support)
+    shape = tuple(jnp.shape(site["value"]))
+    flat_shape = tuple(transform.inverse_shape(shape))
+    event_dim = site["fn"].event_dim + len(flat_shape) - len(shape)
+    frames = tuple((f.name, f.size, f.dim) for f in site["cond_indep_stack"])
+    plate_dim = next(f.dim for f in site["cond_indep_stack"] if f.name == plate)
+    return LocalSite(name, shape, flat_shape, transform, event_dim, frames, plate_dim - event_dim)
 
 
 def _gaussian_block(fn: dist.Distribution, site: GlobalSite) -> tuple | None:
@@ -203,12 +285,34 @@ def _site_log_prob(site: dict) -> jax.Array:
 
 
 def log_likelihood(model: Callable, sites: ModelSites, zeta: jax.Array, args: tuple, kwargs: dict,
-                   mask: jax.Array | None = None) -> jax.Array:
-    """``log p(y_m | theta(zeta))`` of one client's rows: a scalar, masked rows contribute 0."""
-    masked = PlateMask(handlers.substitute(model, data=sites.unflatten(zeta)), plate=sites.plate, mask=mask)
+                   mask: jax.Array | None = None, hyper: dict | None = None) -> jax.Array:
+    """``log p(y_m | theta(zeta))`` of one client's rows: a scalar, masked rows contribute 0.
+
+    :param hyper: unconstrained values of the hyperparameters (default: their initial values).
+    """
+    values = sites.unflatten(zeta)
+    if hyper:
+        values.update(sites.hyper_values(hyper))
+    masked = PlateMask(handlers.substitute(model, data=values), plate=sites.plate, mask=mask)
     with handlers.block():  # block *outside* trace: the inner sites must not leak into an outer ELBO
         trace = handlers.trace(masked).get_trace(*args, **kwargs)
     return sum(_site_log_prob(trace[name]) for name in sites.likelihoods)
+
+
+def local_model(model: Callable, sites: ModelSites, zeta: jax.Array, args: tuple, kwargs: dict,
+                mask: jax.Array | None = None, hyper: dict | None = None) -> None:
+    """Run the model with its global sites set to ``theta(zeta)`` and its hyperparameters to ``hyper``.
+
+    The global and param sites are hidden from outer handlers (their prior is the cavity's business),
+    so an outer ELBO sees only the client's local latents and observations, masked rows weighing 0.
+    Use it inside a tilted model whose ``_pvi_zeta`` site carries the cavity.
+    """
+    values = sites.unflatten(zeta)
+    if hyper:
+        values.update(sites.hyper_values(hyper))
+    hidden = [s.name for s in sites.globals] + [h.name for h in sites.hyper]
+    hidden_model = handlers.block(handlers.substitute(model, data=values), hide=hidden)
+    PlateMask(hidden_model, plate=sites.plate, mask=mask)(*args, **kwargs)
 
 
 def log_prior(model: Callable, sites: ModelSites, zeta: jax.Array, args: tuple, kwargs: dict,
@@ -218,8 +322,11 @@ def log_prior(model: Callable, sites: ModelSites, zeta: jax.Array, args: tuple, 
     :param names: restrict the sum to these global sites (default: all).
     """
     values = sites.unflatten(zeta)
+    substituted = handlers.substitute(model, data=values)
+    if sites.has_local:  # local latents are drawn (and ignored): they need a key
+        substituted = handlers.seed(substituted, jax.random.PRNGKey(0))
     with handlers.block():
-        trace = handlers.trace(handlers.substitute(model, data=values)).get_trace(*args, **kwargs)
+        trace = handlers.trace(substituted).get_trace(*args, **kwargs)
     total = 0.0
     for site, start in zip(sites.globals, np.cumsum([0] + [s.size for s in sites.globals])):
         if names is not None and site.name not in names:

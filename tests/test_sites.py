@@ -77,23 +77,51 @@ def test_discrete_global_site_is_named():
         read_model(model, (), {"y": jnp.zeros(3)}, KEY)
 
 
-def test_local_latents_and_params_not_yet_supported():
-    def local(y=None):
+def test_local_latents_hyperparameters_and_enumerated_sites_are_classified():
+    def model(y=None):
+        mu = numpyro.sample("mu", dist.Normal(0.0, 1.0))
+        s = numpyro.param("s", 2.0, constraint=dist.constraints.positive)
+        with pvi.partition_plate("data", 3):
+            z = numpyro.sample("z", dist.HalfNormal(1.0).expand([2]).to_event(1))
+            k = numpyro.sample("k", dist.Bernoulli(0.5), infer={"enumerate": "parallel"})
+            numpyro.sample("y", dist.Normal(mu + z.sum(-1) + k, s), obs=y)
+
+    sites = read_model(model, (), {"y": jnp.zeros(3)}, KEY)
+    assert [g.name for g in sites.globals] == ["mu"] and sites.likelihoods == ("y",)
+    (z,) = sites.locals
+    assert (z.name, z.shape, z.flat_shape, z.event_dim, z.row_axis) == ("z", (3, 2), (3, 2), 1, -2)
+    assert z.frames == (("data", 3, -1),)
+    assert sites.enumerated == ("k",) and sites.has_local
+    (h,) = sites.hyper
+    assert h.name == "s" and float(h.init) == pytest.approx(np.log(2.0))
+    assert float(sites.hyper_values({"s": h.init})["s"]) == pytest.approx(2.0)
+
+
+def test_unsupported_local_structure_names_the_site():
+    def discrete(y=None):
         mu = numpyro.sample("mu", dist.Normal(0.0, 1.0))
         with pvi.partition_plate("data", 3):
-            z = numpyro.sample("z", dist.Normal(mu, 1.0))
-            numpyro.sample("y", dist.Normal(z, 1.0), obs=y)
+            k = numpyro.sample("k", dist.Bernoulli(0.5))
+            numpyro.sample("y", dist.Normal(mu + k, 1.0), obs=y)
 
-    def param(y=None):
+    def param_in_plate(y=None):
         mu = numpyro.sample("mu", dist.Normal(0.0, 1.0))
+        with pvi.partition_plate("data", 3):
+            a = numpyro.param("a", jnp.zeros(3))
+            numpyro.sample("y", dist.Normal(mu + a, 1.0), obs=y)
+
+    def param_in_prior(y=None):
         s = numpyro.param("s", 1.0, constraint=dist.constraints.positive)
+        mu = numpyro.sample("mu", dist.Normal(0.0, s))
         with pvi.partition_plate("data", 3):
-            numpyro.sample("y", dist.Normal(mu, s), obs=y)
+            numpyro.sample("y", dist.Normal(mu, 1.0), obs=y)
 
-    with pytest.raises(NotImplementedError, match="Latent site 'z'"):
-        read_model(local, (), {"y": jnp.zeros(3)}, KEY)
-    with pytest.raises(NotImplementedError, match="numpyro.param site 's'"):
-        read_model(param, (), {"y": jnp.zeros(3)}, KEY)
+    with pytest.raises(ValueError, match="Local latent site 'k' is discrete: mark it for enumeration"):
+        read_model(discrete, (), {"y": jnp.zeros(3)}, KEY)
+    with pytest.raises(ValueError, match="numpyro.param site 'a' is inside partition plate 'data'"):
+        read_model(param_in_plate, (), {"y": jnp.zeros(3)}, KEY)
+    with pytest.raises(NotImplementedError, match=r"\['s'\] enter the prior of global site 'mu'"):
+        read_model(param_in_prior, (), {"y": jnp.zeros(3)}, KEY)
 
 
 def test_plate_without_observations_is_an_error():

@@ -7,6 +7,13 @@ state and ``bind(problem)`` returns a pure function
 
 that a backend ``jit``s and ``vmap``s over clients. ``delta = lambda(q_new) - lambda(q)`` is the
 natural-parameter change the client proposes; the server damps and merges it.
+
+Models with hyperparameters (``numpyro.param`` sites outside the partition plate) add a sixth
+argument, ``hyper`` (their unconstrained values, the same for every client), and the client returns
+``hyper_grad``, the gradient of its local free energy with respect to them; the server sums these and
+steps its own optimiser. A local update declares what it supports with the class attributes
+``supports_local_latents`` and ``supports_hyperparameters`` (both false if absent); PVI refuses a
+model the update does not support with a clear error.
 """
 
 from __future__ import annotations
@@ -33,12 +40,14 @@ class ClientResult(NamedTuple):
 
     ``clamped`` counts the corrections the update made to stay valid (e.g. a step size halved to
     keep ``q`` positive definite, a site variance clamped); it is reported in ``RoundInfo.clamped``.
+    ``hyper_grad`` is ``d F_m / d hyper`` (unconstrained) for models with hyperparameters, else ``()``.
     """
 
     delta: NatParams
     free_energy: jax.Array
     state: Any
     clamped: Any = 0
+    hyper_grad: Any = ()
 
 
 @dataclass(frozen=True)
@@ -47,14 +56,32 @@ class ClientProblem:
 
     :ivar family: the Gaussian family.
     :ivar dim: ``D``, the size of the flat unconstrained vector.
-    :ivar log_likelihood: ``(zeta, client) -> log p(y_m | zeta)``, a scalar; masked rows count 0.
+    :ivar log_likelihood: ``(zeta, client) -> log p(y_m | zeta)``, a scalar; masked rows count 0. With
+        hyperparameters it takes them as a third argument, ``(zeta, client, hyper)``.
     :ivar is_row: for each array of ``client.arrays``, whether its leading axis is the row axis.
+    :ivar sites: the model's :class:`~numpyro_pvi.sites.ModelSites` (local sites with the padded
+        client's shapes), or ``None``.
+    :ivar local_model: ``(zeta, client, hyper) -> None`` runs the model on the client's rows with the
+        global sites set to ``theta(zeta)`` and hidden, leaving its local latents and observations to
+        an outer ELBO (see :func:`numpyro_pvi.sites.local_model`); ``None`` if not needed.
     """
 
     family: MeanFieldGaussian
     dim: int
     log_likelihood: Callable[[jax.Array, Client], jax.Array]
     is_row: tuple
+    sites: Any = None
+    local_model: Callable | None = None
+
+    @property
+    def has_local(self) -> bool:
+        """Whether the model has local latent sites (continuous or enumerated)."""
+        return self.sites is not None and self.sites.has_local
+
+    @property
+    def has_hyper(self) -> bool:
+        """Whether the model has hyperparameters."""
+        return self.sites is not None and bool(self.sites.hyper)
 
     def minibatch(self, rng_key: jax.Array, client: Client, batch_size: int) -> tuple[Client, jax.Array]:
         """A batch of ``batch_size`` distinct real rows, and the factor ``size / rows`` that unbiases it.

@@ -7,10 +7,11 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import numpyro
-from numpyro.infer import SVI, TraceMeanField_ELBO
+from numpyro.infer import SVI, TraceEnum_ELBO, TraceMeanField_ELBO
 from numpyro.infer.elbo import ELBO
 
 from numpyro_pvi.families import NatParams
+from numpyro_pvi.local_latents import init_local_state, local_guide, state_from_params
 from numpyro_pvi.local_updates.base import Client, ClientProblem, ClientResult
 
 
@@ -23,13 +24,19 @@ class GradientUpdate:
     ``MultivariateNormal(loc, scale_tril)``, parameterised like NumPyro's autoguides) starts at the
     current ``q``; ``num_steps`` of ``SVI.update`` run in one ``lax.scan``.
 
+    Any NumPyro model (see :mod:`numpyro_pvi.local_latents`): local latent sites get the client's own
+    ``AutoNormal``-like guide, optimised jointly with ``q`` and kept in the client's state (never in
+    ``delta``); discrete local sites marked for enumeration are summed out with ``TraceEnum_ELBO``
+    (the default ELBO then); for hyperparameters the client also returns the gradient of its local
+    free energy at the new ``q``, which the server's ``hyper_optimizer`` uses.
+
     :param optimizer: an ``optax.GradientTransformation`` (or a ``numpyro.optim`` optimiser).
     :param int num_steps: optimisation steps per client visit.
     :param int num_particles: ELBO particles (ignored if ``elbo`` is given).
     :param int batch_size: if set, each step uses ``batch_size`` random rows of the client, scaled up
         to the client's size; otherwise every step uses all of them.
     :param elbo: a NumPyro ELBO; default ``TraceMeanField_ELBO(num_particles)`` whose KL to the cavity
-        is analytic.
+        is analytic (``TraceEnum_ELBO(num_particles)`` for a model with enumerated sites).
     :param float average_fraction: average the guide's (unconstrained) parameters over this last
         fraction of the steps (Polyak averaging) to tame Monte Carlo noise, which the factor
         ``q_new / cavity`` amplifies about ``M``-fold. ``0`` keeps the last iterate.
@@ -41,6 +48,9 @@ class GradientUpdate:
         >>> import optax, numpyro_pvi as pvi
         >>> update = pvi.GradientUpdate(optax.adam(1e-2), num_steps=200, num_particles=4)
     """
+
+    supports_local_latents = True
+    supports_hyperparameters = True
 
     def __init__(self, optimizer: Any, num_steps: int, num_particles: int = 1, batch_size: int | None = None,
                  elbo: ELBO | None = None, average_fraction: float = 0.5) -> None:
@@ -54,43 +64,58 @@ class GradientUpdate:
         self.num_steps = num_steps
         self.batch_size = batch_size
         self.elbo = elbo if elbo is not None else TraceMeanField_ELBO(num_particles=num_particles)
+        self.num_particles, self.default_elbo = num_particles, elbo is None
         self.num_average = max(1, int(round(average_fraction * num_steps)))
 
     def init_state(self, problem: ClientProblem) -> Any:
-        """The client's persistent state (none for this update)."""
-        return ()
+        """The client's persistent state: its local guides (``site -> (loc, scale)``), none without local latents."""
+        return init_local_state(problem.sites) if problem.has_local else ()
 
     def bind(self, problem: ClientProblem) -> Callable:
         """Return the pure ``client_update(rng_key, client, cavity, q, state) -> ClientResult``."""
-        family = problem.family
+        family, sites, live, has_hyper = problem.family, problem.sites, problem.has_local, problem.has_hyper
+        if live and self.batch_size is not None:
+            raise NotImplementedError("GradientUpdate(batch_size=...) with local latent variables is not supported: "
+                                      "each step uses all of a client's rows.")
+        elbo = self.elbo
+        if live and sites.enumerated and self.default_elbo:
+            elbo = TraceEnum_ELBO(num_particles=self.num_particles)
 
-        def tilted_model(client: Client, scale: jax.Array, cavity: tuple, q: tuple) -> None:
+        def tilted_model(client: Client, scale: jax.Array, cavity: tuple, q: tuple, local: Any, hyper: Any) -> None:
             zeta = numpyro.sample("_pvi_zeta", family.distribution(*cavity))
-            numpyro.factor("_pvi_loglik", scale * problem.log_likelihood(zeta, client))
+            if live:  # the model itself: its local latents and observations are sites of this ELBO
+                problem.local_model(zeta, client, hyper)
+            else:
+                loglik = problem.log_likelihood(zeta, client, hyper) if has_hyper else \
+                    problem.log_likelihood(zeta, client)
+                numpyro.factor("_pvi_loglik", scale * loglik)
 
-        def tilted_guide(client: Client, scale: jax.Array, cavity: tuple, q: tuple) -> None:
+        def tilted_guide(client: Client, scale: jax.Array, cavity: tuple, q: tuple, local: Any, hyper: Any) -> None:
             loc = numpyro.param("_pvi_loc", q[0])
             spread = numpyro.param("_pvi_" + family.scale_name, q[1], constraint=family.scale_constraint)
             numpyro.sample("_pvi_zeta", family.distribution(loc, spread))
+            if live:
+                local_guide(sites, client.mask, local)
 
-        svi = SVI(tilted_model, tilted_guide, self.optimizer, self.elbo)
+        svi = SVI(tilted_model, tilted_guide, self.optimizer, elbo)
         num_steps, num_average = self.num_steps, self.num_average
 
         def client_update(rng_key: jax.Array, client: Client, cavity: NatParams, q: NatParams,
-                          state: Any) -> ClientResult:
+                          state: Any, hyper: Any = ()) -> ClientResult:
             cavity_params, q_params = family.loc_scale(cavity), family.loc_scale(q)
             init_key, batch_key = jax.random.split(rng_key)
+            extra = (state, hyper)
             # a batch as large as the (padded) client is the whole client: no sampling needed
             batch_size = None if self.batch_size is not None and self.batch_size >= client.mask.shape[0] \
                 else self.batch_size
-            svi_state = svi.init(init_key, client, 1.0, cavity_params, q_params)
+            svi_state = svi.init(init_key, client, 1.0, cavity_params, q_params, *extra)
             get = svi.optim.get_params
 
             def step(carry: tuple, xs: tuple) -> tuple:
                 svi_state, average = carry
                 i, key = xs
                 data, scale = (client, 1.0) if batch_size is None else problem.minibatch(key, client, batch_size)
-                svi_state, loss = svi.update(svi_state, data, scale, cavity_params, q_params)
+                svi_state, loss = svi.update(svi_state, data, scale, cavity_params, q_params, *extra)
                 # running mean of the unconstrained parameters over the last `num_average` steps
                 seen = i - (num_steps - num_average) + 1
                 weight = jnp.where(seen >= 1, 1.0 / jnp.maximum(seen, 1), 0.0)
@@ -102,7 +127,15 @@ class GradientUpdate:
             (svi_state, average), losses = jax.lax.scan(step, (svi_state, get(svi_state.optim_state)), xs)
             params = svi.constrain_fn(average)
             q_new = family.from_loc_scale(params["_pvi_loc"], params["_pvi_" + family.scale_name])
-            return ClientResult(q_new - q, -jnp.mean(losses[num_steps - num_average:]), state)
+            new_state = state_from_params(sites, params) if live else state
+            hyper_grad = ()
+            if has_hyper:  # d F_m / d hyper at the new q (and local guides), by the reparameterised ELBO
+                def free_energy(h: Any) -> jax.Array:
+                    return -elbo.loss(jax.random.fold_in(rng_key, 2), params, tilted_model, tilted_guide, client, 1.0,
+                                      cavity_params, q_params, new_state, h)
+
+                hyper_grad = jax.grad(free_energy)(hyper)
+            return ClientResult(q_new - q, -jnp.mean(losses[num_steps - num_average:]), new_state, 0, hyper_grad)
 
         return client_update
 

@@ -9,6 +9,9 @@ whose Gaussian form is ``eta2 = E_q[H] / 2``, ``eta1 = E_q[g] - E_q[H] mu`` (Bon
 ``step_size=1`` on a Gaussian likelihood one step is exact. Expectations use antithetic draws and
 ``jax.hessian`` (Stein's lemma from gradients above ``max_hessian_dim``); a step that would leave
 ``q`` improper is halved (counted in ``RoundInfo.clamped``) and, if that fails, not taken.
+
+Hyperparameters are supported (the client returns ``E_q[d log p(y_m | theta) / d hyper]`` at its new
+``q``); local latent variables are not (use ``GradientUpdate``).
 """
 
 from __future__ import annotations
@@ -40,6 +43,8 @@ class NaturalGradientUpdate:
         >>> update = pvi.NaturalGradientUpdate(step_size=0.5, num_steps=5, num_particles=32)
     """
 
+    supports_hyperparameters = True
+
     def __init__(self, step_size: float = 1.0, num_steps: int = 1, num_particles: int = 16, max_backtracks: int = 5,
                  max_hessian_dim: int = 64) -> None:
         if not 0.0 < step_size <= 1.0:
@@ -61,9 +66,12 @@ class NaturalGradientUpdate:
         use_hessian = problem.dim <= self.max_hessian_dim
         max_backtracks = self.max_backtracks
 
+        has_hyper = problem.has_hyper
+
         def client_update(rng_key: jax.Array, client: Client, cavity: NatParams, q: NatParams,
-                          state: Any) -> ClientResult:
-            loglik = lambda z: problem.log_likelihood(z, client)  # noqa: E731
+                          state: Any, hyper: Any = ()) -> ClientResult:
+            extra = (hyper,) if has_hyper else ()
+            loglik = lambda z: problem.log_likelihood(z, client, *extra)  # noqa: E731
             grad = jax.vmap(jax.grad(loglik))
             hessian = jax.vmap(jax.hessian(loglik)) if use_hessian else None
 
@@ -87,6 +95,10 @@ class NaturalGradientUpdate:
             q_dist = family.to_dist(q_new)
             zeta = q_dist.sample(jax.random.fold_in(rng_key, 1), (2 * pairs,))
             free_energy = jnp.mean(jax.vmap(loglik)(zeta)) - kl_divergence(q_dist, family.to_dist(cavity))
-            return ClientResult(t_new - t_old, free_energy, state, clamped)
+            hyper_grad = ()
+            if has_hyper:  # d F_m / d hyper = E_q[d log p(y_m | theta, hyper) / d hyper] at the new q
+                expected = lambda h: jnp.mean(jax.vmap(lambda z: problem.log_likelihood(z, client, h))(zeta))  # noqa: E731
+                hyper_grad = jax.grad(expected)(hyper)
+            return ClientResult(t_new - t_old, free_energy, state, clamped, hyper_grad)
 
         return client_update

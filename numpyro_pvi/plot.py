@@ -1,0 +1,356 @@
+"""Plots of a PVI run (matplotlib): its history, its marginals against other methods, its clients.
+
+Every function returns a ``matplotlib.figure.Figure`` made with ``pyplot`` (it shows in a notebook
+and with ``plt.show()``; save it with ``fig.savefig``); none calls ``plt.show``.
+
+* :func:`plot_history`: the global ELBO and every client's local free energy per round.
+* :func:`plot_compare`: marginal densities of chosen sites under PVI, SVI, NUTS, ...
+* :func:`plot_clients`: how each client's factor moves ``q`` (``q`` against each client's cavity).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+from numpyro.distributions.transforms import IdentityTransform, IndependentTransform
+
+__all__ = ["plot_clients", "plot_compare", "plot_history"]
+
+
+def plot_history(result: Any, *, clients: Sequence[int] | None = None, figsize: tuple | None = None) -> Any:
+    """Plot a run's history: the global ELBO (left) and each client's local free energy (right) per round.
+
+    Rounds where a client's update was rejected (``accepted < attempts``) are marked with a red ``x``
+    on that client's curve; rounds where a client was not visited (e.g. under
+    :class:`~numpyro_pvi.Continual`) leave a gap.
+
+    :param result: a :class:`~numpyro_pvi.PVIRunResult` (or its ``history``, a stacked
+        :class:`~numpyro_pvi.RoundInfo`).
+    :param clients: the clients whose free energy is drawn (default: all).
+    :param tuple figsize: the figure size in inches (default ``(10, 3.6)``).
+    :return: the ``matplotlib.figure.Figure``.
+
+    **Example:**
+
+    .. doctest::
+
+        >>> import numpy as np
+        >>> import numpyro_pvi as pvi
+        >>> from numpyro_pvi.plot import plot_history
+        >>> history = pvi.RoundInfo(elbo=np.array([-120.0, -80.0, -75.0]), free_energy=-np.ones((3, 4)),
+        ...                         attempts=np.ones((3, 4)), accepted=np.ones((3, 4)),
+        ...                         damping=np.ones((3, 4)), clamped=np.zeros((3, 4)), time=np.ones(3))
+        >>> fig = plot_history(history)
+        >>> [ax.get_title() for ax in fig.axes]
+        ['Global ELBO', 'Local free energy per client']
+    """
+    import matplotlib.pyplot as plt
+
+    history = getattr(result, "history", result)
+    if history is None or not hasattr(history, "elbo"):
+        raise ValueError("plot_history needs a PVIRunResult with a history (run at least one round).")
+    elbo = np.asarray(history.elbo, dtype=float)
+    free_energy = np.atleast_2d(np.asarray(history.free_energy, dtype=float))
+    rejected = np.asarray(history.attempts) > np.asarray(history.accepted)
+    rounds = np.arange(1, elbo.shape[0] + 1)
+    num_clients = free_energy.shape[1]
+    clients = list(range(num_clients)) if clients is None else [int(m) for m in clients]
+    fig, (ax_elbo, ax_local) = plt.subplots(1, 2, figsize=figsize or (10, 3.6), constrained_layout=True)
+    ax_elbo.plot(rounds, elbo, "o-", color="k", ms=3)
+    ax_elbo.set(title="Global ELBO", xlabel="round", ylabel="ELBO")
+    colors = _client_colors(num_clients)
+    labelled = len(clients) <= 10
+    for m in clients:
+        ax_local.plot(rounds, free_energy[:, m], "o-", ms=2.5, lw=1, color=colors[m],
+                      label=f"client {m}" if labelled else None)
+        bad = rejected[:, m]
+        if bad.any():
+            floor = np.nanmin(free_energy) if np.isfinite(free_energy).any() else 0.0
+            ax_local.plot(rounds[bad], np.nan_to_num(free_energy[bad, m], nan=floor), "x",
+                          color="red", ms=7, mew=2)
+    ax_local.set(title="Local free energy per client", xlabel="round", ylabel=r"$F_m$")
+    if rejected[:, clients].any():
+        ax_local.plot([], [], "x", color="red", mew=2, label="rejected update")
+    if labelled or rejected[:, clients].any():
+        ax_local.legend(fontsize="small", ncols=2 if len(clients) > 5 else 1)
+    for ax in (ax_elbo, ax_local):
+        ax.xaxis.get_major_locator().set_params(integer=True)
+    return fig
+
+
+def plot_compare(posteriors: Mapping[str, Any], sites: Sequence[str] | Mapping[str, Sequence[int]] | None = None, *,
+                 max_panels: int = 12, ncols: int = 4, num_samples: int = 2000, figsize: tuple | None = None) -> Any:
+    """Plot the marginal densities of chosen sites under several inference methods, e.g. PVI vs SVI vs NUTS.
+
+    One panel per scalar coordinate (``w[0]``, ``w[1]``, ...); each method is a kernel density
+    estimate of its samples, with its mean as a tick on the axis.
+
+    :param posteriors: method label -> its posterior: a dict site -> samples ``(num_draws, *shape)``
+        (e.g. ``mcmc.get_samples()`` or ``Predictive(guide, params=..., num_samples=...)(key)``), a
+        :class:`~numpyro_pvi.PVIRunResult` (``num_samples`` draws from ``q`` are taken), a NumPyro
+        ``MCMC`` object or an ``arviz.InferenceData``.
+    :param sites: site names (every coordinate of each), or a dict site -> flat indices of the
+        coordinates to show; default: the sites common to all methods.
+    :param int max_panels: at most this many panels (the first coordinates in order).
+    :param int ncols: panels per row.
+    :param int num_samples: draws taken from a ``PVIRunResult``.
+    :param tuple figsize: the figure size (default: 2.6 x 2.2 inches per panel).
+    :return: the ``matplotlib.figure.Figure``.
+
+    **Example:**
+
+    .. doctest::
+
+        >>> import numpy as np
+        >>> from numpyro_pvi.plot import plot_compare
+        >>> rng = np.random.default_rng(0)
+        >>> fig = plot_compare({"PVI": {"w": rng.normal(0.0, 1.0, (500, 3))},
+        ...                     "NUTS": {"w": rng.normal(0.1, 1.2, (500, 3))}}, sites=["w"])
+        >>> [ax.get_title() for ax in fig.axes]
+        ['w[0]', 'w[1]', 'w[2]']
+    """
+    import matplotlib.pyplot as plt
+
+    if not posteriors:
+        raise ValueError("plot_compare needs at least one posterior, e.g. {'PVI': result, 'NUTS': mcmc}.")
+    draws = {label: _as_samples(post, num_samples) for label, post in posteriors.items()}
+    common = [name for name in next(iter(draws.values())) if all(name in d for d in draws.values())]
+    if sites is None:
+        selection = {name: None for name in common}
+    elif isinstance(sites, Mapping):
+        selection = {name: list(idx) for name, idx in sites.items()}
+    else:
+        selection = {name: None for name in sites}
+    for name in selection:
+        missing = [label for label, d in draws.items() if name not in d]
+        if missing:
+            raise ValueError(f"plot_compare: site '{name}' is missing from {missing}; common sites: {common}.")
+    panels = []  # (title, {label: 1-d samples})
+    for name, indices in selection.items():
+        first = np.asarray(next(iter(draws.values()))[name])
+        shape = first.shape[1:]
+        size = int(np.prod(shape, dtype=int))
+        for i in range(size) if indices is None else indices:
+            title = name if shape == () else f"{name}[{','.join(map(str, np.unravel_index(i, shape)))}]"
+            panels.append((title, {label: np.asarray(d[name]).reshape(np.shape(d[name])[0], -1)[:, i]
+                                   for label, d in draws.items()}))
+    if not panels:
+        raise ValueError("plot_compare: no coordinate to plot.")
+    panels = panels[:max_panels]
+    ncols = max(1, min(ncols, len(panels)))
+    nrows = -(-len(panels) // ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=figsize or (2.6 * ncols, 2.2 * nrows), squeeze=False,
+                             constrained_layout=True)
+    colors = dict(zip(draws, _method_colors(len(draws))))
+    for ax, (title, values) in zip(axes.flat, panels):
+        for label, x in values.items():
+            grid, density = _kde(np.asarray(x, dtype=float))
+            ax.plot(grid, density, color=colors[label], lw=1.5, label=label)
+            ax.plot([np.mean(x)], [0.0], "|", color=colors[label], ms=10, mew=2, clip_on=False)
+        ax.set_title(title)
+        ax.set_yticks([])
+        ax.set_ylim(bottom=0.0)
+    for ax in axes.flat[len(panels):]:
+        ax.set_visible(False)
+    fig.legend(*axes.flat[0].get_legend_handles_labels(), loc="outside right upper", fontsize="small")
+    return fig
+
+
+def plot_clients(result: Any, sites: Sequence[str] | Mapping[str, Sequence[int]] | None = None, *,
+                 max_coords: int = 4, figsize: tuple | None = None) -> Any:
+    """Show how each client's factor moves ``q``: ``q`` against every client's cavity ``q / t_m``.
+
+    For each chosen coordinate of the flat unconstrained vector ``zeta`` (one column), the top panel
+    draws ``q``'s marginal (black) and each client's cavity (``q`` without that client's factor,
+    coloured): the further a cavity lies from ``q``, the more that client's data move the posterior.
+    The bottom panel splits ``q``'s precision into the prior's share (with ``t_0``) and each
+    client's share ``prec(t_m) / prec(q)``; the shares sum to 1, and a negative share is an improper
+    factor that widens ``q``.
+
+    :param result: a :class:`~numpyro_pvi.PVIRunResult`.
+    :param sites: site names, or a dict site -> flat indices into the site's unconstrained value;
+        default: all global sites.
+    :param int max_coords: at most this many coordinates (columns).
+    :param tuple figsize: the figure size (default: 3 x 5 inches per column).
+    :return: the ``matplotlib.figure.Figure``.
+
+    **Example:**
+
+    .. doctest::
+
+        >>> import jax.numpy as jnp, optax, numpyro, numpyro.distributions as dist
+        >>> from jax import random
+        >>> import numpyro_pvi as pvi
+        >>> from numpyro_pvi.plot import plot_clients
+        >>> def model(x, y=None):
+        ...     mu = numpyro.sample("mu", dist.Normal(0.0, 1.0))
+        ...     with pvi.partition_plate("data", x.shape[0]):
+        ...         numpyro.sample("y", dist.Normal(mu, 1.0), obs=y)
+        >>> x, y = jnp.zeros(30), 1.0 + random.normal(random.PRNGKey(0), (30,))
+        >>> inference = pvi.PVI(model, pvi.MeanFieldGaussian(),
+        ...                     partitions=[jnp.arange(0, 10), jnp.arange(10, 30)],
+        ...                     local_update=pvi.GradientUpdate(optax.adam(0.05), num_steps=200),
+        ...                     server=pvi.Sequential())
+        >>> result = inference.run(random.PRNGKey(1), 2, x, y=y, progress_bar=False)
+        >>> fig = plot_clients(result)
+        >>> fig.axes[0].get_title()
+        'mu'
+    """
+    import matplotlib.pyplot as plt
+
+    if getattr(result, "state", None) is None or getattr(result, "inference", None) is None:
+        raise TypeError(f"plot_clients expects the PVIRunResult of PVI.run, got {type(result).__name__}.")
+    coords = _flat_coordinates(result.inference._current_sites(), sites)[:max_coords]
+    family, state = result.inference.family, result.state
+    q_loc, q_var, q_prec = _marginals(family, state.q)
+    factors = [_index(state.factors, m) for m in range(int(np.shape(state.factors.eta1)[0]))]
+    num_clients = len(factors)
+    factor_prec = np.stack([_diag_precision(family, t) for t in factors])  # (M, D)
+    cavities = [_marginals(family, _sub(state.q, t)) for t in factors]
+    colors = _client_colors(num_clients)
+    ncols = len(coords)
+    fig, axes = plt.subplots(2, ncols, figsize=figsize or (3.0 * ncols, 5.0), squeeze=False,
+                             constrained_layout=True, gridspec_kw={"height_ratios": [3, 2]})
+    for col, (title, i) in enumerate(coords):
+        ax, bars = axes[0, col], axes[1, col]
+        sd = np.sqrt(q_var[i])
+        spread = [q_loc[i] - 4 * sd, q_loc[i] + 4 * sd]
+        for loc, var, _ in cavities:
+            if np.isfinite(var[i]) and var[i] > 0:
+                spread += [loc[i] - 3 * np.sqrt(var[i]), loc[i] + 3 * np.sqrt(var[i])]
+        grid = np.linspace(min(spread), max(spread), 400)
+        for m, (loc, var, _) in enumerate(cavities):
+            if np.isfinite(var[i]) and var[i] > 0:
+                ax.plot(grid, _normal_pdf(grid, loc[i], var[i]), color=colors[m], lw=1, alpha=0.85,
+                        label=f"without client {m}" if num_clients <= 10 else None)
+        ax.plot(grid, _normal_pdf(grid, q_loc[i], q_var[i]), color="k", lw=2.2, label="q")
+        ax.set_title(title)
+        ax.set_yticks([])
+        ax.set_ylim(bottom=0.0)
+        share = factor_prec[:, i] / q_prec[i]
+        prior_share = 1.0 - np.sum(share)
+        bars.bar(np.arange(-1, num_clients), np.concatenate([[prior_share], share]),
+                 color=["0.6"] + [colors[m] for m in range(num_clients)])
+        bars.axhline(0.0, color="k", lw=0.8)
+        bars.set_xticks(np.arange(-1, num_clients),
+                        ["prior"] + [str(m) if num_clients <= 12 or m % 5 == 0 else "" for m in range(num_clients)],
+                        fontsize="small")
+        bars.set_xlabel("client")
+    fig.legend(*axes[0, 0].get_legend_handles_labels(), loc="outside right upper", fontsize="small")
+    axes[1, 0].set_ylabel("share of q's precision")
+    return fig
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _as_samples(posterior: Any, num_samples: int) -> dict:
+    """Any supported posterior -> dict site -> numpy samples ``(num_draws, *shape)``."""
+    import jax
+
+    if hasattr(posterior, "sample_posterior") and hasattr(posterior, "state"):  # PVIRunResult
+        from numpyro_pvi.diagnostics import _site_order
+
+        samples = posterior.sample_posterior(jax.random.PRNGKey(0), num_samples)
+        return {k: np.asarray(samples[k]) for k in _site_order(posterior, samples)}
+    if hasattr(posterior, "get_samples"):  # numpyro MCMC
+        return {k: np.asarray(v) for k, v in posterior.get_samples().items()}
+    if hasattr(posterior, "posterior"):  # arviz InferenceData
+        post = posterior.posterior
+        return {k: post[k].values.reshape((-1,) + post[k].values.shape[2:]) for k in post.data_vars}
+    if isinstance(posterior, Mapping):
+        return {k: np.asarray(v) for k, v in posterior.items()}
+    raise TypeError(f"plot_compare: cannot read samples from {type(posterior).__name__}; give a dict "
+                    "site -> samples, a PVIRunResult, an MCMC object or an arviz.InferenceData.")
+
+
+def _kde(x: np.ndarray, num_points: int = 256) -> tuple[np.ndarray, np.ndarray]:
+    """Gaussian kernel density estimate with Silverman's bandwidth on a grid around ``x``."""
+    x = x[np.isfinite(x)]
+    sd = np.std(x)
+    iqr = np.subtract(*np.percentile(x, [75, 25])) / 1.349
+    spread = min(sd, iqr) if iqr > 0 else sd
+    bandwidth = 0.9 * max(spread, 1e-12) * len(x) ** -0.2
+    grid = np.linspace(x.min() - 3 * bandwidth, x.max() + 3 * bandwidth, num_points)
+    density = np.zeros_like(grid)
+    for chunk in np.array_split(x, max(1, len(x) // 2000)):
+        density += np.exp(-0.5 * ((grid[:, None] - chunk[None, :]) / bandwidth) ** 2).sum(axis=1)
+    return grid, density / (len(x) * bandwidth * np.sqrt(2 * np.pi))
+
+
+def _normal_pdf(x: np.ndarray, loc: float, var: float) -> np.ndarray:
+    return np.exp(-0.5 * (x - loc) ** 2 / var) / np.sqrt(2 * np.pi * var)
+
+
+def _index(nat: Any, m: int) -> Any:
+    return type(nat)(*(np.asarray(leaf, dtype=np.float64)[m] for leaf in nat))
+
+
+def _sub(a: Any, b: Any) -> Any:
+    return type(a)(*(np.asarray(x, dtype=np.float64) - np.asarray(y, dtype=np.float64) for x, y in zip(a, b)))
+
+
+def _diag_precision(family: Any, nat: Any) -> np.ndarray:
+    eta2 = np.asarray(nat.eta2, dtype=np.float64)
+    return -2.0 * (np.diagonal(eta2) if eta2.ndim == 2 else eta2)
+
+
+def _marginals(family: Any, nat: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Marginal means and variances of a Gaussian in natural parameters (NaN if improper), and its precisions."""
+    eta1, eta2 = np.asarray(nat.eta1, dtype=np.float64), np.asarray(nat.eta2, dtype=np.float64)
+    if eta2.ndim == 2:
+        precision = -(eta2 + eta2.T)
+        try:
+            np.linalg.cholesky(precision)
+            cov = np.linalg.inv(precision)
+            return cov @ eta1, np.diagonal(cov).copy(), np.diagonal(precision).copy()
+        except np.linalg.LinAlgError:
+            nan = np.full(eta1.shape, np.nan)
+            return nan, nan, np.diagonal(precision).copy()
+    precision = -2.0 * eta2
+    with np.errstate(divide="ignore", invalid="ignore"):
+        var = np.where(precision > 0, 1.0 / precision, np.nan)
+    return var * eta1, var, precision
+
+
+def _flat_coordinates(model_sites: Any, sites: Sequence[str] | Mapping[str, Sequence[int]] | None) -> list:
+    """``(title, flat index)`` of the chosen coordinates of ``zeta``."""
+    by_name = {s.name: s for s in model_sites.globals}
+    slices = model_sites.slices()
+    if sites is None:
+        selection = {name: None for name in by_name}
+    elif isinstance(sites, Mapping):
+        selection = {name: list(idx) for name, idx in sites.items()}
+    else:
+        selection = {name: None for name in sites}
+    out = []
+    for name, indices in selection.items():
+        if name not in by_name:
+            raise ValueError(f"plot_clients: '{name}' is not a global site; the global sites are {list(by_name)}.")
+        site = by_name[name]
+        transform = site.transform
+        while isinstance(transform, IndependentTransform):
+            transform = transform.base_transform
+        suffix = "" if isinstance(transform, IdentityTransform) else " (unconstrained)"
+        for i in range(site.size) if indices is None else indices:
+            title = name if site.flat_shape == () else \
+                f"{name}[{','.join(map(str, np.unravel_index(i, site.flat_shape)))}]"
+            out.append((title + suffix, slices[name].start + int(i)))
+    if not out:
+        raise ValueError("plot_clients: no coordinate to plot.")
+    return out
+
+
+def _client_colors(num_clients: int) -> list:
+    import matplotlib
+
+    cmap = matplotlib.colormaps["tab10" if num_clients <= 10 else "viridis"]
+    return [cmap(m if num_clients <= 10 else m / max(num_clients - 1, 1)) for m in range(num_clients)]
+
+
+def _method_colors(num_methods: int) -> list:
+    import matplotlib
+
+    return [matplotlib.colormaps["tab10"](i % 10) for i in range(num_methods)]

@@ -1,0 +1,120 @@
+"""Hyperparameters (numpyro.param outside the partition plate): clients' gradients, the server's optimiser."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import numpyro
+import numpyro.distributions as dist
+import optax
+import pytest
+from jax import random
+from numpyro.distributions import constraints
+from scipy.optimize import minimize_scalar
+
+import numpyro_pvi as pvi
+
+N = 60
+
+
+def noise_model(X, y=None):
+    """Bayesian linear regression whose noise scale is a learned hyperparameter."""
+    w = numpyro.sample("w", dist.Normal(0.0, 1.0).expand([X.shape[1]]).to_event(1))
+    sigma = numpyro.param("sigma", 1.0, constraint=constraints.positive)
+    with pvi.partition_plate("data", X.shape[0]):
+        numpyro.sample("y", dist.Normal(X @ w, sigma), obs=y)
+
+
+def log_evidence(X, y, log_sigma):
+    """log p(y | sigma) = log N(y; 0, X X^T + sigma^2 I): the type-II likelihood, in closed form."""
+    cov = X @ X.T + jnp.exp(2 * log_sigma) * jnp.eye(X.shape[0])
+    return dist.MultivariateNormal(jnp.zeros(X.shape[0]), cov).log_prob(y)
+
+
+@pytest.fixture(scope="module")
+def data():
+    X = random.normal(random.PRNGKey(0), (N, 3))
+    y = X @ jnp.array([1.0, -0.5, 0.3]) + 0.5 * random.normal(random.PRNGKey(1), (N,))
+    return X, y
+
+
+@pytest.fixture(scope="module")
+def type_ii_sigma(data):
+    X, y = (np.asarray(a, np.float64) for a in data)
+
+    def nll(log_sigma):
+        sign, logdet = np.linalg.slogdet(X @ X.T + np.exp(2 * log_sigma) * np.eye(N))
+        return 0.5 * (logdet + y @ np.linalg.solve(X @ X.T + np.exp(2 * log_sigma) * np.eye(N), y))
+
+    return float(np.exp(minimize_scalar(nll, bounds=(-5, 2), method="bounded", options={"xatol": 1e-8}).x))
+
+
+PARTS = pvi.split_iid(random.PRNGKey(2), N, 3)
+
+
+def test_clients_gradients_sum_to_the_evidence_gradient(data):
+    """Bui et al. 2018, eq. 5: at the exact posterior, sum_m E_q[d log p(y_m | w, s) / d s] = d log p(y | s) / d s."""
+    X, y = data
+    update = pvi.NaturalGradientUpdate(step_size=1.0, num_particles=512)  # exact in one step on this model
+    inference = pvi.PVI(noise_model, pvi.FullRankGaussian(), PARTS, update, pvi.Sequential(),
+                        hyper_optimizer=optax.sgd(0.0))  # sigma stays at 1, q is its exact posterior
+    state = inference.run(random.PRNGKey(0), 1, X, y=y, progress_bar=False).state
+    setup = inference._setup((X,), {"y": y})
+    client_update = jax.jit(update.bind(setup.problem))
+    total = 0.0
+    for m in range(3):
+        client = pvi.Client([a[m] for a in setup.data[0]], setup.data[1][m], setup.data[2][m])
+        cavity = jax.tree.map(lambda a, f, m=m: a - f[m], state.q, state.factors)
+        result = client_update(random.PRNGKey(m), client, cavity, state.q, (), state.hyper)
+        total = total + result.hyper_grad["sigma"]
+    expected = jax.grad(lambda s: log_evidence(X, y, s))(state.hyper["sigma"])
+    # at sigma = 1 the gradient is -40.2; with 512 antithetic draws the sum was within 0.5 % of it over seeds 0-3
+    assert float(total) == pytest.approx(float(expected), rel=0.02)
+
+
+@pytest.mark.parametrize("kind", ["natural_gradient", "gradient"])
+def test_noise_scale_reaches_type_ii_maximum_likelihood(data, type_ii_sigma, kind):
+    X, y = data
+    if kind == "natural_gradient":
+        update, server, rounds, lr = pvi.NaturalGradientUpdate(step_size=1.0, num_particles=32), pvi.Synchronous(), \
+            200, 0.05
+    else:
+        update = pvi.GradientUpdate(optax.adam(optax.exponential_decay(2e-2, 200, 0.05)), num_steps=200,
+                                    num_particles=8)
+        server, rounds, lr = pvi.Synchronous(0.5), 100, 0.05
+    inference = pvi.PVI(noise_model, pvi.FullRankGaussian(), PARTS, update, server,
+                        hyper_optimizer=optax.adam(optax.exponential_decay(lr, rounds, 0.05)))
+    result = inference.run(random.PRNGKey(0), rounds, X, y=y, progress_bar=False)
+    assert result.history.num_rejected.sum() == 0
+    sigma = float(result.hyperparameters["sigma"])
+    # type-II ML sigma = 0.5431 (from 1.0); over seeds 0-3 natural-gradient PVI ended within 0.07 % of it, and
+    # gradient PVI (MC-noisy q and gradients) within 0.43 %
+    assert sigma == pytest.approx(type_ii_sigma, rel=0.005 if kind == "natural_gradient" else 0.02)
+    assert float(jnp.exp(result.state.hyper["sigma"])) == pytest.approx(sigma)  # learned in log space: positive
+
+
+def test_hyperparameters_reach_predictive_and_checkpoints(data, tmp_path):
+    X, y = data
+    inference = pvi.PVI(noise_model, pvi.MeanFieldGaussian(), PARTS, pvi.NaturalGradientUpdate(), pvi.Synchronous(),
+                        hyper_optimizer=optax.sgd(1e-3))
+    result = inference.run(random.PRNGKey(0), 3, X, y=y, progress_bar=False)
+    assert float(result.hyperparameters["sigma"]) < 1.0  # the data pull the noise down from its initial 1
+    pvi.save(result.state, tmp_path / "state.npz")
+    loaded = pvi.load(tmp_path / "state.npz")
+    np.testing.assert_allclose(loaded.hyper["sigma"], result.state.hyper["sigma"])
+    predictive = numpyro.infer.Predictive(noise_model, guide=result.guide(), params=result.hyperparameters,
+                                          num_samples=2000, return_sites=["y"])
+    draws = predictive(random.PRNGKey(1), X[:3])["y"]
+    sd = float(jnp.std(draws[:, 0] - draws[:, 0].mean()))
+    assert sd == pytest.approx(float(result.hyperparameters["sigma"]), rel=0.15)  # noise dominates the spread
+
+
+def test_param_inside_the_partition_plate_is_refused(data):
+    def model(X, y=None):
+        w = numpyro.sample("w", dist.Normal(0.0, 1.0).expand([X.shape[1]]).to_event(1))
+        with pvi.partition_plate("data", X.shape[0]):
+            offset = numpyro.param("offset", jnp.zeros(X.shape[0]))
+            numpyro.sample("y", dist.Normal(X @ w + offset, 1.0), obs=y)
+
+    inference = pvi.PVI(model, pvi.MeanFieldGaussian(), PARTS, pvi.NaturalGradientUpdate())
+    with pytest.raises(ValueError, match="numpyro.param site 'offset' is inside partition plate 'data'"):
+        inference.init(random.PRNGKey(0), *data[:1], y=data[1])
