@@ -112,14 +112,8 @@ def time_to_optimum(server, parts, X, y, args, delay, targets):
         reached = [r if r == r or info.elbo < t else elapsed for r, t in zip(reached, targets)]
         if info.elbo >= max(targets):
             break
-    release(inference)
+    inference.backend.close()  # each actor reserves a CPU share, and later runs' actors need those shares
     return reached, trace
-
-
-def release(inference):
-    """Kill the run's actors: each reserves a CPU share, and later runs' actors need those shares."""
-    for actor in inference.backend.actors:
-        ray.kill(actor)
 
 
 def main():
@@ -144,7 +138,7 @@ def main():
     warm_up.update(warm_up.init(random.PRNGKey(0), X, y=y), X, y=y)  # fills the cache: not timed
     best = optimum_elbo(warm_up, warm_up.init(random.PRNGKey(0), X, y=y), X, y, optimum_steps)
     targets = [best - 0.01 * abs(best), best - 2.0]
-    release(warm_up)
+    warm_up.backend.close()
     print(f"logistic regression N={num_data}, {NUM_CLIENTS} Ray clients on 2 workers, the last {SLOWDOWN:.0f}x "
           f"slower (+{delay:.3f} s per update); {args.steps} local steps per update; global MF optimum ELBO "
           f"{best:.1f}\n")

@@ -12,7 +12,7 @@
 
 A backend has ``jit_group`` and ``prepare(local_update, problem, data) -> run`` where
 ``run(ids, keys, cavities, q, states, data, hyper=()) -> ClientResult`` (stacked over ``ids``); ``hyper``
-(the hyperparameters, shared by all clients) reaches ``client_update`` only if the model has any.
+(the hyperparameters, ``()`` if none) is shared by all clients.
 Every backend hands a client the same random key, so all give the same result for the same seed.
 """
 
@@ -26,8 +26,8 @@ import numpy as np
 
 from numpyro_pvi.local_updates.base import Client, ClientProblem, ClientResult
 
-# client_update(rng_key, client, cavity, q, state): q is shared, the rest is per client.
-IN_AXES = (0, 0, 0, None, 0)
+# client_update(rng_key, client, cavity, q, state, hyper): q and hyper are shared, the rest is per client.
+IN_AXES = (0, 0, 0, None, 0, None)
 
 
 def gather(data: tuple, ids: jax.Array) -> Client:
@@ -56,11 +56,6 @@ def failed_result(cavity: Any, state: Any, hyper: Any = ()) -> ClientResult:
     return ClientResult(nan_like(cavity), jnp.asarray(jnp.nan), state, jnp.asarray(0), nan_like(hyper))
 
 
-def _extra(problem: ClientProblem, hyper: Any) -> tuple:
-    """The optional sixth argument of ``client_update``: the hyperparameters, if the model has any."""
-    return (hyper,) if problem.has_hyper else ()
-
-
 class VmapBackend:
     """All clients of a group in one ``jax.vmap``; the whole group step is jitted.
 
@@ -73,20 +68,20 @@ class VmapBackend:
 
     def prepare(self, local_update: Any, problem: ClientProblem, data: tuple) -> Callable:
         client_update = local_update.bind(problem)
-        batched = jax.vmap(client_update, in_axes=IN_AXES + (None,) * problem.has_hyper)
+        batched = jax.vmap(client_update, in_axes=IN_AXES)
         num_devices = jax.device_count()
         mesh = jax.make_mesh((num_devices,), ("clients",), axis_types=(jax.sharding.AxisType.Auto,))
         by_client = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("clients"))
 
         def run(ids, keys, cavities, q, states, data, hyper=()):  # noqa: ANN001, ANN202
-            inputs, extra = (keys, gather(data, ids), cavities, states), _extra(problem, hyper)
+            inputs = (keys, gather(data, ids), cavities, states)
             if len(ids) == 1:  # one client (Sequential, M = 1): unbatched, as XLA's batched matmuls are slower
                 keys, client, cavity, state = take(inputs, 0)
-                return stack([client_update(keys, client, cavity, q, state, *extra)])
+                return stack([client_update(keys, client, cavity, q, state, hyper)])
             if num_devices > 1 and len(ids) % num_devices == 0:
                 inputs = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, by_client), inputs)
             keys, clients, cavities, states = inputs
-            return batched(keys, clients, cavities, q, states, *extra)
+            return batched(keys, clients, cavities, q, states, hyper)
 
         return run
 
@@ -101,11 +96,11 @@ class LoopBackend:
         single = jax.jit(local_update.bind(problem))
 
         def run(ids, keys, cavities, q, states, data, hyper=()):  # noqa: ANN001, ANN202
-            clients, results, extra = gather(data, ids), [], _extra(problem, hyper)
+            clients, results = gather(data, ids), []
             for i in range(len(ids)):
                 cavity, state = take(cavities, i), take(states, i)
                 try:
-                    results.append(jax.block_until_ready(single(keys[i], take(clients, i), cavity, q, state, *extra)))
+                    results.append(jax.block_until_ready(single(keys[i], take(clients, i), cavity, q, state, hyper)))
                 except Exception:  # noqa: BLE001 - a failing client is rejected, the run goes on
                     results.append(failed_result(cavity, state, hyper))
             return stack(results)
@@ -125,7 +120,8 @@ class RayBackend:
     :param float timeout: seconds to wait for one client update (``None``: no limit).
     :param float cpus_per_client: the CPU share each actor reserves (several actors share a core).
 
-    **Example:** ``pvi.PVI(..., backend=pvi.RayBackend(num_workers=2))``
+    **Example:** ``pvi.PVI(..., backend=pvi.RayBackend(num_workers=2))``; ``backend.close()`` frees the
+    actors' CPU shares when the inference is done.
     """
 
     name = "ray"
@@ -148,15 +144,13 @@ class RayBackend:
         clients = [unpad(jax.device_get(take(gather(data, np.arange(len(data[1]))), m)), problem.is_row)
                    for m in range(len(data[1]))]
         self._spawn = lambda m: actor_class.remote(local_update, problem, clients[m])
-        self.actors = [self._spawn(m) for m in range(len(clients))]
+        self._num_clients = len(clients)
         try:
-            ray.get([actor.ping.remote() for actor in self.actors])
+            ray.get([actor.ping.remote() for actor in self._live_actors()])
         except ray.exceptions.RayError as e:
             raise RuntimeError("A Ray client actor failed to start. Its worker process must be able to import the "
                                "model's module (define the model in __main__, or register its module with "
                                f"ray.cloudpickle.register_pickle_by_value, or set a runtime_env): {e}") from e
-
-        self._extra = lambda hyper: _extra(problem, hyper)
 
         def run(ids, keys, cavities, q, states, data, hyper=()):  # noqa: ANN001, ANN202
             futures = [self.submit(int(m), keys[i], take(cavities, i), q, take(states, i), hyper)
@@ -166,9 +160,15 @@ class RayBackend:
 
         return run
 
+    def _live_actors(self) -> list:
+        """The client actors, (re)started after :meth:`close`."""
+        if not self.actors:
+            self.actors = [self._spawn(m) for m in range(self._num_clients)]
+        return self.actors
+
     def submit(self, m: int, key: jax.Array, cavity: Any, q: Any, state: Any, hyper: Any = ()) -> Any:
         """Start client ``m``'s update; returns a Ray object reference."""
-        return self.actors[m].update.remote(*jax.device_get((key, cavity, q, state) + self._extra(hyper)))
+        return self._live_actors()[m].update.remote(*jax.device_get((key, cavity, q, state, hyper)))
 
     def result(self, m: int, future: Any, cavity: Any, state: Any, hyper: Any = ()) -> ClientResult:
         """Client ``m``'s result, or a rejected one if it failed, timed out or its actor died."""
@@ -181,6 +181,15 @@ class RayBackend:
         except ray.exceptions.RayError:
             pass  # the update raised: reject it, keep the actor
         return failed_result(cavity, state, hyper)
+
+    def close(self) -> None:
+        """Kill this backend's client actors: each holds its CPU share (``cpus_per_client``) until killed.
+
+        The next update with this backend starts new actors from the clients' data.
+        """
+        for actor in self.actors:
+            self.ray.kill(actor, no_restart=True)
+        self.actors = []
 
     def wait_any(self, futures: dict) -> int:
         """The client whose pending update (``{client: future}``) finishes first."""
@@ -197,8 +206,8 @@ class ClientActor:
         self.client = jax.tree.map(jnp.asarray, client)
         self.client_update = jax.jit(local_update.bind(problem))
 
-    def update(self, key: Any, cavity: Any, q: Any, state: Any, *hyper: Any) -> ClientResult:
-        return jax.device_get(self.client_update(key, self.client, cavity, q, state, *hyper))
+    def update(self, key: Any, cavity: Any, q: Any, state: Any, hyper: Any = ()) -> ClientResult:
+        return jax.device_get(self.client_update(key, self.client, cavity, q, state, hyper))
 
     def ping(self) -> bool:
         return True

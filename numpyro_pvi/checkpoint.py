@@ -13,7 +13,7 @@ import pickle
 import jax
 import numpy as np
 
-FORMAT = "numpyro_pvi.PVIState/1"
+FORMAT = "numpyro_pvi.PVIState/2"  # 2: PVIState.hyper_grads
 
 
 def save(state: object, path: str | os.PathLike) -> None:

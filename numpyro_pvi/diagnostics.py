@@ -1,8 +1,9 @@
 """ArviZ conversion: a fitted PVI run as an ``arviz.InferenceData``.
 
 :func:`to_arviz` draws independent samples of every global site from ``q`` into the ``posterior``
-group and stores the run's per-round history (:class:`~numpyro_pvi.RoundInfo`) in ``sample_stats``,
-so ``arviz.summary``, ``arviz.plot_posterior`` and ``arviz.plot_forest`` work as for NumPyro's MCMC.
+group (with every client's local latent sites, if the model has any) and stores the run's per-round
+history (:class:`~numpyro_pvi.RoundInfo`) in ``sample_stats``, so ``arviz.summary``,
+``arviz.plot_posterior`` and ``arviz.plot_forest`` work as for NumPyro's MCMC.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from typing import Any
 
 import jax
 import numpy as np
+
+from numpyro_pvi.partition import ClientData
 
 #: ``RoundInfo`` fields stored in ``sample_stats``, with their per-round dimensions.
 HISTORY_DIMS = {
@@ -40,8 +43,10 @@ def to_arviz(result: Any, num_samples: int = 1000, rng_key: jax.Array | None = N
     least 2 chains (with ``num_chains=1``, ``arviz.summary`` logs a shape warning and reports
     ``r_hat`` as NaN), hence the default of 4.
 
-    PVI's models have no local latent sites (latents inside the partition plate are rejected by
-    :class:`~numpyro_pvi.PVI`), so the posterior holds exactly the global sites.
+    * Local latent sites (inside the partition plate) are drawn from each client's private guide and
+      gathered over clients along a dimension named after the partition plate, in the pooled data's
+      row order (with ``ClientData``: client 0's rows, then client 1's, ...); ``constant_data``
+      then holds ``client``, the client that holds each row.
 
     :param result: the :class:`~numpyro_pvi.PVIRunResult` of :meth:`PVI.run <numpyro_pvi.PVI.run>`.
     :param int num_samples: total number of draws from ``q``, split evenly over the chains.
@@ -92,14 +97,24 @@ def to_arviz(result: Any, num_samples: int = 1000, rng_key: jax.Array | None = N
     rng_key = jax.random.PRNGKey(0) if rng_key is None else rng_key
     samples = jax.device_get(result.sample_posterior(rng_key, int(num_samples)))
     order = _site_order(result, samples)
+    local, local_dims, client_of_row, row_index = _local_draws(result, jax.random.fold_in(rng_key, 1),
+                                                               int(num_samples))
+    samples.update(local)
+    dims = {**local_dims, **(dims or {})}
+    if local:
+        coords = {result.inference._current_sites().plate: row_index, **(coords or {})}
     draws = int(num_samples) // int(num_chains)
     posterior = {name: np.asarray(samples[name]).reshape((num_chains, draws) + np.shape(samples[name])[1:])
-                 for name in order}
+                 for name in order + list(local)}
     attrs = {"inference_library": "numpyro_pvi", "inference_library_version": _version(),
              "family": type(result.inference.family).__name__, "server": repr(result.inference.server),
              "num_clients": int(np.shape(result.state.factors.eta1)[0])}
     posterior_ds = az.dict_to_dataset(posterior, library=None, coords=coords, dims=dims, attrs=attrs)
     groups = {"posterior": posterior_ds}
+    if local:
+        plate = result.inference._current_sites().plate
+        groups["constant_data"] = xr.Dataset({"client": ((plate,), client_of_row)}, coords={plate: row_index},
+                                             attrs=attrs)
     history = result.history
     if history is not None:
         num_rounds = int(np.shape(history.elbo)[0])
@@ -110,6 +125,31 @@ def to_arviz(result: Any, num_samples: int = 1000, rng_key: jax.Array | None = N
         groups["sample_stats"] = xr.Dataset(data_vars, coords=history_coords,
                                             attrs={**attrs, "num_rounds": num_rounds})
     return az.InferenceData(**groups)
+
+
+def _local_draws(result: Any, rng_key: jax.Array, num_samples: int) -> tuple[dict, dict, np.ndarray, np.ndarray]:
+    """Every client's local latent draws in pooled row order: ``(samples, dims, client_of_row, row_index)``."""
+    sites = result.inference._current_sites()
+    if not sites.locals:
+        return {}, {}, np.zeros(0, int), np.zeros(0, int)
+    inference = result.inference
+    num_clients = int(np.shape(result.state.factors.eta1)[0])
+    per_client = [jax.device_get(result.sample_posterior(jax.random.fold_in(rng_key, m), num_samples, client=m))
+                  for m in range(num_clients)]
+    client_of_row = np.concatenate([np.full(np.shape(per_client[m][sites.locals[0].name])[
+        sites.locals[0].row_axis], m) for m in range(num_clients)])
+    partitions = inference.partitions
+    index = np.arange(len(client_of_row))  # each gathered row's index in the pooled data
+    if partitions is not None and not isinstance(partitions, ClientData):
+        index = np.concatenate([np.asarray(p) for p in partitions])
+    rows = np.argsort(index, kind="stable")
+    samples, dims = {}, {}
+    for site in sites.locals:
+        gathered = np.concatenate([np.asarray(c[site.name]) for c in per_client], axis=site.row_axis)
+        samples[site.name] = np.take(gathered, rows, axis=site.row_axis)
+        ndim = len(site.shape)
+        dims[site.name] = [sites.plate if k - ndim == site.row_axis else f"{site.name}_dim_{k}" for k in range(ndim)]
+    return samples, dims, client_of_row[rows], index[rows]
 
 
 def _site_order(result: Any, samples: dict) -> list[str]:

@@ -41,6 +41,9 @@ class PVIState(NamedTuple):
     :ivar rng_key: the random key of the next round.
     :ivar hyper: the hyperparameters (``numpyro.param`` sites) in unconstrained space, ``()`` if none.
     :ivar hyper_state: the state of the server's ``hyper_optimizer``.
+    :ivar hyper_grads: each client's latest accepted gradient of its local free energy with respect to
+        ``hyper``, stacked ``(M, ...)``; the server steps along their sum, so a client that did not
+        report this round (asynchronous servers) still counts with its latest gradient.
     """
 
     q: NatParams
@@ -51,6 +54,7 @@ class PVIState(NamedTuple):
     rng_key: jax.Array
     hyper: Any = ()
     hyper_state: Any = ()
+    hyper_grads: Any = ()
 
 
 class RoundInfo(NamedTuple):
@@ -204,11 +208,11 @@ class PVI:
                                local.locals, local.enumerated, sites.hyper)
         self._check_support(sites)
 
-        def client_loglik(zeta: jax.Array, client: Client, hyper: Any = None) -> jax.Array:
+        def client_loglik(zeta: jax.Array, client: Client, hyper: Any = ()) -> jax.Array:
             c_args, c_kwargs = layout.build(client.arrays)
             return log_likelihood(model, sites, zeta, c_args, c_kwargs, client.mask, hyper)
 
-        def client_local_model(zeta: jax.Array, client: Client, hyper: Any = None) -> None:
+        def client_local_model(zeta: jax.Array, client: Client, hyper: Any = ()) -> None:
             c_args, c_kwargs = layout.build(client.arrays)
             local_model(model, sites, zeta, c_args, c_kwargs, client.mask, hyper)
 
@@ -348,10 +352,9 @@ class PVI:
                 terms = jax.vmap(lambda k, a, m, s, st: expected(k, Client(a, m, s), q, st, hyper))(
                     keys, arrays, mask, sizes, client_states)
                 return jnp.sum(terms) + jnp.mean(logprior) + q_dist.entropy()
-            extra = (hyper,) if problem.has_hyper else ()
 
             def client_loglik(arrays: list, mask: jax.Array, size: jax.Array) -> jax.Array:
-                return jax.vmap(lambda z: problem.log_likelihood(z, Client(arrays, mask, size), *extra))(zeta)
+                return jax.vmap(lambda z: problem.log_likelihood(z, Client(arrays, mask, size), hyper))(zeta)
 
             loglik = jnp.sum(jax.vmap(client_loglik)(arrays, mask, sizes), axis=0)
             return jnp.mean(loglik + logprior) + q_dist.entropy()
@@ -382,7 +385,9 @@ class PVI:
         hyper = {h.name: jnp.asarray(h.init, jnp.result_type(float)) for h in setup.sites.hyper} if setup.sites.hyper \
             else ()
         hyper_state = self.hyper_optimizer.init(hyper) if setup.sites.hyper else ()
-        return PVIState(q, factors, t0, client_states, self.server.init(q, num_clients), rng_key, hyper, hyper_state)
+        hyper_grads = jax.tree.map(lambda h: jnp.zeros((num_clients,) + h.shape, h.dtype), hyper)
+        return PVIState(q, factors, t0, client_states, self.server.init(q, num_clients), rng_key, hyper, hyper_state,
+                        hyper_grads)
 
     def update(self, state: PVIState, *args: Any, **kwargs: Any) -> tuple[PVIState, RoundInfo]:
         """One round: the prior factor's step (if any), then every client once in the server's schedule.
@@ -400,7 +405,10 @@ class PVI:
         step = _RoundSteps(setup, self.backend, round_key, num_clients)
         state = self.server.run_round(state, step, num_clients)
         if setup.hyper_step is not None and step.hyper_grad:
-            state = setup.hyper_step(state, jax.tree.map(lambda *g: sum(g), *step.hyper_grad.values()))
+            grads = state.hyper_grads
+            for m, grad in step.hyper_grad.items():
+                grads = jax.tree.map(lambda stack, g, m=m: stack.at[m].set(g), grads, grad)
+            state = setup.hyper_step(state._replace(hyper_grads=grads), jax.tree.map(lambda g: g.sum(0), grads))
         elbo = float(setup.elbo(state.q, elbo_key, setup.data, self.num_elbo_particles, state.client_states,
                                 state.hyper))
         info = RoundInfo(elbo, *step.record, time.perf_counter() - start)
@@ -449,6 +457,7 @@ class PVI:
         append = lambda stack, new: jnp.concatenate([stack, jnp.asarray(new)[None]])  # noqa: E731
         return state._replace(factors=jax.tree.map(append, state.factors, zeros),
                               client_states=jax.tree.map(append, state.client_states, local),
+                              hyper_grads=jax.tree.map(lambda g: append(g, jnp.zeros_like(g[0])), state.hyper_grads),
                               server_state=self.server.add_client(state.server_state, state.q))
 
     def evaluate(self, state: PVIState, *args: Any, num_particles: int | None = None, **kwargs: Any) -> jax.Array:

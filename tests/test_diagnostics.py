@@ -173,3 +173,33 @@ def test_bad_arguments(fitted, kwargs, error):
 def test_not_a_result():
     with pytest.raises(TypeError, match="PVIRunResult"):
         to_arviz({"w": np.zeros(3)})
+
+
+def intercept_model(x, y=None):
+    """y[g, i] = b + u[g] + noise: the group intercepts u are local latents of the client holding group g."""
+    b = numpyro.sample("b", dist.Normal(0.0, 2.0))
+    with pvi.partition_plate("groups", x.shape[0]):
+        u = numpyro.sample("u", dist.Normal(0.0, 1.0))
+        numpyro.sample("y", dist.Normal(b + u[:, None] + 0.0 * x, 1.0).to_event(1), obs=y)
+
+
+def test_local_latents_are_gathered_in_pooled_row_order():
+    x = jnp.zeros((10, 3))
+    y = 0.5 + jnp.arange(10.0)[:, None] / 3 + random.normal(random.PRNGKey(0), (10, 3))
+    parts = [np.array([7, 2, 9]), np.array([0, 5, 1, 8]), np.array([3, 4, 6])]  # shuffled, unequal clients
+    update = pvi.GradientUpdate(optax.adam(5e-2), num_steps=150, num_particles=4)
+    inference = pvi.PVI(intercept_model, pvi.MeanFieldGaussian(), parts, update, pvi.Sequential())
+    result = inference.run(random.PRNGKey(1), 2, x, y=y, progress_bar=False)
+    idata = to_arviz(result, num_samples=2000)
+    u = idata.posterior["u"]
+    assert u.dims == ("chain", "draw", "groups") and list(u.coords["groups"].values) == list(range(10))
+    assert list(idata.constant_data["client"].values) == [1, 1, 0, 2, 2, 1, 2, 0, 1, 0]
+    loc, scale = result.state.client_states["u"]
+    for m, rows in enumerate(parts):  # each group's draws are its own client's guide (sd / sqrt(2000) MC error)
+        drawn = u.sel(groups=rows).mean(("chain", "draw")).values
+        np.testing.assert_allclose(drawn, loc[m, :len(rows)], atol=4 * float(scale.max()) / np.sqrt(2000))
+    assert float(u.sel(groups=9).mean()) - float(u.sel(groups=0).mean()) > 1.0  # y rises by 3 over the groups
+    with warnings.catch_warnings(), arviz_log() as records:
+        warnings.simplefilter("error")
+        summary = az.summary(idata)
+    assert not records and list(summary.index) == ["b"] + [f"u[{g}]" for g in range(10)]

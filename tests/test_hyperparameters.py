@@ -37,15 +37,21 @@ def data():
     return X, y
 
 
-@pytest.fixture(scope="module")
-def type_ii_sigma(data):
-    X, y = (np.asarray(a, np.float64) for a in data)
+def type_ii_ml_sigma(X, y):
+    """The type-II maximum-likelihood noise scale of ``noise_model``, by a bounded scalar search (float64)."""
+    X, y = (np.asarray(a, np.float64) for a in (X, y))
+    n = X.shape[0]
 
     def nll(log_sigma):
-        sign, logdet = np.linalg.slogdet(X @ X.T + np.exp(2 * log_sigma) * np.eye(N))
-        return 0.5 * (logdet + y @ np.linalg.solve(X @ X.T + np.exp(2 * log_sigma) * np.eye(N), y))
+        cov = X @ X.T + np.exp(2 * log_sigma) * np.eye(n)
+        return 0.5 * (np.linalg.slogdet(cov)[1] + y @ np.linalg.solve(cov, y))
 
     return float(np.exp(minimize_scalar(nll, bounds=(-5, 2), method="bounded", options={"xatol": 1e-8}).x))
+
+
+@pytest.fixture(scope="module")
+def type_ii_sigma(data):
+    return type_ii_ml_sigma(*data)
 
 
 PARTS = pvi.split_iid(random.PRNGKey(2), N, 3)

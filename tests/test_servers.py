@@ -20,7 +20,7 @@ class ExactLinearUpdate:
         return ()
 
     def bind(self, problem):
-        def client_update(rng_key, client, cavity, q, state):
+        def client_update(rng_key, client, cavity, q, state, hyper=()):
             X, y = client.arrays  # leaves of ((X,), {"y": y})
             Xm = X * client.mask[:, None]
             likelihood = NatParams(Xm.T @ y / NOISE**2, -0.5 * Xm.T @ X / NOISE**2)
@@ -38,7 +38,7 @@ class PoisonedUpdate(ExactLinearUpdate):
     def bind(self, problem):
         exact = super().bind(problem)
 
-        def client_update(rng_key, client, cavity, q, state):
+        def client_update(rng_key, client, cavity, q, state, hyper=()):
             result = exact(rng_key, client, cavity, q, state)
             poison = jnp.where(client.size == self.bad_size, jnp.nan, 0.0)
             return result._replace(delta=jax.tree.map(lambda d: d + poison, result.delta))

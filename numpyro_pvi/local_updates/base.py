@@ -3,15 +3,15 @@
 Every local update has the same interface: ``init_state(problem)`` gives a client's persistent
 state and ``bind(problem)`` returns a pure function
 
-``client_update(rng_key, client, cavity, q, state) -> ClientResult(delta, free_energy, state)``
+``client_update(rng_key, client, cavity, q, state, hyper=()) -> ClientResult(delta, free_energy, state)``
 
 that a backend ``jit``s and ``vmap``s over clients. ``delta = lambda(q_new) - lambda(q)`` is the
 natural-parameter change the client proposes; the server damps and merges it.
 
-Models with hyperparameters (``numpyro.param`` sites outside the partition plate) add a sixth
-argument, ``hyper`` (their unconstrained values, the same for every client), and the client returns
-``hyper_grad``, the gradient of its local free energy with respect to them; the server sums these and
-steps its own optimiser. A local update declares what it supports with the class attributes
+``hyper`` holds the model's hyperparameters (``numpyro.param`` sites outside the partition plate; their
+unconstrained values, the same for every client; ``()`` if there are none). With hyperparameters the
+client also returns ``hyper_grad``, the gradient of its local free energy with respect to them; the
+server sums these and steps its own optimiser. A local update declares what it supports with the class attributes
 ``supports_local_latents`` and ``supports_hyperparameters`` (both false if absent); PVI refuses a
 model the update does not support with a clear error.
 """
@@ -56,8 +56,8 @@ class ClientProblem:
 
     :ivar family: the Gaussian family.
     :ivar dim: ``D``, the size of the flat unconstrained vector.
-    :ivar log_likelihood: ``(zeta, client) -> log p(y_m | zeta)``, a scalar; masked rows count 0. With
-        hyperparameters it takes them as a third argument, ``(zeta, client, hyper)``.
+    :ivar log_likelihood: ``(zeta, client, hyper=()) -> log p(y_m | zeta, hyper)``, a scalar; masked rows
+        count 0.
     :ivar is_row: for each array of ``client.arrays``, whether its leading axis is the row axis.
     :ivar sites: the model's :class:`~numpyro_pvi.sites.ModelSites` (local sites with the padded
         client's shapes), or ``None``.

@@ -72,7 +72,7 @@ class GradientUpdate:
         return init_local_state(problem.sites) if problem.has_local else ()
 
     def bind(self, problem: ClientProblem) -> Callable:
-        """Return the pure ``client_update(rng_key, client, cavity, q, state) -> ClientResult``."""
+        """Return the pure ``client_update(rng_key, client, cavity, q, state, hyper=()) -> ClientResult``."""
         family, sites, live, has_hyper = problem.family, problem.sites, problem.has_local, problem.has_hyper
         if live and self.batch_size is not None:
             raise NotImplementedError("GradientUpdate(batch_size=...) with local latent variables is not supported: "
@@ -86,9 +86,7 @@ class GradientUpdate:
             if live:  # the model itself: its local latents and observations are sites of this ELBO
                 problem.local_model(zeta, client, hyper)
             else:
-                loglik = problem.log_likelihood(zeta, client, hyper) if has_hyper else \
-                    problem.log_likelihood(zeta, client)
-                numpyro.factor("_pvi_loglik", scale * loglik)
+                numpyro.factor("_pvi_loglik", scale * problem.log_likelihood(zeta, client, hyper))
 
         def tilted_guide(client: Client, scale: jax.Array, cavity: tuple, q: tuple, local: Any, hyper: Any) -> None:
             loc = numpyro.param("_pvi_loc", q[0])

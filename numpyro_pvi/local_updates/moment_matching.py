@@ -197,12 +197,12 @@ class MomentMatchingUpdate:
         return ()
 
     def bind(self, problem: ClientProblem) -> Callable:
-        """Return the pure ``client_update(rng_key, client, cavity, q, state) -> ClientResult``."""
+        """Return the pure ``client_update(rng_key, client, cavity, q, state, hyper=()) -> ClientResult``."""
         family, alpha, max_backtracks = problem.family, self.alpha, self.max_backtracks
 
         def client_update(rng_key: jax.Array, client: Client, cavity: NatParams, q: NatParams,
-                          state: Any) -> ClientResult:
-            loglik = lambda z: problem.log_likelihood(z, client)  # noqa: E731
+                          state: Any, hyper: Any = ()) -> ClientResult:
+            loglik = lambda z: problem.log_likelihood(z, client, hyper)  # noqa: E731
             cavity_alpha = alpha * cavity + (1.0 - alpha) * q  # q / t_m^alpha: valid, a convex combination
             log_tilted = lambda z: quadratic(cavity_alpha, z) + alpha * loglik(z)  # noqa: E731
             sample_key, fe_key = jax.random.split(rng_key)

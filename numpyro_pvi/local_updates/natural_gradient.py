@@ -61,7 +61,7 @@ class NaturalGradientUpdate:
         return ()
 
     def bind(self, problem: ClientProblem) -> Callable:
-        """Return the pure ``client_update(rng_key, client, cavity, q, state) -> ClientResult``."""
+        """Return the pure ``client_update(rng_key, client, cavity, q, state, hyper=()) -> ClientResult``."""
         family, beta, pairs = problem.family, self.step_size, self.num_pairs
         use_hessian = problem.dim <= self.max_hessian_dim
         max_backtracks = self.max_backtracks
@@ -70,8 +70,7 @@ class NaturalGradientUpdate:
 
         def client_update(rng_key: jax.Array, client: Client, cavity: NatParams, q: NatParams,
                           state: Any, hyper: Any = ()) -> ClientResult:
-            extra = (hyper,) if has_hyper else ()
-            loglik = lambda z: problem.log_likelihood(z, client, *extra)  # noqa: E731
+            loglik = lambda z: problem.log_likelihood(z, client, hyper)  # noqa: E731
             grad = jax.vmap(jax.grad(loglik))
             hessian = jax.vmap(jax.hessian(loglik)) if use_hessian else None
 

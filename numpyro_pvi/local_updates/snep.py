@@ -104,7 +104,7 @@ class SNEPUpdate:
                          jnp.log(jnp.asarray(0.5)), jnp.zeros((), jnp.int32), jnp.zeros((), bool))
 
     def bind(self, problem: ClientProblem) -> Callable:
-        """Return the pure ``client_update(rng_key, client, cavity, q, state) -> ClientResult``."""
+        """Return the pure ``client_update(rng_key, client, cavity, q, state, hyper=()) -> ClientResult``."""
         family, alpha = problem.family, self.alpha
         full = isinstance(family, FullRankGaussian)
         v_min, v_max = self.site_variance
@@ -150,8 +150,8 @@ class SNEPUpdate:
             return loc, (scale if full else jnp.diag(scale))
 
         def client_update(rng_key: jax.Array, client: Client, cavity: NatParams, q: NatParams,
-                          state: SNEPState) -> ClientResult:
-            loglik = lambda z: problem.log_likelihood(z, client)  # noqa: E731
+                          state: SNEPState, hyper: tuple = ()) -> ClientResult:
+            loglik = lambda z: problem.log_likelihood(z, client, hyper)  # noqa: E731
             init_key, chain_key, loop_key, fe_key = jax.random.split(rng_key, 4)
             t_old = q - cavity
 
