@@ -92,7 +92,8 @@ class NaturalGradientUpdate:
             q_new = cavity + t_new
             # the local free energy E_q[log p(y_m | theta)] - KL(q || cavity) at the new q
             q_dist = family.to_dist(q_new)
-            zeta = q_dist.sample(jax.random.fold_in(rng_key, 1), (2 * pairs,))
+            half = q_dist.sample(jax.random.fold_in(rng_key, 1), (pairs,))
+            zeta = jnp.concatenate([half, 2 * family.loc_scale(q_new)[0] - half])  # antithetic: z and 2 mu - z
             free_energy = jnp.mean(jax.vmap(loglik)(zeta)) - kl_divergence(q_dist, family.to_dist(cavity))
             hyper_grad = ()
             if has_hyper:  # d F_m / d hyper = E_q[d log p(y_m | theta, hyper) / d hyper] at the new q
