@@ -61,6 +61,8 @@ class VmapBackend:
 
     With several JAX devices (e.g. ``numpyro.set_host_device_count(2)`` to use 2 CPU cores), a group
     whose size divides evenly is split across them along the client axis (XLA SPMD partitioning).
+
+    **Example:** ``pvi.PVI(..., backend="vmap")`` (the default) or ``backend=pvi.VmapBackend()``.
     """
 
     name = "vmap"
@@ -87,7 +89,12 @@ class VmapBackend:
 
 
 class LoopBackend:
-    """Clients one at a time in a Python loop over one jitted ``client_update``."""
+    """Clients one at a time in a Python loop over one jitted ``client_update``.
+
+    A client that raises is reported as a rejected update; the round goes on.
+
+    **Example:** ``pvi.PVI(..., backend="loop")`` or ``backend=pvi.LoopBackend()``.
+    """
 
     name = "loop"
     jit_group = False

@@ -29,7 +29,10 @@ def save(state: object, path: str | os.PathLike) -> None:
 
 
 def load(path: str | os.PathLike) -> object:
-    """Read a state written by :func:`save`; resuming from it continues exactly as the saved run would."""
+    """Read a state written by :func:`save`; resuming from it continues exactly as the saved run would.
+
+    **Example:** ``result = inference.run(key, 10, X, y=y, init_state=pvi.load("run.npz"))``
+    """
     with open(path, "rb") as f:
         data = np.load(io.BytesIO(f.read()), allow_pickle=False)
     if "_format" not in data or str(data["_format"]) != FORMAT:

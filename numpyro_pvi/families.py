@@ -20,7 +20,20 @@ from numpyro.distributions import constraints
 
 
 class NatParams(NamedTuple):
-    """Natural parameters of a Gaussian: ``eta1`` ``(..., D)`` and ``eta2`` ``(..., D)`` or ``(..., D, D)``."""
+    """Natural parameters of a Gaussian: ``eta1`` ``(..., D)`` and ``eta2`` ``(..., D)`` or ``(..., D, D)``.
+
+    They add and scale like vectors (``q - t_m`` is a cavity, ``q + rho * delta`` a damped update).
+
+    **Example:**
+
+    .. doctest::
+
+        >>> import jax.numpy as jnp
+        >>> from numpyro_pvi import MeanFieldGaussian
+        >>> q = MeanFieldGaussian().from_loc_scale(jnp.array([1.0]), jnp.array([2.0]))
+        >>> q.eta1, q.eta2  # mu / sigma^2, -1 / (2 sigma^2)
+        (Array([0.25], dtype=float32), Array([-0.125], dtype=float32))
+    """
 
     eta1: jax.Array
     eta2: jax.Array

@@ -44,6 +44,9 @@ class PVIState(NamedTuple):
     :ivar hyper_grads: each client's latest accepted gradient of its local free energy with respect to
         ``hyper``, stacked ``(M, ...)``; the server steps along their sum, so a client that did not
         report this round (asynchronous servers) still counts with its latest gradient.
+
+    **Example:** ``state = inference.init(key, X, y=y)``, ``state, info = inference.update(state, X, y=y)``;
+    ``inference.get_posterior(state)`` is ``q``, ``pvi.save(state, "run.npz")`` a checkpoint.
     """
 
     q: NatParams
@@ -67,6 +70,9 @@ class RoundInfo(NamedTuple):
     :ivar damping: ``(M,)`` the damping applied to each client's last update (0 if rejected).
     :ivar clamped: ``(M,)`` corrections each client's local update made to stay valid.
     :ivar time: wall-clock seconds of the round.
+
+    **Example:** ``state, info = inference.update(state, X, y=y)``; ``info.elbo``, ``info.num_rejected``;
+    over a run, ``result.history.free_energy`` is ``(rounds, M)``.
     """
 
     elbo: Any
@@ -591,7 +597,12 @@ class _RoundSteps:
 
 
 class PVIRunResult(NamedTuple):
-    """The result of :meth:`PVI.run`: final ``state``, per-round ``history`` (:class:`RoundInfo`) and ``inference``."""
+    """The result of :meth:`PVI.run`: final ``state``, per-round ``history`` (:class:`RoundInfo`) and ``inference``.
+
+    **Example:** ``result = inference.run(key, 20, X, y=y)``; then ``result.sample_posterior(key, 1000)``,
+    ``Predictive(model, guide=result.guide(), num_samples=500)``, ``result.to_arviz()``,
+    ``result.history.elbo``.
+    """
 
     state: PVIState
     history: RoundInfo | None

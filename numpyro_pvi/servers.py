@@ -23,6 +23,14 @@ class Server:
     A server drives a round through ``run_round(state, step, num_clients)``, where
     ``step(state, ids, pulled=None, salt=0) -> (state, accepted)`` lets the clients ``ids`` update
     against ``pulled`` (default: the current ``q``) and merges their deltas into the current ``q``.
+
+    **Example:** a server that visits the clients in reverse order, one at a time::
+
+        class Reversed(pvi.Server):
+            def run_round(self, state, step, num_clients):
+                for m in reversed(range(num_clients)):
+                    state, _ = step(state, [m])
+                return state
     """
 
     def __init__(self, damping: float = 1.0, max_backtracks: int = 5) -> None:

@@ -28,7 +28,11 @@ from numpyro_pvi.families import MeanFieldGaussian, NatParams
 
 
 class Client(NamedTuple):
-    """One client's data as a backend passes it: padded ``arrays``, ``(rows,)`` ``mask`` and ``size``."""
+    """One client's data as a backend passes it: padded ``arrays``, ``(rows,)`` ``mask`` and ``size``.
+
+    **Example:** inside ``client_update``, ``problem.log_likelihood(zeta, client, hyper)`` is the client's
+    log-likelihood and ``problem.minibatch(key, client, 100)`` a mini-batch of its real rows.
+    """
 
     arrays: list
     mask: jax.Array
@@ -41,6 +45,9 @@ class ClientResult(NamedTuple):
     ``clamped`` counts the corrections the update made to stay valid (e.g. a step size halved to
     keep ``q`` positive definite, a site variance clamped); it is reported in ``RoundInfo.clamped``.
     ``hyper_grad`` is ``d F_m / d hyper`` (unconstrained) for models with hyperparameters, else ``()``.
+
+    **Example:** a client that moves ``q`` to ``q_new`` returns
+    ``ClientResult(delta=q_new - q, free_energy=f, state=state)``.
     """
 
     delta: NatParams
@@ -64,6 +71,10 @@ class ClientProblem:
     :ivar local_model: ``(zeta, client, hyper) -> None`` runs the model on the client's rows with the
         global sites set to ``theta(zeta)`` and hidden, leaving its local latents and observations to
         an outer ELBO (see :func:`numpyro_pvi.sites.local_model`); ``None`` if not needed.
+
+    **Example:** :class:`~numpyro_pvi.PVI` builds it from the model and hands it to the local update's
+    ``init_state(problem)`` and ``bind(problem)``; by hand, for a model of ``D`` global coordinates,
+    ``ClientProblem(pvi.MeanFieldGaussian(), D, lambda zeta, client, hyper=(): ..., is_row=(True,))``.
     """
 
     family: MeanFieldGaussian
