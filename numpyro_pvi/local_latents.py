@@ -75,14 +75,18 @@ def state_from_params(sites: ModelSites, params: dict) -> dict:
     return {s.name: (params[f"{PREFIX}loc_{s.name}"], params[f"{PREFIX}scale_{s.name}"]) for s in sites.locals}
 
 
+def own_rows(site: LocalSite, state: dict, rows: int) -> tuple:
+    """One client's guide parameters ``(loc, scale)`` of ``site`` on its first ``rows`` (real, unpadded) rows."""
+    index = [slice(None)] * len(site.flat_shape)
+    index[site.row_axis] = slice(0, rows)
+    return tuple(x[tuple(index)] for x in state[site.name])
+
+
 def sample_local(sites: ModelSites, rng_key: jax.Array, state: dict, num_samples: int, rows: int) -> dict:
     """``num_samples`` draws of one client's local sites (its first ``rows`` real rows), constrained."""
     out = {}
     for site, key in zip(sites.locals, jax.random.split(rng_key, max(len(sites.locals), 1))):
-        loc, scale = state[site.name]
-        index = [slice(None)] * len(site.flat_shape)
-        index[site.row_axis] = slice(0, rows)
-        loc, scale = loc[tuple(index)], scale[tuple(index)]
+        loc, scale = own_rows(site, state, rows)
         u = loc + scale * jax.random.normal(key, (num_samples,) + loc.shape)
         out[site.name] = site.transform(u)
     return out

@@ -22,7 +22,7 @@ from tqdm.auto import trange
 
 from numpyro_pvi.backends import get_backend
 from numpyro_pvi.families import MeanFieldGaussian, NatParams
-from numpyro_pvi.local_latents import expected_local_elbo, local_distribution, sample_local
+from numpyro_pvi.local_latents import expected_local_elbo, local_distribution, own_rows, sample_local
 from numpyro_pvi.local_updates import Client, ClientProblem, ClientResult
 from numpyro_pvi.partition import ClientData, pad_clients, pooled_to_client_data
 from numpyro_pvi.prior import PriorFactor, exact_prior
@@ -298,9 +298,7 @@ class PVI:
             state = state._replace(q=merged.q, factors=merged.factors, client_states=client_states)
             damping = jnp.broadcast_to(merged.damping, ids.shape) * accepted
             clamped = jnp.broadcast_to(result.clamped, ids.shape)
-            hyper_grad = jax.tree.map(lambda g: jnp.where(accepted.reshape((-1,) + (1,) * (g.ndim - 1)), g, 0.0),
-                                      result.hyper_grad)
-            return state, (result.free_energy, accepted, damping, clamped, hyper_grad)
+            return state, (result.free_energy, accepted, damping, clamped, result.hyper_grad)
 
         apply = jax.jit(apply)
 
@@ -494,10 +492,13 @@ class PVI:
         zeta = self.get_posterior(state).sample(zeta_key, (num_samples,))
         samples = jax.vmap(sites.unflatten)(zeta)
         if client is not None:
-            local = jax.tree.map(lambda s: s[client], state.client_states)
-            rows = int(self._cache[1].data[2][client])
+            local, rows = self._client_local(state, client)
             samples.update(sample_local(sites, local_key, local, num_samples, rows))
         return samples
+
+    def _client_local(self, state: PVIState, client: int) -> tuple[Any, int]:
+        """Client ``client``'s local-update state and its number of real rows."""
+        return jax.tree.map(lambda s: s[client], state.client_states), int(self._cache[1].data[2][client])
 
     def hyperparameters(self, state: PVIState) -> dict:
         """The learned hyperparameters (``numpyro.param`` sites), constrained: site -> value."""
@@ -511,20 +512,14 @@ class PVI:
         call ``Predictive`` with the client's own data (its rows in the order it holds them).
         """
         sites, q_dist = self._current_sites(), self.get_posterior(state)
-        local, rows = None, None
-        if client is not None and sites.locals:
-            local = jax.tree.map(lambda s: s[client], state.client_states)
-            rows = int(self._cache[1].data[2][client])
+        local, rows = self._client_local(state, client) if client is not None and sites.locals else (None, None)
 
         def guide(*args: Any, **kwargs: Any) -> None:
             zeta = numpyro.sample("_pvi_latent", q_dist, infer={"is_auxiliary": True})
             for name, value in sites.unflatten(zeta).items():
                 numpyro.sample(name, dist.Delta(value, event_dim=jnp.ndim(value)))
             for site in sites.locals if local is not None else ():
-                index = [slice(None)] * len(site.flat_shape)
-                index[site.row_axis] = slice(0, rows)
-                loc, scale = (x[tuple(index)] for x in local[site.name])
-                numpyro.sample(site.name, local_distribution(site, loc, scale))
+                numpyro.sample(site.name, local_distribution(site, *own_rows(site, local, rows)))
 
         return guide
 
