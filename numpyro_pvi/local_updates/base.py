@@ -23,6 +23,7 @@ from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from numpyro.distributions import kl_divergence
 
 from numpyro_pvi.families import MeanFieldGaussian, NatParams
 
@@ -104,3 +105,9 @@ class ClientProblem:
         arrays = [a[idx] if row else a for a, row in zip(client.arrays, self.is_row)]
         mask = client.mask[idx]
         return Client(arrays, mask, client.size), client.size / jnp.maximum(jnp.sum(mask), 1)
+
+
+def local_free_energy(family: MeanFieldGaussian, q: NatParams, cavity: NatParams, loglik: Callable,
+                      zeta: jax.Array) -> jax.Array:
+    """``F_m(q) = E_q[log p(y_m | zeta)] - KL(q || cavity)``, the expectation over draws ``zeta`` ``(S, D)`` of q."""
+    return jnp.mean(jax.vmap(loglik)(zeta)) - kl_divergence(family.to_dist(q), family.to_dist(cavity))

@@ -21,11 +21,10 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 from jax.scipy.linalg import cho_solve
-from numpyro.distributions import kl_divergence
 from numpyro.infer.hmc import hmc
 
 from numpyro_pvi.families import FullRankGaussian, MeanFieldGaussian, NatParams
-from numpyro_pvi.local_updates.base import Client, ClientProblem, ClientResult
+from numpyro_pvi.local_updates.base import Client, ClientProblem, ClientResult, local_free_energy
 
 
 def quadratic(nat: NatParams, zeta: jax.Array) -> jax.Array:
@@ -236,9 +235,8 @@ class MomentMatchingUpdate:
             delta = jax.tree.map(lambda d: jnp.where(ok, 0.5**k * d, 0.0), delta)
             clamped = clamped + k - start
             q_new = q + delta
-            q_dist = family.to_dist(q_new)
-            zeta = q_dist.sample(fe_key, (64,))
-            free_energy = jnp.mean(jax.vmap(loglik)(zeta)) - kl_divergence(q_dist, family.to_dist(cavity))
+            zeta = family.to_dist(q_new).sample(fe_key, (64,))
+            free_energy = local_free_energy(family, q_new, cavity, loglik, zeta)
             return ClientResult(delta, free_energy, state, clamped)
 
         return client_update

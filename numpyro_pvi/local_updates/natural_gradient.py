@@ -20,10 +20,9 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-from numpyro.distributions import kl_divergence
 
 from numpyro_pvi.families import NatParams, expected_site
-from numpyro_pvi.local_updates.base import Client, ClientProblem, ClientResult
+from numpyro_pvi.local_updates.base import Client, ClientProblem, ClientResult, local_free_energy
 
 
 class NaturalGradientUpdate:
@@ -91,10 +90,9 @@ class NaturalGradientUpdate:
             (t_new, clamped), _ = jax.lax.scan(step, (t_old, 0), jax.random.split(rng_key, self.num_steps))
             q_new = cavity + t_new
             # the local free energy E_q[log p(y_m | theta)] - KL(q || cavity) at the new q
-            q_dist = family.to_dist(q_new)
-            half = q_dist.sample(jax.random.fold_in(rng_key, 1), (pairs,))
+            half = family.to_dist(q_new).sample(jax.random.fold_in(rng_key, 1), (pairs,))
             zeta = jnp.concatenate([half, 2 * family.loc_scale(q_new)[0] - half])  # antithetic: z and 2 mu - z
-            free_energy = jnp.mean(jax.vmap(loglik)(zeta)) - kl_divergence(q_dist, family.to_dist(cavity))
+            free_energy = local_free_energy(family, q_new, cavity, loglik, zeta)
             hyper_grad = ()
             if has_hyper:  # d F_m / d hyper = E_q[d log p(y_m | theta, hyper) / d hyper] at the new q
                 expected = lambda h: jnp.mean(jax.vmap(lambda z: problem.log_likelihood(z, client, h))(zeta))  # noqa: E731

@@ -45,11 +45,10 @@ from typing import Any, Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 from jax.scipy.linalg import solve_triangular
-from numpyro.distributions import kl_divergence
 from numpyro.infer.hmc import hmc
 
 from numpyro_pvi.families import FullRankGaussian, NatParams
-from numpyro_pvi.local_updates.base import Client, ClientProblem, ClientResult
+from numpyro_pvi.local_updates.base import Client, ClientProblem, ClientResult, local_free_energy
 from numpyro_pvi.local_updates.moment_matching import full_precision, laplace, quadratic
 
 
@@ -293,9 +292,8 @@ class SNEPUpdate:
                                   keep(log_step, state.log_step_size), state.count + num_inner,
                                   finite | state.visited)
             q_new = cavity + site
-            q_dist = family.to_dist(q_new)
-            zeta = q_dist.sample(fe_key, (64,))
-            free_energy = jnp.mean(jax.vmap(loglik)(zeta)) - kl_divergence(q_dist, family.to_dist(cavity))
+            zeta = family.to_dist(q_new).sample(fe_key, (64,))
+            free_energy = local_free_energy(family, q_new, cavity, loglik, zeta)
             return ClientResult(site - t_old, free_energy, new_state, clamped + (~finite))
 
         return client_update
