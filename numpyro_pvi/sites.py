@@ -112,6 +112,13 @@ class ModelSites:
         """Unconstrained hyperparameters -> constrained values, by name."""
         return {h.name: h.transform(hyper[h.name]) for h in self.hyper}
 
+    def values(self, zeta: jax.Array, hyper: dict | tuple = ()) -> dict:
+        """The global sites' values ``theta(zeta)`` and, if given, the hyperparameters', by name."""
+        values = self.unflatten(zeta)
+        if hyper:
+            values.update(self.hyper_values(hyper))
+        return values
+
     @property
     def dim(self) -> int:
         """Size ``D`` of the flat unconstrained vector."""
@@ -285,14 +292,12 @@ def _site_log_prob(site: dict) -> jax.Array:
 
 
 def log_likelihood(model: Callable, sites: ModelSites, zeta: jax.Array, args: tuple, kwargs: dict,
-                   mask: jax.Array | None = None, hyper: dict | None = None) -> jax.Array:
+                   mask: jax.Array | None = None, hyper: dict | tuple = ()) -> jax.Array:
     """``log p(y_m | theta(zeta))`` of one client's rows: a scalar, masked rows contribute 0.
 
     :param hyper: unconstrained values of the hyperparameters (default: their initial values).
     """
-    values = sites.unflatten(zeta)
-    if hyper:
-        values.update(sites.hyper_values(hyper))
+    values = sites.values(zeta, hyper)
     masked = PlateMask(handlers.substitute(model, data=values), plate=sites.plate, mask=mask)
     with handlers.block():  # block *outside* trace: the inner sites must not leak into an outer ELBO
         trace = handlers.trace(masked).get_trace(*args, **kwargs)
@@ -300,16 +305,14 @@ def log_likelihood(model: Callable, sites: ModelSites, zeta: jax.Array, args: tu
 
 
 def local_model(model: Callable, sites: ModelSites, zeta: jax.Array, args: tuple, kwargs: dict,
-                mask: jax.Array | None = None, hyper: dict | None = None) -> None:
+                mask: jax.Array | None = None, hyper: dict | tuple = ()) -> None:
     """Run the model with its global sites set to ``theta(zeta)`` and its hyperparameters to ``hyper``.
 
     The global and param sites are hidden from outer handlers (their prior is the cavity's business),
     so an outer ELBO sees only the client's local latents and observations, masked rows weighing 0.
     Use it inside a tilted model whose ``_pvi_zeta`` site carries the cavity.
     """
-    values = sites.unflatten(zeta)
-    if hyper:
-        values.update(sites.hyper_values(hyper))
+    values = sites.values(zeta, hyper)
     hidden = [s.name for s in sites.globals] + [h.name for h in sites.hyper]
     hidden_model = handlers.block(handlers.substitute(model, data=values), hide=hidden)
     PlateMask(hidden_model, plate=sites.plate, mask=mask)(*args, **kwargs)
