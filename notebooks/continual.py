@@ -132,14 +132,15 @@ local_update = pvi.GradientUpdate(optax.adam(optax.exponential_decay(1e-2, LOCAL
 X0, task0, y0 = train[0]
 inference = pvi.PVI(model, pvi.MeanFieldGaussian(), pvi.ClientData([((X0, task0), {"y": y0})]),
                     local_update, server=pvi.Continual())
-state = inference.init(random.PRNGKey(0))
+problem = inference.build()  # the data and compiled steps; add_client returns a new one
+state = inference.init(random.PRNGKey(0), problem)
 pvi_accuracy = np.full((len(TASKS), len(TASKS)), np.nan)  # [after task k, on task j]
 start = time.perf_counter()
 for k in range(len(TASKS)):
     if k > 0:
         Xk, task_k, yk = train[k]
-        state = inference.add_client(state, Xk, task_k, y=yk)  # task k arrives
-    result = inference.run(random.PRNGKey(k), 1, init_state=state, progress_bar=False)
+        state, problem = inference.add_client(state, problem, Xk, task_k, y=yk)  # task k arrives
+    result = inference.run(random.PRNGKey(k), 1, problem, init_state=state, progress_bar=False)
     state = result.state
     draws = result.sample_posterior(random.PRNGKey(100 + k), 200)
     pvi_accuracy[k, : k + 1] = [accuracy(draws, j) for j in range(k + 1)]

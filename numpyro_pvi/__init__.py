@@ -1,8 +1,8 @@
 """numpyro_pvi: Partitioned Variational Inference (PVI) as a NumPyro inference method."""
 
-from numpyro_pvi.backends import LoopBackend, RayBackend, VmapBackend
+from numpyro_pvi.backends import Backend, ConcurrentRunner, LoopBackend, VmapBackend
 from numpyro_pvi.checkpoint import load, save
-from numpyro_pvi.families import FullRankGaussian, MeanFieldGaussian, NatParams
+from numpyro_pvi.families import Family, FullRankGaussian, MeanFieldGaussian, NatParams
 from numpyro_pvi.local_updates import (
     Client,
     ClientProblem,
@@ -13,19 +13,28 @@ from numpyro_pvi.local_updates import (
     SNEPUpdate,
 )
 from numpyro_pvi.partition import ClientData, partition_plate, split_by_label, split_iid
-from numpyro_pvi.pvi import PVI, PVIRunResult, PVIState, RoundInfo
+from numpyro_pvi.problem import Problem, build_problem
+from numpyro_pvi.pvi import PVI
+from numpyro_pvi.ray_backend import RayBackend
+from numpyro_pvi.results import PVIRunResult
 from numpyro_pvi.servers import Asynchronous, Continual, Sequential, Server, Synchronous
+from numpyro_pvi.state import PVIState, RoundInfo
 
 __version__ = "0.1.0"
 
 __all__ = [
     "PVI",
     "Asynchronous",
+    "Backend",
+    "ConcurrentRunner",
+    "Problem",
+    "build_problem",
     "Continual",
     "Client",
     "ClientData",
     "ClientProblem",
     "ClientResult",
+    "Family",
     "FullRankGaussian",
     "GradientUpdate",
     "LoopBackend",

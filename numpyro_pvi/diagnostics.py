@@ -102,17 +102,17 @@ def to_arviz(result: Any, num_samples: int = 1000, rng_key: jax.Array | None = N
     samples.update(local)
     dims = {**local_dims, **(dims or {})}
     if local:
-        coords = {result.inference._current_sites().plate: row_index, **(coords or {})}
+        coords = {result.sites.plate: row_index, **(coords or {})}
     draws = int(num_samples) // int(num_chains)
     posterior = {name: np.asarray(samples[name]).reshape((num_chains, draws) + np.shape(samples[name])[1:])
                  for name in order + list(local)}
     attrs = {"inference_library": "numpyro_pvi", "inference_library_version": _version(),
-             "family": type(result.inference.family).__name__, "server": repr(result.inference.server),
-             "num_clients": int(np.shape(result.state.factors.eta1)[0])}
+             "family": type(result.family).__name__, "server": repr(result.inference.server),
+             "num_clients": int(result.num_clients)}
     posterior_ds = az.dict_to_dataset(posterior, library=None, coords=coords, dims=dims, attrs=attrs)
     groups = {"posterior": posterior_ds}
     if local:
-        plate = result.inference._current_sites().plate
+        plate = result.sites.plate
         groups["constant_data"] = xr.Dataset({"client": ((plate,), client_of_row)}, coords={plate: row_index},
                                              attrs=attrs)
     history = result.history
@@ -129,11 +129,11 @@ def to_arviz(result: Any, num_samples: int = 1000, rng_key: jax.Array | None = N
 
 def _local_draws(result: Any, rng_key: jax.Array, num_samples: int) -> tuple[dict, dict, np.ndarray, np.ndarray]:
     """Every client's local latent draws in pooled row order: ``(samples, dims, client_of_row, row_index)``."""
-    sites = result.inference._current_sites()
+    sites = result.sites
     if not sites.locals:
         return {}, {}, np.zeros(0, int), np.zeros(0, int)
     inference = result.inference
-    num_clients = int(np.shape(result.state.factors.eta1)[0])
+    num_clients = int(result.num_clients)
     per_client = [jax.device_get(result.sample_posterior(jax.random.fold_in(rng_key, m), num_samples, client=m))
                   for m in range(num_clients)]
     client_of_row = np.concatenate([np.full(np.shape(per_client[m][sites.locals[0].name])[
@@ -155,7 +155,7 @@ def _local_draws(result: Any, rng_key: jax.Array, num_samples: int) -> tuple[dic
 def _site_order(result: Any, samples: dict) -> list[str]:
     """The global sites in model order (``jax.vmap`` returns the sample dict with sorted keys)."""
     try:
-        names = [site.name for site in result.inference._current_sites().globals]
+        names = [site.name for site in result.sites.globals]
     except (AttributeError, RuntimeError):
         names = []
     return [n for n in names if n in samples] + [n for n in samples if n not in names]

@@ -180,49 +180,6 @@ class ArgsLayout(NamedTuple):
         return jax.tree_util.tree_unflatten(self.treedef, leaves)
 
 
-class PaddedClients(NamedTuple):
-    """All clients' model arguments stacked along a leading client axis, for ``vmap``.
-
-    Rows (leaves whose leading axis is the client's partition-plate size) are zero-padded to the
-    largest client; ``mask`` marks the real rows. Non-array leaves are static and shared.
-
-    :ivar list arrays: stacked array leaves, each of shape ``(M, ...)``.
-    :ivar tuple is_row: for each array leaf, whether its axis 1 is the (padded) row axis.
-    :ivar mask: ``(M, max_rows)`` boolean mask of real rows.
-    :ivar sizes: ``(M,)`` number of real rows of each client.
-    :ivar layout: the :class:`ArgsLayout` that rebuilds one client's model arguments.
-    """
-
-    arrays: list
-    is_row: tuple
-    mask: jax.Array
-    sizes: jax.Array
-    layout: ArgsLayout
-
-
-def pooled_to_client_data(args: tuple, kwargs: dict, partitions: Sequence, num_data: int,
-                          plate_name: str) -> ClientData:
-    """Slice pooled model arguments into per-client arguments by index partitions.
-
-    Array leaves whose leading axis equals ``num_data`` (the partition plate's size) are sliced;
-    all other leaves are shared by every client.
-    """
-    check_partitions(partitions, num_data, plate_name)
-    leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
-    is_row = [_is_array(x) and np.ndim(x) >= 1 and np.shape(x)[0] == num_data for x in leaves]
-    if not any(is_row):
-        raise ValueError(
-            f"No model argument has a leading axis of size {num_data} (the size of partition plate "
-            f"'{plate_name}'), so there are no rows to split across clients."
-        )
-    clients = []
-    for idx in partitions:
-        idx = np.asarray(idx)
-        sliced = [x[idx] if r else x for x, r in zip(leaves, is_row)]
-        clients.append(jax.tree_util.tree_unflatten(treedef, sliced))
-    return ClientData(clients)
-
-
 def check_partitions(partitions: Sequence, num_data: int, plate_name: str) -> None:
     """Raise ``ValueError`` unless ``partitions`` are integer arrays covering ``range(num_data)`` once."""
     if len(partitions) == 0:
@@ -246,48 +203,38 @@ def check_partitions(partitions: Sequence, num_data: int, plate_name: str) -> No
                          f"(first: {rows[:5].tolist()}); every row must belong to one client.")
 
 
-def pad_clients(clients: ClientData, sizes: Sequence[int], plate_name: str) -> PaddedClients:
-    """Stack per-client arguments along a client axis, zero-padding row leaves to the largest client."""
-    flat = [jax.tree_util.tree_flatten(c) for c in clients]
-    treedef = flat[0][1]
-    for m, (_, td) in enumerate(flat):
-        if td != treedef:
-            raise ValueError(f"ClientData: client {m}'s arguments have structure {td}, but client 0's have "
-                             f"{treedef}; every client must pass the same arguments.")
-    max_rows = int(max(sizes))
-    num_leaves = len(flat[0][0])
-    arrays, is_row, static = [], [], []
-    for i in range(num_leaves):
-        column = [leaves[i] for leaves, _ in flat]
-        if not _is_array(column[0]):
-            if any(not _same_static(v, column[0]) for v in column[1:]):
-                raise ValueError(f"ClientData: non-array argument leaf {i} differs between clients ({column[0]!r} "
-                                 f"vs ...); give per-client values as arrays.")
-            static.append((i, column[0]))
-            continue
-        rows = [np.ndim(x) >= 1 and np.shape(x)[0] == n for x, n in zip(column, sizes)]
-        if all(rows):
-            padded = [np.concatenate([np.asarray(x), np.zeros((max_rows - n,) + np.shape(x)[1:], np.asarray(x).dtype)])
-                      for x, n in zip(column, sizes)]
-            arrays.append(jnp.stack(padded))
-            is_row.append(True)
-            continue
-        shapes = {np.shape(x) for x in column}
-        if len(shapes) > 1:
-            raise ValueError(f"ClientData: argument leaf {i} has shapes {sorted(shapes)} across clients but is "
-                             f"not a row array of plate '{plate_name}' (leading axis = client size) in every "
-                             f"client; shared arguments must have equal shapes.")
-        arrays.append(jnp.stack([jnp.asarray(x) for x in column]))
-        is_row.append(False)
-    mask = jnp.arange(max_rows)[None, :] < jnp.asarray(sizes)[:, None]
-    return PaddedClients(arrays, tuple(is_row), mask, jnp.asarray(sizes), ArgsLayout(treedef, tuple(static)))
+def pad_rows(x: Any, rows: int) -> np.ndarray:
+    """A client's row array padded to ``rows`` rows with copies of its last real row.
+
+    Padded rows are masked out of every density, but the model still evaluates them: copies of a real
+    row keep them finite whatever the model does with them (a zero used as a scale would not).
+    """
+    x = np.asarray(x)
+    if x.shape[0] == 0:
+        raise ValueError("A client holds no rows.")
+    return np.concatenate([x, np.repeat(x[-1:], rows - x.shape[0], axis=0)]) if rows > x.shape[0] else x
 
 
-def _is_array(x: Any) -> bool:
+def stack_clients(columns: Sequence[Sequence], is_row: Sequence[bool], sizes: Sequence[int], rows: int,
+                  capacity: int) -> list:
+    """Stack each array leaf over clients (``(capacity, ...)``), padding row leaves to ``rows`` rows.
+
+    :param columns: for each array leaf, its value in every client.
+    :param capacity: client slots; the slots past ``len(sizes)`` repeat client 0 (they hold no real row).
+    """
+    out = []
+    for column, row in zip(columns, is_row):
+        values = [pad_rows(x, rows) if row else np.asarray(x) for x in column]
+        values += [values[0]] * (capacity - len(values))
+        out.append(jnp.asarray(np.stack(values)))
+    return out
+
+
+def is_array(x: Any) -> bool:
     return isinstance(x, (np.ndarray, jax.Array))
 
 
-def _same_static(a: Any, b: Any) -> bool:
+def same_static(a: Any, b: Any) -> bool:
     try:
         return bool(a == b)
     except Exception:  # noqa: BLE001 - objects without a boolean equality are compared by identity

@@ -202,13 +202,12 @@ def plot_clients(result: Any, sites: Sequence[str] | Mapping[str, Sequence[int]]
 
     if getattr(result, "state", None) is None or getattr(result, "inference", None) is None:
         raise TypeError(f"plot_clients expects the PVIRunResult of PVI.run, got {type(result).__name__}.")
-    coords = _flat_coordinates(result.inference._current_sites(), sites)[:max_coords]
-    family, state = result.inference.family, result.state
-    q_loc, q_var, q_prec = _marginals(family, state.q)
-    factors = [_index(state.factors, m) for m in range(int(np.shape(state.factors.eta1)[0]))]
-    num_clients = len(factors)
-    factor_prec = np.stack([_diag_precision(family, t) for t in factors])  # (M, D)
-    cavities = [_marginals(family, _sub(state.q, t)) for t in factors]
+    coords = _flat_coordinates(result.sites, sites)[:max_coords]
+    family, state, num_clients = result.family, result.state, int(result.num_clients)
+    q_loc, q_var, q_prec = family.marginals(state.q)
+    factors = [_index(state.factors, m) for m in range(num_clients)]
+    factor_prec = np.stack([family.marginals(t).precision for t in factors])  # (M, D)
+    cavities = [family.marginals(_sub(state.q, t)) for t in factors]
     colors = _client_colors(num_clients)
     ncols = len(coords)
     fig, axes = plt.subplots(2, ncols, figsize=figsize or (3.0 * ncols, 5.0), squeeze=False,
@@ -290,29 +289,6 @@ def _index(nat: Any, m: int) -> Any:
 
 def _sub(a: Any, b: Any) -> Any:
     return type(a)(*(np.asarray(x, dtype=np.float64) - np.asarray(y, dtype=np.float64) for x, y in zip(a, b)))
-
-
-def _diag_precision(family: Any, nat: Any) -> np.ndarray:
-    eta2 = np.asarray(nat.eta2, dtype=np.float64)
-    return -2.0 * (np.diagonal(eta2) if eta2.ndim == 2 else eta2)
-
-
-def _marginals(family: Any, nat: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Marginal means and variances of a Gaussian in natural parameters (NaN if improper), and its precisions."""
-    eta1, eta2 = np.asarray(nat.eta1, dtype=np.float64), np.asarray(nat.eta2, dtype=np.float64)
-    if eta2.ndim == 2:
-        precision = -(eta2 + eta2.T)
-        try:
-            np.linalg.cholesky(precision)
-            cov = np.linalg.inv(precision)
-            return cov @ eta1, np.diagonal(cov).copy(), np.diagonal(precision).copy()
-        except np.linalg.LinAlgError:
-            nan = np.full(eta1.shape, np.nan)
-            return nan, nan, np.diagonal(precision).copy()
-    precision = -2.0 * eta2
-    with np.errstate(divide="ignore", invalid="ignore"):
-        var = np.where(precision > 0, 1.0 / precision, np.nan)
-    return var * eta1, var, precision
 
 
 def _flat_coordinates(model_sites: Any, sites: Sequence[str] | Mapping[str, Sequence[int]] | None) -> list:

@@ -22,32 +22,27 @@ import numpy as np
 from scipy.special import ndtri
 from scipy.stats import qmc
 
-from numpyro_pvi.families import MeanFieldGaussian, NatParams, expected_site
+from numpyro_pvi.families import Family, NatParams, expected_site
 from numpyro_pvi.sites import ModelSites
 
 
-def exact_prior(family: MeanFieldGaussian, sites: ModelSites) -> tuple[NatParams, tuple]:
-    """``lambda_0`` over the sites with an exact Gaussian prior, and the names of the other sites."""
+def exact_prior(family: Family, sites: ModelSites) -> tuple[NatParams, tuple]:
+    """``lambda_0`` over the sites with an exact Gaussian prior, and the names of the other sites.
+
+    A site's Gaussian block is exact when the family can hold it (:meth:`Family.with_block
+    <numpyro_pvi.families.Family.with_block>`: a full-covariance prior is not mean-field).
+    """
     slices = sites.slices()
     loc, precision = jnp.zeros(sites.dim), family.precision(family.zeros(sites.dim))
     rest = []
     for site in sites.globals:
         block = sites.gaussian_prior.get(site.name)
-        full = block is not None and block[1].ndim == 2
-        if block is None or (full and precision.ndim == 1):  # a full-covariance prior is not mean-field
+        embedded = None if block is None else family.with_block(precision, slices[site.name], block[1])
+        if embedded is None:
             rest.append(site.name)
             continue
-        sl = slices[site.name]
-        loc = loc.at[sl].set(block[0])
-        precision = precision.at[sl, sl].set(block[1]) if full else _set_diag(precision, sl, block[1])
+        loc, precision = loc.at[slices[site.name]].set(block[0]), embedded
     return family.from_mean_precision(loc, precision), tuple(rest)
-
-
-def _set_diag(precision: jax.Array, sl: slice, values: jax.Array) -> jax.Array:
-    if precision.ndim == 1:
-        return precision.at[sl].set(values)
-    idx = jnp.arange(sl.start, sl.stop)
-    return precision.at[idx, idx].set(values)
 
 
 class PriorFactor:
@@ -61,7 +56,7 @@ class PriorFactor:
     :param max_hessian_dim: largest ``D`` for which Hessians are computed; above it, Stein's lemma.
     """
 
-    def __init__(self, family: MeanFieldGaussian, log_density: Callable, rest_mask: jax.Array, seed: int = 0,
+    def __init__(self, family: Family, log_density: Callable, rest_mask: jax.Array, seed: int = 0,
                  num_points: int = 1024, max_hessian_dim: int = 256) -> None:
         self.family = family
         self.rest_mask = jnp.asarray(rest_mask)
@@ -78,7 +73,8 @@ class PriorFactor:
     def initial(self, prior: NatParams, num_iters: int = 50, step_size: float = 0.5) -> NatParams:
         """``t_0`` fitted to the prior alone (``q = lambda_0 t_0``), from ``N(0, 1)`` on the other coordinates."""
         mask = self.rest_mask
-        unit = self.family.from_mean_precision(jnp.zeros(mask.shape), mask.astype(jnp.result_type(float)))
+        unit_precision = self.family.from_dense(jnp.diag(mask.astype(jnp.result_type(float))))
+        unit = self.family.from_mean_precision(jnp.zeros(mask.shape), unit_precision)
 
         def body(t0: NatParams, _: None) -> tuple[NatParams, None]:
             new = self.target(prior + t0)

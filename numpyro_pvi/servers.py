@@ -8,28 +8,32 @@ with the damping halved, up to ``max_backtracks`` times, then rejected as a whol
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from numpyro_pvi.families import MeanFieldGaussian, NatParams
+from numpyro_pvi.families import NatParams
+from numpyro_pvi.rounds import Round
 
 
 class Server:
     """Base class: damping ``rho`` in ``(0, 1]`` with backtracking, and the schedule of a round.
 
-    A server drives a round through ``run_round(state, step, num_clients)``, where
-    ``step(state, ids, pulled=None, salt=0) -> (state, accepted)`` lets the clients ``ids`` update
-    against ``pulled`` (default: the current ``q``) and merges their deltas into the current ``q``.
+    A server drives a round through ``run_round(state, round, num_clients)``, where
+    ``round(state, ids, pulled=None, salt=0, allow=True) -> (state, accepted)`` lets the clients ``ids``
+    update against ``pulled`` (default: the current ``q``) and merges their deltas into the current ``q``
+    (see :class:`~numpyro_pvi.rounds.Round`, which also runs single clients in the background when the
+    backend is concurrent). Its own bookkeeping lives in ``PVIState.server_state`` (:meth:`init`), never
+    on the server object, which holds configuration only.
 
     **Example:** a server that visits the clients in reverse order, one at a time::
 
         class Reversed(pvi.Server):
-            def run_round(self, state, step, num_clients):
+            def run_round(self, state, round, num_clients):
                 for m in reversed(range(num_clients)):
-                    state, _ = step(state, [m])
+                    state, _ = round(state, [m])
                 return state
     """
 
@@ -43,14 +47,15 @@ class Server:
         self.max_backtracks = max_backtracks
 
     def init(self, q: NatParams, num_clients: int) -> Any:
-        """The server's own state, kept in ``PVIState.server_state`` (none by default)."""
+        """The server's own state for ``num_clients`` client slots, kept in ``PVIState.server_state`` (none by
+        default); per-client entries have a leading client axis."""
         return None
 
-    def add_client(self, server_state: Any, q: NatParams) -> Any:
-        """The server state with one more client (see :meth:`PVI.add_client`)."""
+    def add_client(self, server_state: Any, q: NatParams, m: int) -> Any:
+        """The server state once client slot ``m`` holds a new client (see :meth:`PVI.add_client`)."""
         return server_state
 
-    def run_round(self, state: Any, step: Callable, num_clients: int) -> Any:
+    def run_round(self, state: Any, round: Round, num_clients: int) -> Any:
         """Run one round; return the new state."""
         raise NotImplementedError
 
@@ -64,9 +69,9 @@ class Sequential(Server):
     **Example:** ``pvi.PVI(..., server=pvi.Sequential())``
     """
 
-    def run_round(self, state: Any, step: Callable, num_clients: int) -> Any:
+    def run_round(self, state: Any, round: Round, num_clients: int) -> Any:
         for m in range(num_clients):
-            state, _ = step(state, [m])
+            state, _ = round(state, [m])
         return state
 
 
@@ -79,8 +84,8 @@ class Synchronous(Server):
     **Example:** ``pvi.PVI(..., server=pvi.Synchronous(damping=0.5))``
     """
 
-    def run_round(self, state: Any, step: Callable, num_clients: int) -> Any:
-        state, _ = step(state, list(range(num_clients)))
+    def run_round(self, state: Any, round: Round, num_clients: int) -> Any:
+        state, _ = round(state, list(range(num_clients)))
         return state
 
 
@@ -100,13 +105,13 @@ class Continual(Server):
     def init(self, q: NatParams, num_clients: int) -> jax.Array:
         return jnp.zeros(num_clients, bool)  # visited
 
-    def add_client(self, server_state: jax.Array, q: NatParams) -> jax.Array:
-        return jnp.append(server_state, False)
+    def add_client(self, server_state: jax.Array, q: NatParams, m: int) -> jax.Array:
+        return server_state.at[m].set(False)
 
-    def run_round(self, state: Any, step: Callable, num_clients: int) -> Any:
-        visited = np.asarray(state.server_state)
+    def run_round(self, state: Any, round: Round, num_clients: int) -> Any:
+        visited = np.asarray(state.server_state)[:num_clients]
         for m in np.flatnonzero(~visited):
-            state, accepted = step(state, [int(m)])
+            state, accepted = round(state, [int(m)])
             state = state._replace(server_state=state.server_state.at[m].set(bool(accepted[0])))
         return state
 
@@ -154,11 +159,11 @@ class Asynchronous(Server):
         zero = jnp.zeros((), jnp.int32)
         return AsyncState(pulled, jnp.zeros(num_clients, jnp.int32), zero, zero)
 
-    def add_client(self, server_state: AsyncState, q: NatParams) -> AsyncState:
+    def add_client(self, server_state: AsyncState, q: NatParams, m: int) -> AsyncState:
         if self.speeds is not None:
             raise ValueError("Asynchronous(speeds=...) has one speed per client: make a new server to add a client.")
-        pulled = jax.tree.map(lambda p, x: jnp.concatenate([p, x[None]]), server_state.pulled, q)
-        return server_state._replace(pulled=pulled, pulled_at=jnp.append(server_state.pulled_at, server_state.merges))
+        pulled = jax.tree.map(lambda p, x: p.at[m].set(x), server_state.pulled, q)
+        return server_state._replace(pulled=pulled, pulled_at=server_state.pulled_at.at[m].set(server_state.merges))
 
     def events(self, round_index: int, num_clients: int) -> list[tuple[float, int]]:
         """``(time, client)`` of the updates finished in round ``round_index``, in time order."""
@@ -173,101 +178,41 @@ class Asynchronous(Server):
                 k += 1
         return sorted(out)
 
-    def run_round(self, state: Any, step: Callable, num_clients: int) -> Any:
-        if getattr(step, "concurrent", False):
-            return self._run_concurrent(state, step, num_clients)
+    def run_round(self, state: Any, round: Round, num_clients: int) -> Any:
+        if round.concurrent:
+            return self._run_concurrent(state, round, num_clients)
         server = state.server_state
         for salt, (_, m) in enumerate(self.events(int(server.round), num_clients)):
             pulled = jax.tree.map(lambda x, m=m: x[m], server.pulled)
             stale = int(server.merges - server.pulled_at[m])
             fresh = self.max_staleness is None or stale <= self.max_staleness
-            state, accepted = step(state, [m], pulled=pulled, salt=salt, allow=fresh)
+            state, accepted = round(state, [m], pulled=pulled, salt=salt, allow=fresh)
             merges = server.merges + 1
             server = AsyncState(jax.tree.map(lambda p, q, m=m: p.at[m].set(q), server.pulled, state.q),
                                 server.pulled_at.at[m].set(merges), merges, server.round)
         server = server._replace(round=server.round + 1)
         return state._replace(server_state=server)
 
-    def _run_concurrent(self, state: Any, step: Callable, num_clients: int) -> Any:
+    def _run_concurrent(self, state: Any, round: Round, num_clients: int) -> Any:
         """Real asynchrony (Ray): every client works all the time; a round is ``num_clients`` merges.
 
         Each arriving update is merged at once and its client restarts from the new q, so fast clients
-        are never held back by slow ones. Updates still running at the end of a round carry over.
+        are never held back by slow ones. Updates still running at the end of a round stay in
+        ``round.in_flight``, which belongs to the run: the next round of the same run merges them, a
+        new run never sees them.
         """
-        server = state.server_state
-        pending = getattr(self, "_pending", {})
+        server, pending = state.server_state, round.in_flight
         for m in range(num_clients):
             if m not in pending:
-                pending[m] = (step.start(state, m, salt=int(server.merges) + 1), int(server.merges))
+                pending[m] = (round.start(state, m, salt=int(server.merges) + 1), int(server.merges))
         for _ in range(num_clients):
-            m = step.wait({k: h for k, (h, _) in pending.items()})
+            m = round.wait({k: h for k, (h, _) in pending.items()})
             handle, pulled_at = pending.pop(m)
             fresh = self.max_staleness is None or int(server.merges) - pulled_at <= self.max_staleness
-            state, _ = step.finish(state, m, handle, allow=fresh)
+            state, _ = round.finish(state, m, handle, allow=fresh)
             server = server._replace(merges=server.merges + 1, pulled_at=server.pulled_at.at[m].set(server.merges + 1))
-            pending[m] = (step.start(state, m, salt=int(server.merges) + 1), int(server.merges))
-        self._pending = pending
+            pending[m] = (round.start(state, m, salt=int(server.merges) + 1), int(server.merges))
         return state._replace(server_state=server._replace(round=server.round + 1))
 
     def __repr__(self) -> str:
         return f"Asynchronous(damping={self.damping}, max_staleness={self.max_staleness})"
-
-
-class Merged(NamedTuple):
-    """Result of :func:`merge`: new ``q`` and ``factors``, the damping used (0 if rejected), whether accepted."""
-
-    q: NatParams
-    factors: NatParams
-    damping: jax.Array
-    valid: jax.Array
-
-
-def is_valid_state(family: MeanFieldGaussian, q: NatParams, factors: NatParams) -> jax.Array:
-    """Whether ``q`` and every cavity ``q - t_m`` (``factors`` stacked ``(M, ...)``) are valid Gaussians."""
-    cavities = jax.tree.map(lambda a, f: a[None] - f, q, factors)
-    return family.is_valid(q) & jnp.all(jax.vmap(family.is_valid)(cavities))
-
-
-def backtrack(propose: Callable, damping: float, max_backtracks: int) -> tuple:
-    """Find the largest ``rho = damping / 2**k`` (``k <= max_backtracks``) whose proposal is valid.
-
-    :param propose: ``rho -> (new_state, valid)``.
-    :return: ``(new_state, rho, valid)``; ``rho`` is 0 when no proposal was valid.
-    """
-
-    def cond(carry: tuple) -> jax.Array:
-        k, valid = carry
-        return (~valid) & (k < max_backtracks)
-
-    def body(carry: tuple) -> tuple:
-        k, _ = carry
-        return k + 1, propose(damping * 0.5 ** (k + 1))[1]
-
-    k, valid = jax.lax.while_loop(cond, body, (0, propose(damping)[1]))
-    rho = damping * 0.5**k
-    new_state, _ = propose(rho)
-    return new_state, jnp.where(valid, rho, 0.0), valid
-
-
-def merge(family: MeanFieldGaussian, q: NatParams, factors: NatParams, ids: jax.Array, deltas: NatParams,
-          finite: jax.Array, damping: float, max_backtracks: int) -> Merged:
-    """Apply ``q += rho * sum(deltas)`` and ``factors[ids] += rho * deltas`` with validity backtracking.
-
-    :param factors: ``(M, ...)`` all client factors; ``ids`` ``(G,)`` the clients that sent ``deltas``.
-    :param finite: ``(G,)`` which deltas are finite; the others are dropped.
-    """
-    deltas = jax.tree.map(lambda d: jnp.where(_expand(finite, d), d, 0.0), deltas)
-    total = jax.tree.map(lambda d: jnp.sum(d, axis=0), deltas)
-
-    def propose(rho: jax.Array) -> tuple:
-        q_new = q + rho * total
-        f_new = jax.tree.map(lambda f, d: f.at[ids].add(rho * d), factors, deltas)
-        return (q_new, f_new), is_valid_state(family, q_new, f_new)
-
-    (q_new, f_new), rho, valid = backtrack(propose, damping, max_backtracks)
-    keep = lambda new, old: jnp.where(valid, new, old)  # noqa: E731
-    return Merged(jax.tree.map(keep, q_new, q), jax.tree.map(keep, f_new, factors), rho, valid)
-
-
-def _expand(mask: jax.Array, x: jax.Array) -> jax.Array:
-    return jnp.reshape(mask, mask.shape + (1,) * (x.ndim - mask.ndim))

@@ -153,15 +153,7 @@ def read_model(model: Callable, args: tuple, kwargs: dict, rng_key: jax.Array, r
     :param relations: also find which priors are Gaussian in unconstrained space (one more trace).
     :param who: names the data in errors, e.g. ``"Client 3's data"``.
     """
-    try:
-        trace = handlers.trace(handlers.seed(model, rng_key)).get_trace(*args, **kwargs)
-        for site in trace.values():  # evaluating the densities catches observations of the wrong shape
-            if site["type"] == "sample" and site["is_observed"]:
-                _site_log_prob(site)
-    except Exception as e:  # noqa: BLE001 - any failure of the user's model on these data is reported as such
-        raise ValueError(f"{who} does not fit the model: {type(e).__name__}: {e}. (The partition plate must be "
-                         "sized from the data, e.g. X.shape[0], and every row argument must have that many "
-                         "rows.)") from e
+    trace = _checked_trace(model, args, kwargs, rng_key, who)
     plates = {s["infer"].get(PARTITION_TAG) for s in trace.values()
               if s["type"] == "sample" and s.get("infer") and PARTITION_TAG in s["infer"]}
     if not plates:
@@ -233,6 +225,59 @@ def read_model(model: Callable, args: tuple, kwargs: dict, rng_key: jax.Array, r
                 gaussian[site.name] = block
     return ModelSites(plate, int(size), tuple(global_sites), tuple(likelihoods), gaussian, tuple(local_sites),
                       tuple(enumerated), tuple(hyper))
+
+
+def _checked_trace(model: Callable, args: tuple, kwargs: dict, rng_key: jax.Array, who: str) -> dict:
+    """The model's trace on these data, its observed densities evaluated (which catches observations of the
+    wrong shape); any failure of the user's model on the data is a ``ValueError`` naming ``who``."""
+    try:
+        trace = handlers.trace(handlers.seed(model, rng_key)).get_trace(*args, **kwargs)
+        for site in trace.values():
+            if site["type"] == "sample" and site["is_observed"]:
+                _site_log_prob(site)
+    except Exception as e:  # noqa: BLE001 - any failure of the user's model on these data is reported as such
+        raise ValueError(f"{who} does not fit the model: {type(e).__name__}: {e}. (The partition plate must be "
+                         "sized from the data, e.g. X.shape[0], and every row argument must have that many "
+                         "rows.)") from e
+    return trace
+
+
+def read_shapes(model: Callable, sites: ModelSites, args: tuple, kwargs: dict,
+                who: str = "The data") -> tuple[int, tuple]:
+    """The partition plate's size and the local sites in ``model(*args, **kwargs)``, traced abstractly.
+
+    ``jax.eval_shape`` runs the model on shapes alone: nothing is computed or compiled, yet a data set that
+    does not fit the model raises (a ``ValueError`` naming ``who``) as a concrete trace would.
+    """
+    found: dict = {}
+    leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
+    arrays = [i for i, x in enumerate(leaves) if isinstance(x, (np.ndarray, jax.Array))]
+
+    def trace_once(*values: jax.Array) -> jax.Array:
+        full = list(leaves)
+        for i, value in zip(arrays, values):
+            full[i] = value
+        c_args, c_kwargs = jax.tree_util.tree_unflatten(treedef, full)
+        trace = _checked_trace(model, c_args, c_kwargs, jax.random.PRNGKey(0), who)
+        found["size"] = trace[sites.plate]["args"][0]
+        found["locals"] = tuple(_local_site(s.name, trace[s.name], sites.plate) for s in sites.locals)
+        return jnp.zeros(())
+
+    jax.eval_shape(trace_once, *[leaves[i] for i in arrays])
+    return found["size"], found["locals"]
+
+
+def read_padded(model: Callable, sites: ModelSites, args: tuple, kwargs: dict, rows: int) -> ModelSites:
+    """``sites`` as a padded client's model call (``rows`` rows) sees them (an abstract trace, no computation).
+
+    Checks that the partition plate has ``rows`` rows in that call and reads the local sites' shapes.
+    """
+    size, local_sites = read_shapes(model, sites, args, kwargs, who="Client 0's data")
+    if size != rows:
+        raise ValueError(f"partition_plate '{sites.plate}' has size {size} in a client's model call with "
+                         f"{rows} rows: size the plate from the data (e.g. X.shape[0]).")
+    return ModelSites(sites.plate, rows, sites.globals, sites.likelihoods, sites.gaussian_prior, local_sites,
+                      sites.enumerated, sites.hyper)
 
 
 def _local_site(name: str, site: dict, plate: str) -> LocalSite:

@@ -1,3 +1,6 @@
+"""The ``Family`` protocol: both families implement it, as siblings; its maps are consistent with each other and with
+NumPyro's distributions; on a diagonal Gaussian the mean-field family agrees with the full-rank one."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -5,17 +8,36 @@ import pytest
 from jax import enable_x64
 
 import numpyro_pvi as pvi
+from numpyro_pvi.families import Family, NatParams, expected_site
 
-FAMILIES = [pvi.MeanFieldGaussian(), pvi.FullRankGaussian()]
+MEAN_FIELD, FULL_RANK = pvi.MeanFieldGaussian(), pvi.FullRankGaussian()
+FAMILIES = [MEAN_FIELD, FULL_RANK]
+DIM = 4
 
 
-def random_loc_scale(family, key, dim=4):
+def random_dense(key, dim=DIM):
+    """A random mean and a well-conditioned covariance matrix."""
     k1, k2 = jax.random.split(key)
-    loc = jax.random.normal(k1, (dim,))
-    if isinstance(family, pvi.FullRankGaussian):
-        A = jax.random.normal(k2, (dim, dim))
-        return loc, jnp.linalg.cholesky(A @ A.T + dim * jnp.eye(dim))
-    return loc, jnp.exp(0.3 * jax.random.normal(k2, (dim,)))
+    A = jax.random.normal(k2, (dim, dim))
+    return jax.random.normal(k1, (dim,)), A @ A.T / dim + jnp.eye(dim)
+
+
+def random_nat(family, key):
+    """A random member of the family: the moment-matching projection of a random dense Gaussian."""
+    mean, cov = random_dense(key)
+    return family.from_moments(mean, family.from_dense(cov))
+
+
+def random_loc_scale(family, key):
+    return family.loc_scale(random_nat(family, key))
+
+
+def test_both_families_implement_the_protocol_as_siblings():
+    assert isinstance(MEAN_FIELD, Family) and isinstance(FULL_RANK, Family)
+    assert not isinstance(FULL_RANK, pvi.MeanFieldGaussian) and not isinstance(MEAN_FIELD, pvi.FullRankGaussian)
+    assert not issubclass(pvi.FullRankGaussian, pvi.MeanFieldGaussian)
+    assert not issubclass(pvi.MeanFieldGaussian, pvi.FullRankGaussian)
+    assert not isinstance(object(), Family)
 
 
 @pytest.mark.parametrize("family", FAMILIES, ids=type)
@@ -31,10 +53,89 @@ def test_natural_parameters_round_trip(family):
 
 
 @pytest.mark.parametrize("family", FAMILIES, ids=type)
+def test_natural_moments_and_loc_scale_round_trip(family):
+    """natural -> moments -> natural, moments -> loc/scale -> moments, and the moments are the distribution's."""
+    with enable_x64(True):
+        nat = random_nat(family, jax.random.PRNGKey(1))
+        mean, cov = family.moments(nat)
+        again = family.from_moments(mean, cov)
+        np.testing.assert_allclose(again.eta1, nat.eta1, rtol=1e-10, atol=1e-12)
+        np.testing.assert_allclose(again.eta2, nat.eta2, rtol=1e-10, atol=1e-12)
+        loc, scale = family.loc_scale(nat)
+        np.testing.assert_allclose(family.moments(family.from_loc_scale(loc, scale))[1], cov, rtol=1e-10)
+        d = family.to_dist(nat)
+        np.testing.assert_allclose(d.mean, mean, rtol=1e-10)
+        np.testing.assert_allclose(family.to_dense(cov), d.covariance_matrix if cov.ndim == 2 else jnp.diag(d.variance),
+                                   rtol=1e-10)
+        np.testing.assert_allclose(family.dense_precision(nat), jnp.linalg.inv(family.to_dense(cov)), rtol=1e-8)
+        # the precision in the family's form, and back
+        again = family.from_mean_precision(mean, family.precision(nat))
+        np.testing.assert_allclose(again.eta1, nat.eta1, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("family", FAMILIES, ids=type)
+def test_marginals_agree_with_the_distribution(family):
+    with enable_x64(True):
+        nat = random_nat(family, jax.random.PRNGKey(2))
+        d = family.to_dist(nat)
+        marginals = family.marginals(nat)
+        assert all(isinstance(x, np.ndarray) and x.dtype == np.float64 for x in marginals)
+        np.testing.assert_allclose(marginals.mean, d.mean, rtol=1e-10)
+        np.testing.assert_allclose(marginals.variance, d.variance, rtol=1e-10)
+        np.testing.assert_allclose(marginals.precision, np.diagonal(family.dense_precision(nat)), rtol=1e-12)
+        improper = family.marginals(nat - 2.0 * nat)  # negative definite precision
+        assert np.isnan(improper.mean).all() and np.isnan(improper.variance).all()
+        np.testing.assert_allclose(improper.precision, -marginals.precision, rtol=1e-12)
+
+
+@pytest.mark.parametrize("family", FAMILIES, ids=type)
+def test_quadratic_is_the_log_density_up_to_a_constant(family):
+    with enable_x64(True):
+        nat = random_nat(family, jax.random.PRNGKey(3))
+        zeta = jax.random.normal(jax.random.PRNGKey(4), (6, DIM))
+        gap = jax.vmap(family.to_dist(nat).log_prob)(zeta) - jax.vmap(lambda z: family.quadratic(nat, z))(zeta)
+        np.testing.assert_allclose(gap, gap[0], rtol=1e-10)
+        # improper natural parameters are fine: the quadratic is linear in them
+        both = family.quadratic(nat - 2.0 * nat, zeta[0])
+        assert float(both) == pytest.approx(-float(family.quadratic(nat, zeta[0])), rel=1e-12)
+
+
+@pytest.mark.parametrize("family", FAMILIES, ids=type)
+def test_whitening_round_trips(family):
+    with enable_x64(True):
+        loc, scale = random_loc_scale(family, jax.random.PRNGKey(5))
+        u = jax.random.normal(jax.random.PRNGKey(6), (5, DIM))
+        zeta = family.unwhiten(loc, scale, u)
+        np.testing.assert_allclose(family.whiten(loc, scale, zeta), u, rtol=1e-10, atol=1e-12)
+        # N(0, I) in u is N(loc, L L^T) in zeta
+        standard = family.whitened_to_nat(loc, scale, jnp.zeros(DIM), family.identity(DIM))
+        target = family.from_loc_scale(loc, scale)
+        np.testing.assert_allclose(standard.eta1, target.eta1, rtol=1e-10, atol=1e-12)
+        np.testing.assert_allclose(standard.eta2, target.eta2, rtol=1e-10, atol=1e-12)
+        other = random_nat(family, jax.random.PRNGKey(7))
+        mean, cov = family.nat_to_whitened(loc, scale, other)
+        back = family.whitened_to_nat(loc, scale, mean, cov)
+        np.testing.assert_allclose(back.eta2, other.eta2, rtol=1e-8, atol=1e-12)
+
+
+@pytest.mark.parametrize("family", FAMILIES, ids=type)
+def test_mixture_moments(family):
+    """The moments of (1 - w) N(a) + w N(b), checked against draws from the mixture."""
+    with enable_x64(True):
+        (ma, ca), (mb, cb) = (family.moments(random_nat(family, jax.random.PRNGKey(k))) for k in (8, 9))
+        mean, cov = family.mix_moments(ma, ca, mb, cb, 0.25)
+        np.testing.assert_allclose(mean, 0.75 * ma + 0.25 * mb, rtol=1e-12)
+        second = 0.75 * (family.to_dense(ca) + jnp.outer(ma, ma)) + 0.25 * (family.to_dense(cb) + jnp.outer(mb, mb))
+        np.testing.assert_allclose(family.to_dense(cov), family.to_dense(family.from_dense(
+            second - jnp.outer(mean, mean))), rtol=1e-10, atol=1e-12)
+        assert float(family.min_eig(cov)) > 0
+
+
+@pytest.mark.parametrize("family", FAMILIES, ids=type)
 def test_product_and_quotient_are_sums_of_natural_parameters(family):
     with enable_x64(True):
-        a = family.from_loc_scale(*random_loc_scale(family, jax.random.PRNGKey(1)))
-        b = family.from_loc_scale(*random_loc_scale(family, jax.random.PRNGKey(2)))
+        a = random_nat(family, jax.random.PRNGKey(1))
+        b = random_nat(family, jax.random.PRNGKey(2))
         zeta = jnp.linspace(-1.0, 1.0, 4)
         # log N(z; a) + log N(z; b) - log N(z; a*b) is constant in z
         log_pdf = lambda nat, z: family.to_dist(nat).log_prob(z)  # noqa: E731
@@ -47,7 +148,7 @@ def test_product_and_quotient_are_sums_of_natural_parameters(family):
 
 @pytest.mark.parametrize("family", FAMILIES, ids=type)
 def test_validity_detects_non_positive_definite(family):
-    q = family.from_loc_scale(*random_loc_scale(family, jax.random.PRNGKey(3)))
+    q = random_nat(family, jax.random.PRNGKey(3))
     assert bool(family.is_valid(q))
     assert not bool(family.is_valid(q - 2.0 * q))
     assert not bool(family.is_valid(q._replace(eta1=q.eta1.at[0].set(jnp.nan))))
@@ -57,13 +158,103 @@ def test_validity_detects_non_positive_definite(family):
 def test_site_update_of_a_gaussian_log_density_is_that_gaussian(family):
     """grad_mu E_q[log N(z; m, P^-1)] are the natural parameters of N(m, P^-1), whatever q is."""
     with enable_x64(True):
-        target = family.from_loc_scale(*random_loc_scale(family, jax.random.PRNGKey(4)))
+        target = random_nat(family, jax.random.PRNGKey(4))
         loc, scale = random_loc_scale(family, jax.random.PRNGKey(5))
-        half = jax.random.normal(jax.random.PRNGKey(6), (20000, 4))
+        half = jax.random.normal(jax.random.PRNGKey(6), (20000, DIM))
         eps = jnp.concatenate([half, -half])
-        zeta = loc + (eps * scale if scale.ndim == 1 else eps @ scale.T)
-        grads = jax.vmap(jax.grad(family.to_dist(target).log_prob))(zeta)
+        grads = jax.vmap(jax.grad(family.to_dist(target).log_prob))(family.unwhiten(loc, scale, eps))
         hess = family.stein_hessian(grads, eps, scale)
         got = family.site_update(grads.mean(0), hess, loc)
         np.testing.assert_allclose(got.eta2, target.eta2, atol=0.05 * np.abs(target.eta2).max())  # MC: ~1/sqrt(4e4)
         np.testing.assert_allclose(got.eta1, target.eta1, atol=0.05 * np.abs(target.eta1).max())
+        # with the Hessian itself, antithetic pairs make it exact
+        q = family.from_loc_scale(loc, scale)
+        log_prob = family.to_dist(target).log_prob
+        exact = expected_site(family, q, eps[::1000], jax.vmap(jax.grad(log_prob)), jax.vmap(jax.hessian(log_prob)))
+        np.testing.assert_allclose(exact.eta2, target.eta2, rtol=1e-8, atol=1e-12)
+        np.testing.assert_allclose(exact.eta1, target.eta1, rtol=1e-8, atol=1e-10)
+
+
+@pytest.mark.parametrize("family", FAMILIES, ids=type)
+def test_clamp_precision_clips_eigenvalues(family):
+    with enable_x64(True):
+        nat = random_nat(family, jax.random.PRNGKey(10))
+        eigenvalues = np.linalg.eigvalsh(family.dense_precision(nat))
+        low, high = float(eigenvalues[1]), float(eigenvalues[-2])
+        clamped, acted = family.clamp_precision(nat, low, high)
+        new = np.linalg.eigvalsh(family.dense_precision(clamped))
+        assert bool(acted) and new.min() >= low * (1 - 1e-9) and new.max() <= high * (1 + 1e-9)
+        same, acted = family.clamp_precision(nat, 0.5 * eigenvalues[0], 2.0 * eigenvalues[-1])
+        assert not bool(acted)
+        np.testing.assert_allclose(same.eta2, nat.eta2, rtol=1e-10)
+
+
+def test_mean_field_agrees_with_full_rank_on_a_diagonal_gaussian():
+    """Every map of the mean-field family is the full-rank family's, restricted to diagonal matrices."""
+    with enable_x64(True):
+        mean, var = jnp.array([0.5, -1.0, 2.0, 0.0]), jnp.array([0.5, 2.0, 1.5, 3.0])
+        mf, fr = MEAN_FIELD.from_moments(mean, var), FULL_RANK.from_moments(mean, jnp.diag(var))
+        dense = MEAN_FIELD.to_dense
+        close = lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)  # noqa: E731
+        close(mf.eta1, fr.eta1)
+        close(dense(MEAN_FIELD.precision(mf)), FULL_RANK.precision(fr))
+        close(MEAN_FIELD.dense_precision(mf), FULL_RANK.dense_precision(fr))
+        close(MEAN_FIELD.to_dense(MEAN_FIELD.moments(mf)[1]), FULL_RANK.moments(fr)[1])
+        for a, b in zip(MEAN_FIELD.marginals(mf), FULL_RANK.marginals(fr)):
+            close(a, b)
+        zeta = jnp.array([1.0, 0.3, -0.7, 2.0])
+        close(MEAN_FIELD.quadratic(mf, zeta), FULL_RANK.quadratic(fr, zeta))
+        close(MEAN_FIELD.to_dist(mf).log_prob(zeta), FULL_RANK.to_dist(fr).log_prob(zeta))
+        (loc, sd), (_, tril) = MEAN_FIELD.loc_scale(mf), FULL_RANK.loc_scale(fr)
+        close(jnp.diag(sd), tril)
+        u = jax.random.normal(jax.random.PRNGKey(0), (3, DIM))
+        close(MEAN_FIELD.unwhiten(loc, sd, u), FULL_RANK.unwhiten(loc, tril, u))
+        close(MEAN_FIELD.whiten(loc, sd, zeta), FULL_RANK.whiten(loc, tril, zeta))
+        white_mf, white_fr = MEAN_FIELD.nat_to_whitened(loc, sd, mf), FULL_RANK.nat_to_whitened(loc, tril, fr)
+        close(white_mf[0], white_fr[0])
+        close(dense(white_mf[1]), white_fr[1])
+        close(MEAN_FIELD.whitened_to_nat(loc, sd, u[0], var).eta2,
+              jnp.diagonal(FULL_RANK.whitened_to_nat(loc, tril, u[0], jnp.diag(var)).eta2))
+        # a diagonal dense precision projects to itself
+        close(MEAN_FIELD.from_dense_precision(mean, jnp.diag(1.0 / var)).eta2, mf.eta2)
+        close(FULL_RANK.from_dense_precision(mean, jnp.diag(1.0 / var)).eta2, fr.eta2)
+        # the forms' algebra
+        a, b = u[1], u[2]
+        close(dense(MEAN_FIELD.outer(a, b)), jnp.diag(jnp.diagonal(FULL_RANK.outer(a, b))))
+        close(MEAN_FIELD.outer_sum(u, u), jnp.diagonal(FULL_RANK.outer_sum(u, u)))
+        close(MEAN_FIELD.matvec(var, u), FULL_RANK.matvec(jnp.diag(var), u))
+        close(MEAN_FIELD.min_eig(var), FULL_RANK.min_eig(jnp.diag(var)))
+        close(dense(MEAN_FIELD.identity(DIM)), FULL_RANK.identity(DIM))
+        close(dense(MEAN_FIELD.sym(var)), FULL_RANK.sym(jnp.diag(var)))
+        # sites: Stein's Hessian of a diagonal quadratic, the CVI site, the clamp
+        grads = -(u - mean) / var
+        close(dense(MEAN_FIELD.stein_hessian(grads, u, sd)), FULL_RANK.stein_hessian(grads, u, tril) *
+              jnp.eye(DIM))
+        hess = -1.0 / var
+        close(MEAN_FIELD.site_update(grads.mean(0), hess, loc).eta1,
+              FULL_RANK.site_update(grads.mean(0), jnp.diag(hess), loc).eta1)
+        clamped_mf, acted_mf = MEAN_FIELD.clamp_precision(mf, 0.4, 1.0)
+        clamped_fr, acted_fr = FULL_RANK.clamp_precision(fr, 0.4, 1.0)
+        assert bool(acted_mf) and bool(acted_fr)
+        close(dense(clamped_mf.eta2), clamped_fr.eta2)
+
+
+def test_with_block_embeds_prior_blocks():
+    diag = MEAN_FIELD.with_block(jnp.zeros(4), slice(1, 3), jnp.array([2.0, 3.0]))
+    np.testing.assert_allclose(diag, [0.0, 2.0, 3.0, 0.0])
+    assert MEAN_FIELD.with_block(jnp.zeros(4), slice(1, 3), jnp.eye(2)) is None  # a full block is not mean-field
+    full = FULL_RANK.with_block(jnp.zeros((4, 4)), slice(1, 3), jnp.array([2.0, 3.0]))
+    np.testing.assert_allclose(full, jnp.diag(diag))
+    block = jnp.array([[2.0, 0.5], [0.5, 1.0]])
+    full = FULL_RANK.with_block(jnp.zeros((4, 4)), slice(2, 4), block)
+    np.testing.assert_allclose(full[2:, 2:], block)
+    assert float(jnp.abs(full[:2]).sum()) == 0.0
+
+
+def test_zeros_is_the_flat_factor():
+    for family in FAMILIES:
+        t = family.zeros(DIM)
+        q = random_nat(family, jax.random.PRNGKey(0))
+        assert isinstance(t, NatParams)
+        np.testing.assert_allclose((q + t).eta2, q.eta2)
+        assert family.to_dense(family.precision(t)).shape == (DIM, DIM)

@@ -64,11 +64,11 @@ def test_clients_gradients_sum_to_the_evidence_gradient(data):
     inference = pvi.PVI(noise_model, pvi.FullRankGaussian(), PARTS, update, pvi.Sequential(),
                         hyper_optimizer=optax.sgd(0.0))  # sigma stays at 1, q is its exact posterior
     state = inference.run(random.PRNGKey(0), 1, X, y=y, progress_bar=False).state
-    setup = inference._setup((X,), {"y": y})
-    client_update = jax.jit(update.bind(setup.problem))
+    problem = inference.build(X, y=y)
+    client_update = jax.jit(update.bind(problem.client_problem))
     total = 0.0
     for m in range(3):
-        client = pvi.Client([a[m] for a in setup.data[0]], setup.data[1][m], setup.data[2][m])
+        client = jax.tree.map(lambda a, m=m: a[m], problem.clients)
         cavity = jax.tree.map(lambda a, f, m=m: a - f[m], state.q, state.factors)
         result = client_update(random.PRNGKey(m), client, cavity, state.q, (), state.hyper)
         total = total + result.hyper_grad["sigma"]

@@ -80,9 +80,9 @@ def test_local_guides_stay_on_the_client(data):
     x, y = data
     inference = pvi.PVI(intercept_model, pvi.MeanFieldGaussian(), PARTS, update(20), pvi.Synchronous(0.5))
     state = inference.init(random.PRNGKey(0), x, y=y)
-    setup = inference._setup((x,), {"y": y})
-    client_update = jax.jit(inference.local_update.bind(setup.problem))
-    client = pvi.Client([a[1] for a in setup.data[0]], setup.data[1][1], setup.data[2][1])
+    problem = inference.build(x, y=y)
+    client_update = jax.jit(inference.local_update.bind(problem.client_problem))
+    client = jax.tree.map(lambda a: a[1], problem.clients)
     cavity = jax.tree.map(lambda a, f: a - f[1], state.q, state.factors)
     local = jax.tree.map(lambda s: s[1], state.client_states)
     result = client_update(random.PRNGKey(1), client, cavity, state.q, local)
@@ -92,7 +92,7 @@ def test_local_guides_stay_on_the_client(data):
     # what it keeps: its 5 groups' guide, (loc, scale) for u, changed by the update
     assert jax.tree.map(jnp.shape, result.state) == {"u": ((5,), (5,))}
     assert not np.allclose(result.state["u"][0], 0.0)
-    assert setup.sites.dim == 2 and state.factors.eta1.shape == (3, 2)
+    assert problem.sites.dim == 2 and state.factors.eta1.shape == (3, 2)
 
 
 def test_posterior_samples_and_predictive_per_client(data):

@@ -8,7 +8,7 @@ from numpyro.infer import MCMC, NUTS, Predictive
 from numpyro.infer.util import log_density
 
 import numpyro_pvi as pvi
-from numpyro_pvi.partition import check_partitions, pad_clients, pooled_to_client_data
+from numpyro_pvi.partition import check_partitions, pad_rows
 
 from conftest import linear_model
 
@@ -77,29 +77,15 @@ def test_bad_partitions_are_named(parts, match):
         check_partitions(parts, 5, "data")
 
 
-def test_pooled_data_is_sliced_by_leading_axis():
-    X, y, shared = jnp.arange(10.0).reshape(5, 2), jnp.arange(5.0), jnp.ones(3)
-    clients = pooled_to_client_data((X, shared), {"y": y}, [np.array([0, 4]), np.array([1, 2, 3])], 5, "data")
-    (X1, s1), kw1 = clients[1]
-    np.testing.assert_array_equal(X1, X[1:4])
-    np.testing.assert_array_equal(kw1["y"], y[1:4])
-    assert s1 is shared
-
-
-def test_pad_clients_pads_rows_and_masks():
-    clients = pvi.ClientData([((jnp.ones((2, 3)),), {"y": jnp.ones(2), "n": 4}),
-                              ((jnp.ones((4, 3)),), {"y": jnp.zeros(4), "n": 4})])
-    padded = pad_clients(clients, [2, 4], "data")
-    assert [a.shape for a in padded.arrays] == [(2, 4, 3), (2, 4)]
-    np.testing.assert_array_equal(padded.mask, [[True, True, False, False], [True] * 4])
-    assert padded.layout.static == ((1, 4),)  # kwargs leaves flatten in sorted key order: X, n, y
-
-
 def test_client_data_validation():
     with pytest.raises(TypeError, match="entry 0"):
         pvi.ClientData([(jnp.ones(3), {})])
     with pytest.raises(ValueError, match="at least one"):
         pvi.ClientData([])
-    clients = pvi.ClientData([((jnp.ones((2, 3)),), {}), ((jnp.ones((4, 2)),), {})])
-    with pytest.raises(ValueError, match="leaf 0"):
-        pad_clients(clients, [2, 3], "data")
+    with pytest.raises(ValueError, match="holds no rows"):
+        pad_rows(np.zeros((0, 2)), 3)
+
+
+def test_pad_rows_repeats_a_real_row():
+    padded = pad_rows(np.array([[1.0, 2.0], [3.0, 0.5]]), 4)
+    np.testing.assert_array_equal(padded, [[1.0, 2.0], [3.0, 0.5], [3.0, 0.5], [3.0, 0.5]])

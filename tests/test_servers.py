@@ -1,4 +1,4 @@
-"""Server algebra, checked with a closed-form local update in float64, and the merge's safety rules."""
+"""Server algebra, checked with a closed-form local update in float64."""
 
 import jax
 import jax.numpy as jnp
@@ -8,7 +8,6 @@ from jax import enable_x64, random
 
 import numpyro_pvi as pvi
 from numpyro_pvi.families import NatParams
-from numpyro_pvi.servers import merge
 
 from conftest import NOISE, exact_linear_posterior, linear_model
 
@@ -85,40 +84,6 @@ def test_a_nan_client_is_rejected_and_the_rest_still_learn(linear_data):
     np.testing.assert_allclose(inference.family.loc_scale(state.q)[0], mean, rtol=1e-4)
 
 
-def _mf(eta2):
-    eta2 = jnp.asarray(eta2, jnp.float32)
-    return NatParams(jnp.zeros_like(eta2), eta2)
-
-
-def test_merge_backtracks_until_every_cavity_is_valid():
-    family = pvi.MeanFieldGaussian()
-    q, factors = _mf([-1.0]), _mf([[-0.5], [-0.5]])
-    deltas = _mf([[0.9]])
-    out = merge(family, q, factors, jnp.array([0]), deltas, jnp.array([True]), damping=1.0, max_backtracks=5)
-    # rho = 1 leaves client 1's cavity at -0.1 + 0.5 > 0 (improper); rho = 0.5 is the first valid one
-    assert bool(out.valid) and float(out.damping) == 0.5
-    np.testing.assert_allclose(out.q.eta2, [-0.55], rtol=1e-6)
-    np.testing.assert_allclose(out.factors.eta2, [[-0.05], [-0.5]], rtol=1e-6)
-
-
-def test_merge_rejects_what_no_damping_can_save_and_keeps_the_state():
-    family = pvi.MeanFieldGaussian()
-    q, factors = _mf([-1.0]), _mf([[-0.5], [-0.5]])
-    out = merge(family, q, factors, jnp.array([1]), _mf([[10.0]]), jnp.array([True]), damping=1.0, max_backtracks=2)
-    assert not bool(out.valid) and float(out.damping) == 0.0
-    np.testing.assert_array_equal(out.q.eta2, q.eta2)
-    np.testing.assert_array_equal(out.factors.eta2, factors.eta2)
-
-
-def test_merge_drops_non_finite_deltas():
-    family = pvi.MeanFieldGaussian()
-    q, factors = _mf([-1.0]), _mf([[-0.5], [-0.5]])
-    deltas = _mf([[-0.2], [jnp.nan]])
-    out = merge(family, q, factors, jnp.array([0, 1]), deltas, jnp.array([True, False]), 1.0, 5)
-    np.testing.assert_allclose(out.q.eta2, [-1.2], rtol=1e-6)
-    np.testing.assert_allclose(out.factors.eta2, [[-0.7], [-0.5]], rtol=1e-6)
-
-
 @pytest.mark.parametrize("bad", [dict(damping=0.0), dict(damping=1.5), dict(max_backtracks=-1)])
 def test_server_arguments_are_checked(bad):
     with pytest.raises(ValueError, match="Synchronous"):
@@ -138,8 +103,8 @@ def test_continual_visits_each_client_once_and_add_client_extends_the_run(linear
                                    rtol=1e-9)
         state, info = inference.update(state)  # nothing new: no client is revisited
         np.testing.assert_array_equal(info.attempts, [0, 0, 0])
-        state = inference.add_client(state, X[UNEQUAL[3]], y=y[UNEQUAL[3]])  # a new task arrives
-        state, info = inference.update(state)
+        state, problem = inference.add_client(state, inference.build(), X[UNEQUAL[3]], y=y[UNEQUAL[3]])  # a new task
+        state, info = inference.update(state, problem)
         np.testing.assert_array_equal(info.attempts, [0, 0, 0, 1])
         mean, cov = exact_linear_posterior(X, y)
         loc, scale_tril = inference.family.loc_scale(state.q)

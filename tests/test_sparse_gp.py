@@ -56,7 +56,7 @@ def test_trace_factor_in_the_partition_plate_is_part_of_each_clients_likelihood(
     # float32 sums of 100 terms: agreement to ~1e-5 relative
     assert float(got) == pytest.approx(expected, rel=1e-4)
     # the same through the client problem that PVI's local updates call
-    problem = inference._setup((x,), {"y": y}).problem
+    problem = inference.build(x, y=y).client_problem
     client = Client([x, y], mask, jnp.sum(mask))
     assert float(problem.log_likelihood(zeta, client, hyper)) == pytest.approx(expected, rel=1e-4)
 

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from numpyro.distributions import kl_divergence
 
-from numpyro_pvi.families import MeanFieldGaussian, NatParams
+from numpyro_pvi.families import Family, NatParams
 
 
 class Client(NamedTuple):
@@ -62,7 +62,7 @@ class ClientResult(NamedTuple):
 class ClientProblem:
     """Everything a local update needs, independent of which client it runs for.
 
-    :ivar family: the Gaussian family.
+    :ivar family: the Gaussian family (a :class:`~numpyro_pvi.families.Family`).
     :ivar dim: ``D``, the size of the flat unconstrained vector.
     :ivar log_likelihood: ``(zeta, client, hyper=()) -> log p(y_m | zeta, hyper)``, a scalar; masked rows
         count 0.
@@ -78,7 +78,7 @@ class ClientProblem:
     ``ClientProblem(pvi.MeanFieldGaussian(), D, lambda zeta, client, hyper=(): ..., is_row=(True,))``.
     """
 
-    family: MeanFieldGaussian
+    family: Family
     dim: int
     log_likelihood: Callable[[jax.Array, Client], jax.Array]
     is_row: tuple
@@ -107,7 +107,7 @@ class ClientProblem:
         return Client(arrays, mask, client.size), client.size / jnp.maximum(jnp.sum(mask), 1)
 
 
-def local_free_energy(family: MeanFieldGaussian, q: NatParams, cavity: NatParams, loglik: Callable,
+def local_free_energy(family: Family, q: NatParams, cavity: NatParams, loglik: Callable,
                       zeta: jax.Array) -> jax.Array:
     """``F_m(q) = E_q[log p(y_m | zeta)] - KL(q || cavity)``, the expectation over draws ``zeta`` ``(S, D)`` of q."""
     return jnp.mean(jax.vmap(loglik)(zeta)) - kl_divergence(family.to_dist(q), family.to_dist(cavity))

@@ -81,20 +81,7 @@ class GradientUpdate:
         if live and sites.enumerated and self.default_elbo:
             elbo = TraceEnum_ELBO(num_particles=self.num_particles)
 
-        def tilted_model(client: Client, scale: jax.Array, cavity: tuple, q: tuple, local: Any, hyper: Any) -> None:
-            zeta = numpyro.sample("_pvi_zeta", family.distribution(*cavity))
-            if live:  # the model itself: its local latents and observations are sites of this ELBO
-                problem.local_model(zeta, client, hyper)
-            else:
-                numpyro.factor("_pvi_loglik", scale * problem.log_likelihood(zeta, client, hyper))
-
-        def tilted_guide(client: Client, scale: jax.Array, cavity: tuple, q: tuple, local: Any, hyper: Any) -> None:
-            loc = numpyro.param("_pvi_loc", q[0])
-            spread = numpyro.param("_pvi_" + family.scale_name, q[1], constraint=family.scale_constraint)
-            numpyro.sample("_pvi_zeta", family.distribution(loc, spread))
-            if live:
-                local_guide(sites, client.mask, local)
-
+        tilted_model, tilted_guide = _tilted_model_and_guide(problem)
         svi = SVI(tilted_model, tilted_guide, self.optimizer, elbo)
         num_steps, num_average = self.num_steps, self.num_average
 
@@ -137,3 +124,23 @@ class GradientUpdate:
 
         return client_update
 
+
+def _tilted_model_and_guide(problem: ClientProblem) -> tuple[Callable, Callable]:
+    """The tilted model (the cavity as the prior of ``zeta``, times the client's likelihood) and the guide on it."""
+    family, sites, live = problem.family, problem.sites, problem.has_local
+
+    def tilted_model(client: Client, scale: jax.Array, cavity: tuple, q: tuple, local: Any, hyper: Any) -> None:
+        zeta = numpyro.sample("_pvi_zeta", family.distribution(*cavity))
+        if live:  # the model itself: its local latents and observations are sites of this ELBO
+            problem.local_model(zeta, client, hyper)
+        else:
+            numpyro.factor("_pvi_loglik", scale * problem.log_likelihood(zeta, client, hyper))
+
+    def tilted_guide(client: Client, scale: jax.Array, cavity: tuple, q: tuple, local: Any, hyper: Any) -> None:
+        loc = numpyro.param("_pvi_loc", q[0])
+        spread = numpyro.param("_pvi_" + family.scale_name, q[1], constraint=family.scale_constraint)
+        numpyro.sample("_pvi_zeta", family.distribution(loc, spread))
+        if live:
+            local_guide(sites, client.mask, local)
+
+    return tilted_model, tilted_guide

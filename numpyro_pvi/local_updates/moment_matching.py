@@ -2,7 +2,7 @@
 
 Client ``m`` forms the tilted distribution ``p_m(zeta) ∝ q_alpha(zeta) p(y_m | zeta)^alpha`` with the
 power-EP cavity ``q_alpha = q / t_m^alpha``, estimates its mean and covariance (its diagonal for
-``MeanFieldGaussian``), matches a Gaussian ``q_tilde`` to them and moves its factor by
+``MeanFieldGaussian``: the family's own form), matches a Gaussian ``q_tilde`` to them and moves its factor by
 ``delta = (eta(q_tilde) - eta(q)) / alpha``; with ``alpha = 1`` this is EP (``q_new = q_tilde``).
 
 The tilted moments come from importance sampling (default) or NUTS. Both start from a Laplace
@@ -23,34 +23,9 @@ import jax.numpy as jnp
 from jax.scipy.linalg import cho_solve
 from numpyro.infer.hmc import hmc
 
-from numpyro_pvi.families import FullRankGaussian, MeanFieldGaussian, NatParams
+from numpyro_pvi.backtracking import backtrack
+from numpyro_pvi.families import Family, NatParams
 from numpyro_pvi.local_updates.base import Client, ClientProblem, ClientResult, local_free_energy
-
-
-def quadratic(nat: NatParams, zeta: jax.Array) -> jax.Array:
-    """``eta1 . zeta + zeta^T eta2 zeta``: an unnormalised Gaussian log density (``nat`` may be improper)."""
-    square = jnp.sum(nat.eta2 * zeta**2) if nat.eta2.ndim == 1 else zeta @ nat.eta2 @ zeta
-    return nat.eta1 @ zeta + square
-
-
-def full_precision(nat: NatParams) -> jax.Array:
-    """The ``(D, D)`` precision matrix of natural parameters of either family."""
-    return -2.0 * jnp.diag(nat.eta2) if nat.eta2.ndim == 1 else -(nat.eta2 + nat.eta2.T)
-
-
-def gaussian_moments(family: MeanFieldGaussian, nat: NatParams) -> tuple[jax.Array, jax.Array]:
-    """Mean ``(D,)`` and full covariance ``(D, D)`` of valid natural parameters."""
-    loc, scale = family.loc_scale(nat)
-    return loc, (jnp.diag(scale**2) if scale.ndim == 1 else scale @ scale.T)
-
-
-def from_moments(family: MeanFieldGaussian, mean: jax.Array, cov: jax.Array) -> NatParams:
-    """The family member with this mean and covariance (only its diagonal for ``MeanFieldGaussian``)."""
-    if not isinstance(family, FullRankGaussian):
-        return family.from_mean_precision(mean, 1.0 / jnp.diagonal(cov))
-    chol = jnp.linalg.cholesky(0.5 * (cov + cov.T))
-    precision = cho_solve((chol, True), jnp.eye(mean.shape[-1], dtype=mean.dtype))
-    return family.from_mean_precision(mean, 0.5 * (precision + precision.T))
 
 
 def laplace(log_density: Callable, start: jax.Array, fallback: jax.Array, num_newton: int) -> tuple:
@@ -74,13 +49,12 @@ def laplace(log_density: Callable, start: jax.Array, fallback: jax.Array, num_ne
         _, chol = curvature(z)
         direction = cho_solve((chol, True), grad)
 
-        def worse(k: jax.Array) -> jax.Array:
-            new = log_density(z + 0.5**k * direction)
-            return (k <= 10) & ~(new >= value)
+        def propose(step: jax.Array) -> tuple[jax.Array, jax.Array]:
+            new = z + step * direction
+            return new, log_density(new) >= value
 
-        k = jax.lax.while_loop(worse, lambda k: k + 1, 0)
-        z_new = jnp.where((k <= 10) & jnp.all(jnp.isfinite(direction)), z + 0.5**k * direction, z)
-        return z_new, None
+        out = backtrack(propose, 1.0, max_halvings=10)
+        return jnp.where(out.valid & jnp.all(jnp.isfinite(direction)), out.value, z), None
 
     mode, _ = jax.lax.scan(newton, start, None, length=num_newton)
     precision, chol = curvature(mode)
@@ -203,17 +177,17 @@ class MomentMatchingUpdate:
                           state: Any, hyper: Any = ()) -> ClientResult:
             loglik = lambda z: problem.log_likelihood(z, client, hyper)  # noqa: E731
             cavity_alpha = alpha * cavity + (1.0 - alpha) * q  # q / t_m^alpha: valid, a convex combination
-            log_tilted = lambda z: quadratic(cavity_alpha, z) + alpha * loglik(z)  # noqa: E731
+            log_tilted = lambda z: family.quadratic(cavity_alpha, z) + alpha * loglik(z)  # noqa: E731
             sample_key, fe_key = jax.random.split(rng_key)
             clamped = 0
             if self.proposal == "laplace":
-                fallback = full_precision(cavity_alpha)
+                fallback = family.dense_precision(cavity_alpha)
                 loc, _, chol_precision = laplace(log_tilted, family.loc_scale(q)[0], fallback, self.num_newton)
                 inv = jax.scipy.linalg.solve_triangular(chol_precision, jnp.eye(problem.dim), lower=True)
                 chol_cov = jnp.linalg.cholesky(inv.T @ inv)
             else:
-                loc, cov = gaussian_moments(family, cavity_alpha)
-                chol_cov = jnp.linalg.cholesky(cov)
+                loc, cov = family.moments(cavity_alpha)
+                chol_cov = jnp.linalg.cholesky(family.to_dense(cov))
             if self.tilted == "importance":
                 half = jax.random.normal(sample_key, (self.num_samples // 2, problem.dim))
                 mean, cov, ess = importance_moments(log_tilted, loc, chol_cov, jnp.concatenate([half, -half]))
@@ -223,20 +197,31 @@ class MomentMatchingUpdate:
                 mean, cov = nuts_moments(log_tilted, loc, chol_cov, sample_key, self.num_chains, self.num_warmup,
                                          self.num_samples, self.max_tree_depth)
                 low_ess = False
-            target = from_moments(family, mean, cov)
-            delta = (target - q) * (1.0 / alpha)
-            start = jnp.where(low_ess, 1, 0)
-
-            def invalid(k: jax.Array) -> jax.Array:
-                return (k <= max_backtracks) & ~family.is_valid(q + 0.5**k * delta)
-
-            k = jax.lax.while_loop(invalid, lambda k: k + 1, start)
-            ok = k <= max_backtracks
-            delta = jax.tree.map(lambda d: jnp.where(ok, 0.5**k * d, 0.0), delta)
-            clamped = clamped + k - start
+            delta, halvings = _safe_step(family, q, family.from_moments(mean, family.from_dense(cov)), alpha,
+                                         low_ess, max_backtracks)
+            clamped = clamped + halvings
             q_new = q + delta
             zeta = family.to_dist(q_new).sample(fe_key, (64,))
             free_energy = local_free_energy(family, q_new, cavity, loglik, zeta)
             return ClientResult(delta, free_energy, state, clamped)
 
         return client_update
+
+
+def _safe_step(family: Family, q: NatParams, target: NatParams, alpha: float, low_ess: jax.Array | bool,
+               max_backtracks: int) -> tuple[NatParams, jax.Array]:
+    """The step ``(target - q) / alpha``, halved until ``q`` stays valid, and the number of halvings.
+
+    A low effective sample size starts at half the step (that halving is counted apart). At most
+    ``max_backtracks`` halvings in all; if none gives a valid ``q`` the step is not taken (and counts
+    ``max_backtracks + 1`` halvings, less the one for a low effective sample size).
+    """
+    delta = (target - q) * (1.0 / alpha)
+    start = jnp.where(low_ess, 1, 0)
+
+    def propose(step: jax.Array) -> tuple[NatParams, jax.Array]:
+        return step * delta, family.is_valid(q + step * delta)
+
+    out = backtrack(propose, 1.0, max_halvings=max_backtracks - start, start=start)
+    ok = out.valid & (start <= max_backtracks)  # max_backtracks=0 allows no halving, not even for a low ESS
+    return jax.tree.map(lambda d: jnp.where(ok, d, 0.0), out.value), out.halvings

@@ -21,6 +21,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
+from numpyro_pvi.backtracking import backtrack
 from numpyro_pvi.families import NatParams, expected_site
 from numpyro_pvi.local_updates.base import Client, ClientProblem, ClientResult, local_free_energy
 
@@ -77,14 +78,14 @@ class NaturalGradientUpdate:
                 t, clamped = carry
                 half = jax.random.normal(key, (pairs, problem.dim))
                 target = expected_site(family, cavity + t, jnp.concatenate([half, -half]), grad, hessian)
+                direction = target - t
 
-                def invalid(k: jax.Array) -> jax.Array:
-                    return (k <= max_backtracks) & ~family.is_valid(cavity + t + beta * 0.5**k * (target - t))
+                def propose(size: jax.Array) -> tuple[NatParams, jax.Array]:
+                    return t + size * direction, family.is_valid(cavity + t + size * direction)
 
-                k = jax.lax.while_loop(invalid, lambda k: k + 1, 0)
-                ok = k <= max_backtracks
-                new = t + jnp.where(ok, beta * 0.5**k, 0.0) * (target - t)
-                return (new, clamped + k), None
+                out = backtrack(propose, beta, max_halvings=max_backtracks)  # no valid step: t unchanged
+                new = jax.tree.map(lambda a, b: jnp.where(out.valid, a, b), out.value, t)
+                return (new, clamped + out.halvings), None
 
             t_old = q - cavity
             (t_new, clamped), _ = jax.lax.scan(step, (t_old, 0), jax.random.split(rng_key, self.num_steps))

@@ -1,0 +1,149 @@
+"""From the user's data to the clients' stacked arrays: which leaves are rows, each client's size.
+
+Every client's model arguments are flattened to leaves. *Row leaves* carry the partition plate's rows on
+their leading axis; the others (*shared leaves*) are the same shape in every client; non-array leaves are
+static (:class:`~numpyro_pvi.partition.ArgsLayout`). The model is traced once, on the pooled data or on
+client 0's, and every other client is checked against that structure by its arguments' shapes alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from numpyro_pvi.local_updates.base import Client
+from numpyro_pvi.partition import ArgsLayout, check_partitions, is_array, same_static, stack_clients
+
+
+class ClientColumns(NamedTuple):
+    """The clients' data before stacking: for each array leaf, its value in every client.
+
+    :ivar columns: ``columns[i][m]`` is array leaf ``i`` of client ``m``.
+    :ivar is_row: whether array leaf ``i`` is a row leaf.
+    :ivar sizes: each client's number of rows.
+    :ivar layout: rebuilds one client's ``(args, kwargs)`` from its array leaves.
+    :ivar unsure: clients whose shapes alone do not settle which leaves are rows (a leaf with client 0's
+        number of rows and the same shape in every client, while their sizes differ): their model call
+        must be traced (abstractly) to be checked.
+    """
+
+    columns: list
+    is_row: tuple
+    sizes: tuple
+    layout: ArgsLayout
+    unsure: tuple = ()
+
+
+def split_pooled(args: tuple, kwargs: dict, partitions: Sequence, num_data: int, plate: str) -> ClientColumns:
+    """Pooled arguments split by index ``partitions``: leaves with ``num_data`` leading rows are sliced."""
+    check_partitions(partitions, num_data, plate)
+    leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
+    static = tuple((i, x) for i, x in enumerate(leaves) if not is_array(x))
+    arrays = [x for x in leaves if is_array(x)]
+    is_row = tuple(np.ndim(x) >= 1 and np.shape(x)[0] == num_data for x in arrays)
+    if not any(is_row):
+        raise ValueError(f"No model argument has a leading axis of size {num_data} (the size of partition plate "
+                         f"'{plate}'), so there are no rows to split across clients.")
+    index = [np.asarray(p) for p in partitions]
+    columns = [[np.asarray(x)[i] for i in index] if row else [x] * len(index) for x, row in zip(arrays, is_row)]
+    return ClientColumns(columns, is_row, tuple(len(i) for i in index), ArgsLayout(treedef, static))
+
+
+def split_client_data(clients: Sequence[tuple[tuple, dict]], first_size: int, plate: str) -> ClientColumns:
+    """Per-client arguments checked against client 0's, whose model call has ``first_size`` rows.
+
+    A leaf is a row leaf if its leading axis is each client's size; a client's size is the leading axis
+    of the first leaf that has ``first_size`` rows in client 0 and another shape in some client.
+    """
+    flat = [jax.tree_util.tree_flatten(c) for c in clients]
+    treedef = flat[0][1]
+    for m, (_, other) in enumerate(flat):
+        if other != treedef:
+            raise ValueError(f"ClientData: client {m}'s arguments have structure {other}, but client 0's have "
+                             f"{treedef}; every client must pass the same arguments.")
+    leaves = [f[0] for f in flat]
+    static = []
+    for i, value in enumerate(leaves[0]):
+        if not is_array(value):
+            if any(not same_static(c[i], value) for c in leaves[1:]):
+                raise ValueError(f"ClientData: non-array argument leaf {i} differs between clients ({value!r} vs "
+                                 "...); give per-client values as arrays.")
+            static.append((i, value))
+    positions = [i for i, v in enumerate(leaves[0]) if is_array(v)]
+    columns = [[c[i] for c in leaves] for i in positions]
+    sizes = _client_sizes(columns, first_size, plate)
+    is_row = tuple(all(np.ndim(x) >= 1 and np.shape(x)[0] == n for x, n in zip(col, sizes)) for col in columns)
+    for i, (col, row) in enumerate(zip(columns, is_row)):
+        if not row and len({np.shape(x) for x in col}) > 1:
+            m = next(m for m, x in enumerate(col) if np.shape(x) != np.shape(col[0]))
+            raise ValueError(f"ClientData: client {m}'s array argument {i} has shape {np.shape(col[m])}, but it is "
+                             f"neither a row array of plate '{plate}' ({sizes[m]} rows in that client) nor of "
+                             f"client 0's shape {np.shape(col[0])}.")
+    return ClientColumns(columns, is_row, sizes, ArgsLayout(treedef, tuple(static)), _unsure(columns, sizes))
+
+
+def _unsure(columns: list, sizes: tuple) -> tuple:
+    """The clients whose size differs from client 0's while some leaf keeps client 0's row count and shape."""
+    same = [col for col in columns if np.ndim(col[0]) >= 1 and np.shape(col[0])[0] == sizes[0]
+            and len({np.shape(x) for x in col}) == 1]
+    return tuple(m for m, n in enumerate(sizes) if n != sizes[0]) if same else ()
+
+
+def _client_sizes(columns: list, first_size: int, plate: str) -> tuple:
+    candidates = [col for col in columns if np.ndim(col[0]) >= 1 and np.shape(col[0])[0] == first_size]
+    if not candidates:
+        raise ValueError(f"No model argument of client 0 has a leading axis of size {first_size} (the size of "
+                         f"partition plate '{plate}'): size the plate from the data (e.g. X.shape[0]).")
+    anchor = next((col for col in candidates if len({np.shape(x) for x in col}) > 1), candidates[0])
+    sizes = tuple(int(np.shape(x)[0]) if np.ndim(x) >= 1 else -1 for x in anchor)
+    for col in candidates:
+        for m, (x, n) in enumerate(zip(col, sizes)):
+            if np.shape(x) != np.shape(col[0]) and (np.ndim(x) < 1 or np.shape(x)[0] != n):
+                raise ValueError(f"ClientData: client {m}'s row arguments disagree on its number of rows "
+                                 f"({np.shape(x)[0] if np.ndim(x) else 'a scalar'} vs {n}): every row argument "
+                                 f"of plate '{plate}' must have one row per datum.")
+    if min(sizes) < 1:
+        m = int(np.argmin(sizes))
+        raise ValueError(f"ClientData: client {m} holds no rows of plate '{plate}'.")
+    return sizes
+
+
+def stack(split: ClientColumns, rows: int | None = None, capacity: int | None = None) -> Client:
+    """The clients as one :class:`Client` with a leading client axis of ``capacity`` slots.
+
+    Row leaves are padded to ``rows`` (default: the largest client) with copies of a real row and masked.
+    """
+    rows = max(split.sizes) if rows is None else rows
+    capacity = len(split.sizes) if capacity is None else capacity
+    arrays = stack_clients(split.columns, split.is_row, split.sizes, rows, capacity)
+    sizes = np.zeros(capacity, np.int32)
+    sizes[:len(split.sizes)] = split.sizes
+    return Client(arrays, jnp.arange(rows)[None, :] < jnp.asarray(sizes)[:, None], jnp.asarray(sizes))
+
+
+def append_client(split: ClientColumns, args: tuple, kwargs: dict, plate: str) -> ClientColumns:
+    """``split`` with one more client holding ``model(*args, **kwargs)``'s data (checked like the others)."""
+    leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
+    if treedef != split.layout.treedef:
+        raise ValueError(f"add_client: the new client's arguments have structure {treedef}, but the others' have "
+                         f"{split.layout.treedef}.")
+    arrays = [x for x in leaves if is_array(x)]
+    if len(arrays) != len(split.columns):
+        raise ValueError("add_client: the new client passes arrays where the others pass other values, or the "
+                         "reverse; every client must pass the same arguments.")
+    columns = [col + [x] for col, x in zip(split.columns, arrays)]
+    sizes = _client_sizes(columns, split.sizes[0], plate)
+    for i, (col, row) in enumerate(zip(columns, split.is_row)):
+        ok = (np.ndim(col[-1]) >= 1 and np.shape(col[-1])[0] == sizes[-1]) if row else \
+            np.shape(col[-1]) == np.shape(col[0])
+        if not ok:
+            raise ValueError(f"add_client: array argument {i} has shape {np.shape(col[-1])}, which does not fit "
+                             f"the other clients' (a {'row' if row else 'shared'} argument).")
+    for pos, value in split.layout.static:
+        if not same_static(leaves[pos], value):
+            raise ValueError(f"add_client: non-array argument leaf {pos} is {leaves[pos]!r}, the others' {value!r}.")
+    return split._replace(columns=columns, sizes=sizes, unsure=_unsure(columns, sizes))

@@ -1,0 +1,382 @@
+"""The contract of a family: :class:`Family`, with :class:`NatParams` and :class:`Marginals`.
+
+Every family stores its second-order quantities (``eta2``, a precision, a covariance, an expected
+Hessian) in its own **form**: ``MeanFieldGaussian`` a ``(D,)`` diagonal, ``FullRankGaussian`` a
+``(D, D)`` matrix. The local updates, the prior and the plots never look at that form: they only pass
+it between the family's methods, which is why adding a family is adding one class.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Protocol, runtime_checkable
+
+import jax
+import numpy as np
+import numpyro.distributions as dist
+from numpyro.distributions import constraints
+
+
+class NatParams(NamedTuple):
+    """Natural parameters of a Gaussian: ``eta1`` ``(..., D)`` and ``eta2`` in the family's form.
+
+    ``eta2`` is ``(..., D)`` for ``MeanFieldGaussian`` and ``(..., D, D)`` for ``FullRankGaussian``. They
+    add and scale like vectors (``q - t_m`` is a cavity, ``q + rho * delta`` a damped update).
+
+    **Example:**
+
+    .. doctest::
+
+        >>> import jax.numpy as jnp
+        >>> from numpyro_pvi import MeanFieldGaussian
+        >>> q = MeanFieldGaussian().from_loc_scale(jnp.array([1.0]), jnp.array([2.0]))
+        >>> q.eta1, q.eta2  # mu / sigma^2, -1 / (2 sigma^2)
+        (Array([0.25], dtype=float32), Array([-0.125], dtype=float32))
+    """
+
+    eta1: jax.Array
+    eta2: jax.Array
+
+    def __add__(self, other: NatParams) -> NatParams:  # type: ignore[override]
+        return NatParams(self.eta1 + other.eta1, self.eta2 + other.eta2)
+
+    def __sub__(self, other: NatParams) -> NatParams:
+        return NatParams(self.eta1 - other.eta1, self.eta2 - other.eta2)
+
+    def __mul__(self, rho: jax.Array | float) -> NatParams:  # type: ignore[override]
+        return NatParams(rho * self.eta1, rho * self.eta2)
+
+    __rmul__ = __mul__
+
+
+class Marginals(NamedTuple):
+    """Per-coordinate summaries of a Gaussian in natural parameters, as float64 numpy arrays ``(D,)``.
+
+    :ivar mean: the marginal means (NaN if the Gaussian is improper).
+    :ivar variance: the marginal variances (NaN if improper).
+    :ivar precision: the diagonal of the precision matrix (defined for improper factors too).
+
+    **Example:**
+
+    .. doctest::
+
+        >>> import numpy as np
+        >>> from numpyro_pvi import MeanFieldGaussian
+        >>> from numpyro_pvi.families import NatParams
+        >>> MeanFieldGaussian().marginals(NatParams(np.array([1.0, 1.0]), np.array([-0.5, 0.5])))
+        Marginals(mean=array([ 1., nan]), variance=array([ 1., nan]), precision=array([ 1., -1.]))
+    """
+
+    mean: np.ndarray
+    variance: np.ndarray
+    precision: np.ndarray
+
+
+@runtime_checkable
+class Family(Protocol):
+    """What a family of Gaussian factors over the flat unconstrained vector ``zeta`` (size ``D``) implements.
+
+    ``q``, the prior and every factor ``t_m`` are :class:`NatParams` of one family; factors may be
+    improper, ``q`` and cavities must be valid. "Form" below is the family's own storage of a
+    symmetric ``(D, D)`` matrix (a ``(D,)`` diagonal for mean field, the matrix for full rank), and
+    ``scale`` is the guide's scale (a ``(D,)`` sd vector or a ``(D, D)`` lower Cholesky factor ``L``).
+    A new family implements every member below (subclassing ``numpyro_pvi.families.gaussian._Gaussian``
+    gives ``to_dist``, ``dense_precision`` and ``mix_moments``):
+
+    * **Guide and core** (used by PVI, the servers and ``GradientUpdate``): ``scale_name``,
+      ``scale_constraint``, :meth:`zeros`, :meth:`is_valid`, :meth:`precision`,
+      :meth:`from_mean_precision`, :meth:`loc_scale`, :meth:`from_loc_scale`, :meth:`distribution`,
+      :meth:`to_dist`.
+    * **Moments**: :meth:`moments`, :meth:`from_moments`, :meth:`from_dense_precision`, :meth:`mix_moments`.
+    * **Densities**: :meth:`quadratic`, :meth:`dense_precision`, :meth:`marginals`.
+    * **Forms** (matrix algebra in the family's form): :meth:`to_dense`, :meth:`from_dense`,
+      :meth:`identity`, :meth:`outer`, :meth:`outer_sum`, :meth:`sym`, :meth:`matvec`, :meth:`min_eig`.
+    * **Whitening** ``zeta = loc + L u`` (SNEP, sampling, CVI): :meth:`unwhiten`, :meth:`whiten`,
+      :meth:`whitened_to_nat`, :meth:`nat_to_whitened`.
+    * **Sites**: :meth:`stein_hessian`, :meth:`site_update` (the CVI site), :meth:`clamp_precision`
+      (SNEP's site clamp), :meth:`with_block` (the prior's exact Gaussian blocks).
+
+    Sampling is ``to_dist(nat).sample(key, shape)``.
+
+    **Example:**
+
+    .. doctest::
+
+        >>> import numpyro_pvi as pvi
+        >>> from numpyro_pvi.families import Family
+        >>> isinstance(pvi.MeanFieldGaussian(), Family), isinstance(pvi.FullRankGaussian(), Family)
+        (True, True)
+        >>> isinstance(pvi.FullRankGaussian(), pvi.MeanFieldGaussian)
+        False
+    """
+
+    scale_name: str
+    scale_constraint: constraints.Constraint
+
+    # ------------------------------------------------------------------ guide and core
+    def zeros(self, dim: int) -> NatParams:
+        """The flat factor ``t = 1``."""
+        ...
+
+    def is_valid(self, nat: NatParams) -> jax.Array:
+        """Whether ``nat`` is a proper, finite Gaussian (positive-definite precision)."""
+        ...
+
+    def precision(self, nat: NatParams) -> jax.Array:
+        """The precision ``-2 eta2`` (symmetrised), in the family's form."""
+        ...
+
+    def from_mean_precision(self, loc: jax.Array, precision: jax.Array) -> NatParams:
+        """From a mean ``(D,)`` and a precision in the family's form."""
+        ...
+
+    def loc_scale(self, nat: NatParams) -> tuple[jax.Array, jax.Array]:
+        """The guide's ``(loc, scale)`` of valid natural parameters."""
+        ...
+
+    def from_loc_scale(self, loc: jax.Array, scale: jax.Array) -> NatParams:
+        """From the guide's ``(loc, scale)``."""
+        ...
+
+    def distribution(self, loc: jax.Array, scale: jax.Array) -> dist.Distribution:
+        """The NumPyro distribution over ``zeta`` with the guide's parameters."""
+        ...
+
+    def to_dist(self, nat: NatParams) -> dist.Distribution:
+        """``q`` as a NumPyro distribution over ``zeta``."""
+        ...
+
+    # ------------------------------------------------------------------ moments
+    def moments(self, nat: NatParams) -> tuple[jax.Array, jax.Array]:
+        """Mean ``(D,)`` and covariance (in the family's form) of valid natural parameters.
+
+        >>> import jax.numpy as jnp, numpyro_pvi as pvi
+        >>> pvi.MeanFieldGaussian().moments(pvi.MeanFieldGaussian().from_loc_scale(jnp.ones(2), jnp.array([2.0, 2.0])))
+        (Array([1., 1.], dtype=float32), Array([4., 4.], dtype=float32))
+        """
+        ...
+
+    def from_moments(self, mean: jax.Array, cov: jax.Array) -> NatParams:
+        """The member with this mean and covariance (in the family's form; see :meth:`from_dense`).
+
+        >>> import jax.numpy as jnp, numpyro_pvi as pvi
+        >>> pvi.FullRankGaussian().from_moments(jnp.array([1.0, 2.0]), 4.0 * jnp.eye(2)).eta1
+        Array([0.25, 0.5 ], dtype=float32)
+        """
+        ...
+
+    def from_dense_precision(self, mean: jax.Array, precision: jax.Array) -> NatParams:
+        """The member matching the moments of ``N(mean, precision^{-1})``, ``precision`` ``(D, D)``.
+
+        For mean field these are the marginal variances, not the precision's diagonal:
+
+        >>> import jax.numpy as jnp, numpyro_pvi as pvi
+        >>> nat = pvi.MeanFieldGaussian().from_dense_precision(jnp.zeros(2), jnp.array([[2.0, 1.0], [1.0, 2.0]]))
+        >>> pvi.MeanFieldGaussian().precision(nat)  # 1 / (2/3)
+        Array([1.5, 1.5], dtype=float32)
+        """
+        ...
+
+    def mix_moments(self, mean_a: jax.Array, cov_a: jax.Array, mean_b: jax.Array, cov_b: jax.Array,
+                    weight: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Mean and covariance of the mixture ``(1 - weight) N(mean_a, cov_a) + weight N(mean_b, cov_b)``.
+
+        >>> import jax.numpy as jnp, numpyro_pvi as pvi
+        >>> pvi.MeanFieldGaussian().mix_moments(jnp.zeros(1), jnp.ones(1), jnp.full(1, 2.0), jnp.ones(1), 0.5)
+        (Array([1.], dtype=float32), Array([2.], dtype=float32))
+        """
+        ...
+
+    # ------------------------------------------------------------------ densities
+    def quadratic(self, nat: NatParams, zeta: jax.Array) -> jax.Array:
+        """``eta1 . zeta + zeta^T eta2 zeta``, an unnormalised log density (``nat`` may be improper).
+
+        >>> import jax.numpy as jnp, numpyro_pvi as pvi
+        >>> from numpyro_pvi.families import NatParams
+        >>> pvi.FullRankGaussian().quadratic(NatParams(jnp.ones(2), -jnp.eye(2)), jnp.array([1.0, 2.0]))
+        Array(-2., dtype=float32)
+        """
+        ...
+
+    def dense_precision(self, nat: NatParams) -> jax.Array:
+        """The ``(D, D)`` precision matrix.
+
+        >>> import jax.numpy as jnp, numpyro_pvi as pvi
+        >>> from numpyro_pvi.families import NatParams
+        >>> pvi.MeanFieldGaussian().dense_precision(NatParams(jnp.zeros(2), jnp.array([-0.5, -1.0])))
+        Array([[1., 0.],
+               [0., 2.]], dtype=float32)
+        """
+        ...
+
+    def marginals(self, nat: Any) -> Marginals:
+        """Marginal means, variances and precision diagonal in float64 numpy (NaN where improper).
+
+        ``nat`` must hold concrete (not traced) arrays; see :class:`Marginals` for an example.
+        """
+        ...
+
+    # ------------------------------------------------------------------ forms
+    def to_dense(self, matrix: jax.Array) -> jax.Array:
+        """A matrix in the family's form as a dense ``(D, D)`` matrix.
+
+        >>> import jax.numpy as jnp, numpyro_pvi as pvi
+        >>> pvi.MeanFieldGaussian().to_dense(jnp.array([1.0, 2.0]))
+        Array([[1., 0.],
+               [0., 2.]], dtype=float32)
+        """
+        ...
+
+    def from_dense(self, matrix: jax.Array) -> jax.Array:
+        """The family's form of a dense ``(D, D)`` symmetric matrix (its diagonal for mean field).
+
+        >>> import jax.numpy as jnp, numpyro_pvi as pvi
+        >>> pvi.MeanFieldGaussian().from_dense(jnp.array([[1.0, 0.5], [0.5, 2.0]]))
+        Array([1., 2.], dtype=float32)
+        """
+        ...
+
+    def identity(self, dim: int) -> jax.Array:
+        """The identity matrix in the family's form.
+
+        >>> import numpyro_pvi as pvi
+        >>> pvi.MeanFieldGaussian().identity(2), pvi.FullRankGaussian().identity(2).shape
+        (Array([1., 1.], dtype=float32), (2, 2))
+        """
+        ...
+
+    def outer(self, a: jax.Array, b: jax.Array) -> jax.Array:
+        """``a b^T`` of two ``(D,)`` vectors, in the family's form.
+
+        >>> import jax.numpy as jnp, numpyro_pvi as pvi
+        >>> pvi.MeanFieldGaussian().outer(jnp.array([1.0, 2.0]), jnp.array([3.0, 4.0]))
+        Array([3., 8.], dtype=float32)
+        """
+        ...
+
+    def outer_sum(self, x: jax.Array, y: jax.Array) -> jax.Array:
+        """``sum_i x_i y_i^T`` over the rows of ``x``, ``y`` ``(S, D)``, in the family's form.
+
+        >>> import jax.numpy as jnp, numpyro_pvi as pvi
+        >>> pvi.FullRankGaussian().outer_sum(jnp.ones((3, 2)), jnp.ones((3, 2)))
+        Array([[3., 3.],
+               [3., 3.]], dtype=float32)
+        """
+        ...
+
+    def sym(self, matrix: jax.Array) -> jax.Array:
+        """The symmetric part ``(M + M^T) / 2``.
+
+        >>> import jax.numpy as jnp, numpyro_pvi as pvi
+        >>> pvi.FullRankGaussian().sym(jnp.array([[1.0, 2.0], [0.0, 1.0]]))
+        Array([[1., 1.],
+               [1., 1.]], dtype=float32)
+        """
+        ...
+
+    def matvec(self, matrix: jax.Array, v: jax.Array) -> jax.Array:
+        """``M v`` for every row ``v`` of ``(..., D)``.
+
+        >>> import jax.numpy as jnp, numpyro_pvi as pvi
+        >>> pvi.MeanFieldGaussian().matvec(jnp.array([2.0, 3.0]), jnp.ones((1, 2)))
+        Array([[2., 3.]], dtype=float32)
+        """
+        ...
+
+    def min_eig(self, matrix: jax.Array) -> jax.Array:
+        """The smallest eigenvalue of a symmetric matrix in the family's form.
+
+        >>> import jax.numpy as jnp, numpyro_pvi as pvi
+        >>> pvi.FullRankGaussian().min_eig(jnp.array([[2.0, 1.0], [1.0, 2.0]])).round(4)
+        Array(1., dtype=float32)
+        """
+        ...
+
+    # ------------------------------------------------------------------ whitening zeta = loc + L u
+    def unwhiten(self, loc: jax.Array, scale: jax.Array, u: jax.Array) -> jax.Array:
+        """``loc + L u`` for every row ``u`` of ``(..., D)``; ``(loc, scale)`` as from :meth:`loc_scale`.
+
+        >>> import jax.numpy as jnp, numpyro_pvi as pvi
+        >>> pvi.FullRankGaussian().unwhiten(jnp.zeros(2), jnp.array([[2.0, 0.0], [1.0, 1.0]]), jnp.ones(2))
+        Array([2., 2.], dtype=float32)
+        """
+        ...
+
+    def whiten(self, loc: jax.Array, scale: jax.Array, zeta: jax.Array) -> jax.Array:
+        """``L^{-1} (zeta - loc)`` for every row of ``(..., D)``: the inverse of :meth:`unwhiten`.
+
+        >>> import jax.numpy as jnp, numpyro_pvi as pvi
+        >>> pvi.FullRankGaussian().whiten(jnp.zeros(2), jnp.array([[2.0, 0.0], [1.0, 1.0]]), jnp.full(2, 2.0))
+        Array([1., 1.], dtype=float32)
+        """
+        ...
+
+    def whitened_to_nat(self, loc: jax.Array, scale: jax.Array, mean: jax.Array, cov: jax.Array) -> NatParams:
+        """Natural parameters (in ``zeta``) of the Gaussian with whitened ``mean`` and ``cov`` (in ``u``).
+
+        >>> import jax.numpy as jnp, numpyro_pvi as pvi
+        >>> family = pvi.MeanFieldGaussian()  # zeta = 1 + 2 u; u ~ N(1, 1) is zeta ~ N(3, 4)
+        >>> family.moments(family.whitened_to_nat(jnp.ones(1), jnp.full(1, 2.0), jnp.ones(1), jnp.ones(1)))
+        (Array([3.], dtype=float32), Array([4.], dtype=float32))
+        """
+        ...
+
+    def nat_to_whitened(self, loc: jax.Array, scale: jax.Array, nat: NatParams) -> tuple[jax.Array, jax.Array]:
+        """Whitened mean and covariance of valid ``nat``: the inverse of :meth:`whitened_to_nat`.
+
+        >>> import jax.numpy as jnp, numpyro_pvi as pvi
+        >>> family = pvi.MeanFieldGaussian()
+        >>> nat = family.from_moments(jnp.array([3.0]), jnp.array([4.0]))
+        >>> family.nat_to_whitened(jnp.ones(1), jnp.array([2.0]), nat)
+        (Array([1.], dtype=float32), Array([1.], dtype=float32))
+        """
+        ...
+
+    # ------------------------------------------------------------------ sites
+    def stein_hessian(self, grads: jax.Array, eps: jax.Array, scale: jax.Array) -> jax.Array:
+        """``E_q[Hessian]`` (family form) from gradients ``(S, D)`` at ``zeta = unwhiten(loc, scale, eps)``.
+
+        By Stein's lemma, ``E[g eps^T] L^{-1}``; for ``f(z) = -z^2`` (Hessian ``-2``) at ``zeta = 3 eps``:
+
+        >>> import jax.numpy as jnp, numpyro_pvi as pvi
+        >>> eps = jnp.array([[1.0], [-1.0]])
+        >>> pvi.MeanFieldGaussian().stein_hessian(-2.0 * (3.0 * eps), eps, jnp.full(1, 3.0))
+        Array([-2.], dtype=float32)
+        """
+        ...
+
+    def site_update(self, grad_mean: jax.Array, hess_mean: jax.Array, loc: jax.Array) -> NatParams:
+        """The CVI site ``grad_mu E_q[f]`` from ``E_q[grad f]``, ``E_q[hess f]`` (family form) and ``q``'s mean.
+
+        ``eta2 = E_q[H] / 2`` and ``eta1 = E_q[g] - E_q[H] mu`` (Bonnet / Price; see :func:`expected_site`):
+
+        >>> import jax.numpy as jnp, numpyro_pvi as pvi
+        >>> pvi.MeanFieldGaussian().site_update(jnp.ones(1), jnp.array([-2.0]), jnp.ones(1))
+        NatParams(eta1=Array([3.], dtype=float32), eta2=Array([-1.], dtype=float32))
+        """
+        ...
+
+    def clamp_precision(self, nat: NatParams, low: float, high: float) -> tuple[NatParams, jax.Array]:
+        """``nat`` with its precision's eigenvalues clipped to ``[low, high]``, and whether any was.
+
+        >>> import jax.numpy as jnp, numpyro_pvi as pvi
+        >>> from numpyro_pvi.families import NatParams
+        >>> nat, clamped = pvi.MeanFieldGaussian().clamp_precision(NatParams(jnp.zeros(2), jnp.array([-0.05, -1.0])),
+        ...                                                        0.5, 1.0)
+        >>> nat.eta2, clamped
+        (Array([-0.25, -0.5 ], dtype=float32), Array(True, dtype=bool))
+        """
+        ...
+
+    def with_block(self, precision: jax.Array, block: slice, values: jax.Array) -> jax.Array | None:
+        """``precision`` (family form) with the block ``[block, block]`` set to ``values``.
+
+        ``values`` is a ``(k,)`` diagonal or a ``(k, k)`` matrix; ``None`` if the family cannot hold it
+        exactly (a full block in a mean-field precision).
+
+        >>> import jax.numpy as jnp, numpyro_pvi as pvi
+        >>> pvi.MeanFieldGaussian().with_block(jnp.zeros(3), slice(1, 3), jnp.array([2.0, 3.0]))
+        Array([0., 2., 3.], dtype=float32)
+        >>> pvi.MeanFieldGaussian().with_block(jnp.zeros(3), slice(1, 3), jnp.eye(2)) is None
+        True
+        """
+        ...

@@ -1,0 +1,198 @@
+"""The problem: everything built from the data, once, in one immutable object.
+
+:func:`build_problem` reads the model (one trace, on the pooled data or client 0's), splits and stacks
+the clients' data, finds the exact Gaussian part of the prior, and compiles the round's steps
+(:mod:`numpyro_pvi.steps`). A :class:`Problem` never changes: :meth:`PVI.add_client` makes a new one.
+Steps are compiled per data *structure*, so a problem built from new arrays of the same shapes and
+dtypes reuses an earlier problem's steps without recompiling.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import jax
+import numpy as np
+
+from numpyro_pvi.clients import ClientColumns, append_client, split_client_data, split_pooled, stack
+from numpyro_pvi.families import NatParams
+from numpyro_pvi.local_updates.base import Client, ClientProblem
+from numpyro_pvi.partition import ClientData
+from numpyro_pvi.prior import exact_prior
+from numpyro_pvi.sites import ModelSites, local_model, log_likelihood, read_model, read_padded, read_shapes
+from numpyro_pvi.steps import Steps, compile_steps
+
+if TYPE_CHECKING:
+    from numpyro_pvi.pvi import PVI
+
+READ_KEY = jax.random.PRNGKey(0)
+
+
+@dataclass(frozen=True, eq=False)
+class Problem:
+    """A model and its data, read, split over clients, stacked and compiled (immutable).
+
+    :ivar sites: the model's sites (local sites with a padded client's shapes).
+    :ivar clients: every client's data as one :class:`~numpyro_pvi.Client` with a leading axis of
+        ``capacity`` client slots; rows padded to the largest client (copies of a real row, masked).
+    :ivar split: the clients' unpadded data (:class:`~numpyro_pvi.clients.ClientColumns`).
+    :ivar client_problem: what a local update needs (:class:`~numpyro_pvi.ClientProblem`).
+    :ivar prior: natural parameters of the exact Gaussian part of the prior.
+    :ivar rest: the global sites whose prior is fitted by the prior factor ``t_0``.
+    :ivar steps: the compiled steps (:class:`~numpyro_pvi.steps.Steps`).
+    :ivar signature: the data's structure; problems with equal signatures share ``steps``.
+    :ivar source: the argument leaves it was built from (held, so that their identity stays meaningful).
+
+    **Example:** ``problem = inference.build(X, y=y)``; ``problem.num_clients``, ``problem.sites.dim``;
+    ``inference.init(key, problem)`` and ``inference.update(state, problem)`` take it in place of the data.
+    """
+
+    sites: ModelSites
+    clients: Client
+    split: ClientColumns
+    client_problem: ClientProblem
+    prior: NatParams
+    rest: tuple
+    steps: Steps
+    signature: tuple
+    source: tuple = ()
+
+    @property
+    def num_clients(self) -> int:
+        """The number of clients."""
+        return len(self.split.sizes)
+
+    @property
+    def capacity(self) -> int:
+        """Client slots in ``clients`` and in the state (at least ``num_clients``)."""
+        return int(self.clients.mask.shape[0])
+
+    @property
+    def sizes(self) -> np.ndarray:
+        """Each client's number of rows."""
+        return np.asarray(self.split.sizes)
+
+    def client_data(self, m: int) -> Client:
+        """Client ``m``'s own data, unpadded (what a remote client holds)."""
+        n = self.split.sizes[m]
+        arrays = [np.asarray(col[m]) for col in self.split.columns]
+        return Client(arrays, np.ones(n, bool), np.asarray(n, np.int32))
+
+
+def build_problem(inference: PVI, args: tuple, kwargs: dict, reuse: Problem | None = None) -> Problem:
+    """Read ``inference.model`` on the data ``(args, kwargs)`` and build the :class:`Problem`.
+
+    :param reuse: an earlier problem whose compiled steps are reused if the data have the same structure.
+
+    **Example:** ``problem = pvi.build_problem(inference, (X,), {"y": y})`` (what ``inference.build(X, y=y)`` does).
+    """
+    sites, split = _read(inference, args, kwargs)
+    return _assemble(inference, sites, split, max(split.sizes), len(split.sizes), (args, kwargs), reuse)
+
+
+def add_client(inference: PVI, problem: Problem, args: tuple, kwargs: dict) -> Problem:
+    """``problem`` with one more client holding ``model(*args, **kwargs)``'s data.
+
+    Capacity (client slots and padded rows) grows geometrically, so adding clients one by one
+    recompiles only when it grows.
+    """
+    split = append_client(problem.split, args, kwargs, problem.sites.plate)
+    _check_unsure(inference.model, problem.sites, split._replace(unsure=tuple(m for m in split.unsure
+                                                                            if m == len(split.sizes) - 1)))
+    rows, capacity = problem.clients.mask.shape[1], problem.capacity
+    if split.sizes[-1] > rows:
+        rows = max(split.sizes[-1], 2 * rows)
+    if len(split.sizes) > capacity:
+        capacity = 2 * capacity
+    return _assemble(inference, problem.sites, split, rows, capacity, problem.source + ((args, kwargs),), problem)
+
+
+def _read(inference: PVI, args: tuple, kwargs: dict) -> tuple[ModelSites, ClientColumns]:
+    """The model's sites (one trace) and the clients' split data."""
+    model, partitions = inference.model, inference.partitions
+    if isinstance(partitions, ClientData):
+        if args or kwargs:
+            raise TypeError("partitions=ClientData: each client holds its own data, so pass no data arguments "
+                            "to init/update/run.")
+        first_args, first_kwargs = partitions[0]
+        sites = read_model(model, first_args, first_kwargs, READ_KEY, who="Client 0's data")
+        split = split_client_data(partitions, sites.plate_size, sites.plate)
+        _check_unsure(model, sites, split)
+        return sites, split
+    if not args and not kwargs:
+        raise TypeError("Pass the pooled data to init/update/run (or give partitions=pvi.ClientData(...)).")
+    sites = read_model(model, args, kwargs, READ_KEY, who="The pooled data")
+    parts = [np.arange(sites.plate_size)] if partitions is None else list(partitions)
+    return sites, split_pooled(args, kwargs, parts, sites.plate_size, sites.plate)
+
+
+def _check_unsure(model: Any, sites: ModelSites, split: ClientColumns) -> None:
+    """Trace (abstractly) the clients whose rows their arguments' shapes do not settle."""
+    for m in split.unsure:
+        size, _ = read_shapes(model, sites, *split.layout.build([col[m] for col in split.columns]),
+                              who=f"Client {m}'s data")
+        if size != split.sizes[m]:
+            raise ValueError(f"Client {m}'s data does not fit the model: partition_plate '{sites.plate}' has size "
+                             f"{size} in its model call, but its row arguments have {split.sizes[m]} rows.")
+
+
+def _assemble(inference: PVI, sites: ModelSites, split: ClientColumns, rows: int, capacity: int, source: tuple,
+              reuse: Problem | None) -> Problem:
+    clients = stack(split, rows, capacity)
+    first = split.layout.build([a[0] for a in clients.arrays])
+    sites = read_padded(inference.model, sites, *first, rows)
+    prior, rest = exact_prior(inference.family, sites)
+    signature = _signature(sites, split, clients, rest)
+    if reuse is not None and _same(reuse.signature, signature):
+        client_problem, steps = reuse.client_problem, reuse.steps
+    else:
+        client_problem = _client_problem(inference, sites, split)
+        steps = compile_steps(inference, client_problem, split.layout, rest)
+    return Problem(sites, clients, split, client_problem, prior, rest, steps, signature, source)
+
+
+def _client_problem(inference: PVI, sites: ModelSites, split: ClientColumns) -> ClientProblem:
+    """The client problem; its functions hold the model and the argument layout only, never data."""
+    model, layout = inference.model, split.layout
+
+    def client_loglik(zeta: jax.Array, client: Client, hyper: Any = ()) -> jax.Array:
+        c_args, c_kwargs = layout.build(client.arrays)
+        return log_likelihood(model, sites, zeta, c_args, c_kwargs, client.mask, hyper)
+
+    def client_local_model(zeta: jax.Array, client: Client, hyper: Any = ()) -> None:
+        c_args, c_kwargs = layout.build(client.arrays)
+        local_model(model, sites, zeta, c_args, c_kwargs, client.mask, hyper)
+
+    _check_support(inference.local_update, sites)
+    return ClientProblem(inference.family, sites.dim, client_loglik, split.is_row, sites,
+                         client_local_model if sites.has_local else None)
+
+
+def _check_support(local_update: Any, sites: ModelSites) -> None:
+    """Refuse a model whose local latents or hyperparameters the local update cannot handle."""
+    name = type(local_update).__name__
+    if sites.has_local and not getattr(local_update, "supports_local_latents", False):
+        names = [s.name for s in sites.locals] + list(sites.enumerated)
+        raise NotImplementedError(f"{name} does not support local latent variables (sites {names} inside "
+                                  f"partition plate '{sites.plate}'); use pvi.GradientUpdate.")
+    if sites.hyper and not getattr(local_update, "supports_hyperparameters", False):
+        raise NotImplementedError(f"{name} does not support hyperparameters (numpyro.param sites "
+                                  f"{[h.name for h in sites.hyper]}); use pvi.GradientUpdate.")
+
+
+def _signature(sites: ModelSites, split: ClientColumns, clients: Client, rest: tuple) -> tuple:
+    """What the compiled steps depend on: the sites' structure, the layout, the stacked shapes and dtypes."""
+    site_structure = (sites.plate, sites.plate_size, tuple((s.name, s.shape, s.flat_shape, s.transform)
+                                                          for s in sites.globals),
+                      sites.likelihoods, tuple((s.name, s.flat_shape, s.row_axis) for s in sites.locals),
+                      sites.enumerated, tuple(h.name for h in sites.hyper))
+    shapes = tuple((a.shape, a.dtype) for a in clients.arrays)
+    return site_structure, split.layout.treedef, split.layout.static, split.is_row, shapes, rest
+
+
+def _same(a: tuple, b: tuple) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - static leaves without a boolean equality: not the same
+        return False

@@ -1,0 +1,190 @@
+"""``RayBackend``: each client is a Ray actor that holds only its own data; clients run concurrently.
+
+The server sends a client its cavity and ``q`` and receives its delta. A client whose update raises,
+exceeds ``timeout`` seconds or whose actor died is reported as a rejected update; a dead or timed-out
+actor is restarted from the client's data. The actors hold the data of the problem they were started
+for: when a round runs on other data (new arrays, :meth:`PVI.add_client`), they are replaced.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from numpyro_pvi.backends import ClientRunner, failed_result, stack, take
+from numpyro_pvi.local_updates.base import Client, ClientProblem, ClientResult
+
+
+def unpad(client: Client, is_row: tuple) -> Client:
+    """One client without its padding rows (a remote client computes on its own size)."""
+    n = int(client.size)
+    return Client([a[:n] if row else a for a, row in zip(client.arrays, is_row)], client.mask[:n], client.size)
+
+
+def digest(client: Client) -> str:
+    """A fingerprint of a client's data (to check which data an actor holds)."""
+    h = hashlib.sha1()
+    for leaf in jax.tree.leaves(client):
+        h.update(np.ascontiguousarray(np.asarray(leaf)).tobytes())
+    return h.hexdigest()
+
+
+class RayBackend:
+    """Each client is a Ray actor holding its own data; the server only sends ``q`` and cavities.
+
+    ``ray`` is an optional dependency (``pip install numpyro-pvi[ray]``). If Ray is not running,
+    ``ray.init(num_cpus=num_workers)`` is called. A client whose update raises, exceeds ``timeout``
+    seconds or whose actor died is reported as a rejected update; a dead or timed-out actor is
+    restarted from the client's data and the client is tried again next time.
+
+    :param int num_workers: CPUs (concurrently running clients) for ``ray.init`` when Ray is not running yet.
+    :param float timeout: seconds to wait for one client update (``None``: no limit).
+    :param float cpus_per_client: the CPU share each actor reserves (several actors share a core).
+
+    **Example:** ``pvi.PVI(..., backend=pvi.RayBackend(num_workers=2))``; ``backend.close()`` frees the
+    actors' CPU shares when the inference is done.
+    """
+
+    name = "ray"
+    jit_group = False
+
+    def __init__(self, num_workers: int | None = None, timeout: float | None = None,
+                 cpus_per_client: float = 0.25) -> None:
+        try:
+            import ray
+        except ImportError as e:  # pragma: no cover - exercised only without ray
+            raise ImportError("RayBackend needs Ray: pip install 'numpyro-pvi[ray]'") from e
+        self.ray, self.num_workers, self.timeout, self.cpus_per_client = ray, num_workers, timeout, cpus_per_client
+        self.runners: list[RayRunner] = []
+
+    def prepare(self, local_update: Any, problem: ClientProblem) -> ClientRunner:
+        if not self.ray.is_initialized():
+            self.ray.init(num_cpus=self.num_workers, include_dashboard=False, log_to_driver=False)
+        self.close()  # actors of an earlier problem hold other data and CPU shares
+        runner = RayRunner(self, local_update, problem)
+        self.runners = [runner]
+        return runner
+
+    @property
+    def actors(self) -> list:
+        """The client actors of the current problem (started at its first round)."""
+        return self.runners[-1].actors if self.runners else []
+
+    def close(self) -> None:
+        """Kill this backend's client actors: each holds its CPU share (``cpus_per_client``) until killed.
+
+        The next update with this backend starts new actors from the clients' data.
+        """
+        for runner in self.runners:
+            runner.close()
+
+
+class RayRunner:
+    """The client runner of :class:`RayBackend` for one client problem (a :class:`~numpyro_pvi.ConcurrentRunner`).
+
+    Its actors hold the clients of the last ``clients`` it was called with; other clients replace them.
+    """
+
+    def __init__(self, backend: RayBackend, local_update: Any, problem: ClientProblem) -> None:
+        self.backend, self.ray, self.timeout = backend, backend.ray, backend.timeout
+        self.actor_class = self.ray.remote(num_cpus=backend.cpus_per_client)(ClientActor)
+        self.local_update, self.problem = local_update, problem
+        self.clients: Client | None = None  # the data the actors hold
+        self.digests: list[str] = []
+        self.actors: list = []
+
+    def _spawn(self, m: int) -> Any:
+        return self.actor_class.remote(self.local_update, self.problem, self._own(m))
+
+    def _own(self, m: int) -> Client:
+        return unpad(jax.device_get(take(self.clients, m)), self.problem.is_row)
+
+    def sync(self, clients: Client) -> None:
+        """Make the actors hold ``clients`` (start them, or replace those whose data changed)."""
+        if clients is self.clients and self.actors:
+            return
+        self.clients = clients
+        digests = [digest(self._own(m)) for m in range(int(np.sum(np.asarray(clients.size) > 0)))]
+        for m, old in enumerate(self.digests[:len(digests)]):
+            if old != digests[m]:
+                self.ray.kill(self.actors[m], no_restart=True)
+                self.actors[m] = self._spawn(m)
+        for m in range(len(digests), len(self.actors)):
+            self.ray.kill(self.actors[m], no_restart=True)
+        self.actors = self.actors[:len(digests)] + [self._spawn(m) for m in range(len(self.actors), len(digests))]
+        self.digests = digests
+        try:
+            self.ray.get([actor.ping.remote() for actor in self.actors])
+        except self.ray.exceptions.RayError as e:
+            raise RuntimeError("A Ray client actor failed to start. Its worker process must be able to import the "
+                               "model's module (define the model in __main__, or register its module with "
+                               f"ray.cloudpickle.register_pickle_by_value, or set a runtime_env): {e}") from e
+
+    def __call__(self, ids: Any, keys: Any, cavities: Any, q: Any, states: Any, clients: Client,
+                 hyper: Any = ()) -> ClientResult:
+        handles = [self.submit(int(m), keys[i], take(cavities, i), q, take(states, i), hyper, clients)
+                   for i, m in enumerate(ids)]
+        return stack([self.result(int(m), h, take(cavities, i), take(states, i), hyper)
+                      for i, (m, h) in enumerate(zip(ids, handles))])
+
+    def submit(self, m: int, key: jax.Array, cavity: Any, q: Any, state: Any, hyper: Any, clients: Client) -> Any:
+        """Start client ``m``'s update; returns a Ray object reference."""
+        self.sync(clients)
+        return self.actors[m].update.remote(*jax.device_get((key, cavity, q, state, hyper)))
+
+    def result(self, m: int, handle: Any, cavity: Any, state: Any, hyper: Any = ()) -> ClientResult:
+        """Client ``m``'s result, or a rejected one if it failed, timed out or its actor died."""
+        ray = self.ray
+        try:
+            return jax.tree.map(jnp.asarray, ray.get(handle, timeout=self.timeout))
+        except (ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError):
+            ray.kill(self.actors[m], no_restart=True)
+            self.actors[m] = self._spawn(m)  # restarted from the client's own data
+        except ray.exceptions.RayError:
+            pass  # the update raised: reject it, keep the actor
+        return failed_result(cavity, state, hyper)
+
+    def wait_any(self, handles: dict) -> int:
+        """The client whose pending update (``{client: handle}``) finishes first."""
+        refs = list(handles.values())
+        done, _ = self.ray.wait(refs, num_returns=1, timeout=self.timeout)
+        ref = done[0] if done else refs[0]  # on time-out, collect (and fail) the oldest
+        return next(m for m, h in handles.items() if h is ref)
+
+    def cancel(self, handles: dict) -> None:
+        """Abandon pending updates: their results are never read (a running one finishes on its actor)."""
+        for handle in handles.values():
+            try:
+                self.ray.cancel(handle)
+            except Exception:  # noqa: BLE001 - cancelling is best effort; the result is dropped either way
+                pass
+
+    def held_digests(self) -> list[str]:
+        """What each actor holds (:func:`digest` of its data), asked of the actors themselves."""
+        return self.ray.get([actor.digest.remote() for actor in self.actors])
+
+    def close(self) -> None:
+        for actor in self.actors:
+            self.ray.kill(actor, no_restart=True)
+        self.actors, self.digests, self.clients = [], [], None
+
+
+class ClientActor:
+    """A Ray actor: one client's data and its jitted ``client_update`` (built in the actor's process)."""
+
+    def __init__(self, local_update: Any, problem: ClientProblem, client: Client) -> None:
+        self.client = jax.tree.map(jnp.asarray, client)
+        self.client_update = jax.jit(local_update.bind(problem))
+
+    def update(self, key: Any, cavity: Any, q: Any, state: Any, hyper: Any = ()) -> ClientResult:
+        return jax.device_get(self.client_update(key, self.client, cavity, q, state, hyper))
+
+    def digest(self) -> str:
+        return digest(self.client)
+
+    def ping(self) -> bool:
+        return True

@@ -1,0 +1,90 @@
+"""The server's state and what a round reports: named tuples (pytrees), checkpointed as they are."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+
+from numpyro_pvi.families import NatParams
+
+
+class PVIState(NamedTuple):
+    """The server's state (a pytree).
+
+    Arrays with a client axis have one entry per client *slot*: the number of clients, or more after
+    :meth:`PVI.add_client` (capacity grows geometrically so that adding clients rarely recompiles;
+    the slots past ``problem.num_clients`` hold flat factors and no data).
+
+    :ivar q: natural parameters of the global approximation ``q`` (``(D,)`` leaves).
+    :ivar factors: client factors ``t_m`` stacked ``(M, ...)``.
+    :ivar prior_factor: ``t_0`` for the non-Gaussian prior sites (zeros if the prior is Gaussian).
+    :ivar client_states: each client's persistent local-update state, stacked ``(M, ...)``; never merged.
+    :ivar server_state: the server's own bookkeeping (e.g. ``Asynchronous``'s stale copies of q).
+    :ivar rng_key: the random key of the next round.
+    :ivar hyper: the hyperparameters (``numpyro.param`` sites) in unconstrained space, ``()`` if none.
+    :ivar hyper_state: the state of the server's ``hyper_optimizer``.
+    :ivar hyper_grads: each client's latest accepted gradient of its local free energy with respect to
+        ``hyper``, stacked ``(M, ...)``; the server steps along their sum, so a client that did not
+        report this round (asynchronous servers) still counts with its latest gradient.
+
+    **Example:** ``state = inference.init(key, X, y=y)``, ``state, info = inference.update(state, X, y=y)``;
+    ``inference.get_posterior(state)`` is ``q``, ``pvi.save(state, "run.npz")`` a checkpoint.
+    """
+
+    q: NatParams
+    factors: NatParams
+    prior_factor: NatParams
+    client_states: Any
+    server_state: Any
+    rng_key: jax.Array
+    hyper: Any = ()
+    hyper_state: Any = ()
+    hyper_grads: Any = ()
+
+
+class RoundInfo(NamedTuple):
+    """What happened in a round (in ``history`` every field gains a leading round axis).
+
+    :ivar elbo: global ELBO estimate of ``q`` after the round.
+    :ivar free_energy: ``(M,)`` each client's local free energy at the end of its last update (NaN if none).
+    :ivar attempts: ``(M,)`` updates each client sent (1 per round except under ``Asynchronous``/``Continual``).
+    :ivar accepted: ``(M,)`` how many of them were merged (finite, valid, not too stale).
+    :ivar damping: ``(M,)`` the damping applied to each client's last update (0 if rejected).
+    :ivar clamped: ``(M,)`` corrections each client's local update made to stay valid.
+    :ivar time: wall-clock seconds of the round.
+
+    **Example:** ``state, info = inference.update(state, X, y=y)``; ``info.elbo``, ``info.num_rejected``;
+    over a run, ``result.history.free_energy`` is ``(rounds, M)``.
+    """
+
+    elbo: Any
+    free_energy: Any
+    attempts: Any
+    accepted: Any
+    damping: Any
+    clamped: Any
+    time: Any
+
+    @property
+    def num_rejected(self) -> Any:
+        """Number of rejected client updates (per round in ``history``)."""
+        return np.sum(np.asarray(self.attempts) - np.asarray(self.accepted), axis=-1)
+
+
+class ClientOutcome(NamedTuple):
+    """What merging a group of client updates did, per client of the group (``(G,)`` leaves).
+
+    :ivar free_energy: each client's local free energy at the end of its update.
+    :ivar accepted: whether its delta was merged.
+    :ivar damping: the damping applied (0 if rejected).
+    :ivar clamped: corrections its local update made to stay valid.
+    :ivar hyper_grad: its gradient of the local free energy w.r.t. the hyperparameters (``()`` if none).
+    """
+
+    free_energy: jax.Array
+    accepted: jax.Array
+    damping: jax.Array
+    clamped: jax.Array
+    hyper_grad: Any

@@ -1,0 +1,53 @@
+"""From the user's data to the clients' stacked arrays: row leaves, sizes, padding, checks by shape."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from numpyro_pvi.clients import append_client, split_client_data, split_pooled, stack
+
+
+def test_pooled_data_is_sliced_by_leading_axis():
+    X, y, shared = jnp.arange(10.0).reshape(5, 2), jnp.arange(5.0), jnp.ones(3)
+    split = split_pooled((X, shared), {"y": y}, [np.array([0, 4]), np.array([1, 2, 3])], 5, "data")
+    assert split.sizes == (2, 3) and split.is_row == (True, False, True)
+    X1, s1, y1 = (col[1] for col in split.columns)
+    np.testing.assert_array_equal(X1, X[1:4])
+    np.testing.assert_array_equal(y1, y[1:4])
+    assert s1 is shared
+
+
+def test_stack_pads_rows_with_a_real_row_and_masks():
+    clients = [((jnp.ones((2, 3)),), {"y": jnp.array([1.0, 2.0]), "n": 4}),
+               ((jnp.ones((4, 3)),), {"y": jnp.zeros(4), "n": 4})]
+    split = split_client_data(clients, 2, "data")
+    assert split.layout.static == ((1, 4),)  # kwargs leaves flatten in sorted key order: X, n, y
+    stacked = stack(split)
+    assert [a.shape for a in stacked.arrays] == [(2, 4, 3), (2, 4)]
+    np.testing.assert_array_equal(stacked.mask, [[True, True, False, False], [True] * 4])
+    np.testing.assert_array_equal(stacked.arrays[1][0], [1.0, 2.0, 2.0, 2.0])  # copies of a real row, not zeros
+    wider = stack(split, rows=8, capacity=4)  # room for clients to come: empty slots hold no real row
+    assert wider.mask.shape == (4, 8) and int(wider.mask[2:].sum()) == 0
+    np.testing.assert_array_equal(wider.size, [2, 4, 0, 0])
+
+
+def test_client_data_is_checked_by_shape_against_client_0():
+    with pytest.raises(ValueError, match="client 1's row arguments disagree"):
+        split_client_data([((jnp.ones((2, 3)),), {"y": jnp.ones(2)}), ((jnp.ones((4, 3)),), {"y": jnp.ones(3)})], 2,
+                          "data")
+    with pytest.raises(ValueError, match="client 1's array argument 1"):
+        split_client_data([((jnp.ones((2, 3)), jnp.ones(5)), {}), ((jnp.ones((4, 3)), jnp.ones(6)), {})], 2, "data")
+    with pytest.raises(ValueError, match="structure"):
+        split_client_data([((jnp.ones((2, 3)),), {}), ((jnp.ones((4, 3)), 1.0), {})], 2, "data")
+    with pytest.raises(ValueError, match="leaf 1 differs"):
+        split_client_data([((jnp.ones((2, 3)),), {"n": 1}), ((jnp.ones((4, 3)),), {"n": 2})], 2, "data")
+
+
+def test_append_client_checks_the_new_client():
+    split = split_client_data([((jnp.ones((2, 3)),), {"y": jnp.ones(2)})], 2, "data")
+    grown = append_client(split, (jnp.ones((5, 3)),), {"y": jnp.ones(5)}, "data")
+    assert grown.sizes == (2, 5) and split.sizes == (2,)  # a new value; the old one is unchanged
+    with pytest.raises(ValueError, match="disagree"):
+        append_client(split, (jnp.ones((5, 3)),), {"y": jnp.ones(4)}, "data")
+    with pytest.raises(ValueError, match="structure"):
+        append_client(split, (jnp.ones((5, 3)),), {}, "data")

@@ -1,0 +1,130 @@
+"""The problem: built once from the data, immutable, its compiled steps reused for data of the same structure.
+
+Compilations are counted with ``jax.monitoring`` (every XLA compilation, eager operations included) and, for
+the round's own step, with JAX's compilation log.
+"""
+
+import logging
+from contextlib import contextmanager
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax import random
+
+import numpyro_pvi as pvi
+
+from conftest import linear_model, logistic_model
+from test_servers import ExactLinearUpdate
+
+COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+
+@contextmanager
+def compilations():
+    """The names of the functions XLA compiles inside the block (one entry per compilation)."""
+    events, names = [], []
+
+    def listener(event, duration, **kwargs):
+        if event == COMPILE_EVENT:
+            events.append(duration)
+
+    class Names(logging.Handler):
+        def emit(self, record):
+            message = record.getMessage()
+            if message.startswith("Finished XLA compilation of "):
+                names.append(message.split(" of ")[1].split(" in ")[0])
+
+    handler, logger = Names(), logging.getLogger("jax._src.dispatch")
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    logger.addHandler(handler)
+    previous_level = logger.level
+    logger.setLevel(logging.DEBUG)
+    try:
+        with jax.log_compiles(True):
+            yield names
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(previous_level)
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert len(names) == len(events), (names, events)  # the log and the monitoring events agree
+
+
+@pytest.fixture(scope="module")
+def logistic(logistic_data):
+    X, y = logistic_data
+    update = pvi.GradientUpdate(optax.adam(1e-2), num_steps=20, num_particles=2, batch_size=50)
+    inference = pvi.PVI(logistic_model, pvi.MeanFieldGaussian(), pvi.split_iid(random.PRNGKey(0), 400, 4), update,
+                        pvi.Synchronous(0.5))
+    state, _ = inference.update(inference.init(random.PRNGKey(1), X, y=y), X, y=y)  # round 1 compiles
+    return inference, state, X, y
+
+
+def test_rounds_after_the_first_never_compile(logistic):
+    inference, state, X, y = logistic
+    with compilations() as compiled:
+        for _ in range(3):
+            state, info = inference.update(state, X, y=y)
+    assert compiled == []
+    assert np.isfinite(info.elbo) and info.num_rejected == 0
+
+
+def test_equal_new_arrays_reuse_the_compiled_steps(logistic):
+    inference, state, X, y = logistic
+    first = inference.build(X, y=y)
+    assert inference.build(X, y=y) is first  # the same arrays: the same problem
+    X2, y2 = jnp.array(np.asarray(X)), jnp.array(np.asarray(y))  # equal values, new arrays
+    with compilations() as compiled:
+        problem = inference.build(X2, y=y2)
+        state, _ = inference.update(state, X2, y=y2)
+    assert compiled == []
+    assert problem is not first and problem.steps is first.steps
+    other = inference.build(X + 1.0, y=y)  # other values of the same shapes: other data, the same steps
+    assert other.steps is first.steps and not np.allclose(other.clients.arrays[0], first.clients.arrays[0])
+
+
+def test_a_problem_is_immutable_and_states_match_their_problem(logistic):
+    inference, state, X, y = logistic
+    problem = inference.build(X, y=y)
+    with pytest.raises(AttributeError):
+        problem.sites = None
+    assert problem.num_clients == problem.capacity == 4 and list(problem.sizes) == [100] * 4
+    too_few = pvi.PVI(logistic_model, pvi.MeanFieldGaussian(), pvi.split_iid(random.PRNGKey(0), 400, 2),
+                      inference.local_update)
+    with pytest.raises(ValueError, match="client slots"):
+        too_few.update(state, X, y=y)
+
+
+def test_adding_ten_clients_compiles_the_round_about_log2_times(linear_data):
+    X, y = linear_data
+    parts = np.array_split(np.arange(300), 11)
+    tasks = pvi.ClientData([((X[parts[0]],), {"y": y[parts[0]]})])
+    inference = pvi.PVI(linear_model, pvi.FullRankGaussian(), tasks, ExactLinearUpdate(), pvi.Continual())
+    problem = inference.build()
+    state, _ = inference.update(inference.init(random.PRNGKey(0), problem), problem)
+    with compilations() as compiled:
+        for p in parts[1:]:
+            old = problem
+            state, problem = inference.add_client(state, problem, X[p], y=y[p])
+            state, info = inference.update(state, problem)
+            assert old.num_clients == problem.num_clients - 1  # the old problem is unchanged
+            np.testing.assert_array_equal(info.attempts, [0] * (problem.num_clients - 1) + [1])
+    rounds = [name for name in compiled if "group_step" in name]
+    # capacity 1 -> 2 -> 4 -> 8 -> 16: one compilation of the round per growth, ceil(log2(11)) = 4
+    assert len(rounds) <= 4, rounds
+    assert problem.num_clients == 11 and problem.capacity == 16 and state.factors.eta1.shape[0] == 16
+    from conftest import exact_linear_posterior
+
+    loc = inference.family.loc_scale(state.q)[0]
+    np.testing.assert_allclose(loc, exact_linear_posterior(X, y)[0], rtol=1e-4)
+
+
+def test_inference_holds_configuration_only(logistic):
+    inference, state, X, y = logistic
+    before = dict(vars(inference))
+    result = inference.run(random.PRNGKey(3), 1, X, y=y, progress_bar=False)
+    assert {k: v for k, v in vars(inference).items() if k != "_memo"} == \
+        {k: v for k, v in before.items() if k != "_memo"}
+    assert result.problem is inference.build(X, y=y) and result.num_clients == 4
