@@ -16,18 +16,16 @@ import jax
 import numpy as np
 
 from numpyro_pvi.clients import ClientColumns, append_client, split_client_data, split_pooled, stack
+from numpyro_pvi.densities import local_model, log_likelihood
 from numpyro_pvi.families import NatParams
 from numpyro_pvi.local_updates.base import Client, ClientProblem
 from numpyro_pvi.partition import ClientData
 from numpyro_pvi.prior import exact_prior
-from numpyro_pvi.sites import ModelSites, local_model, log_likelihood, read_model, read_padded, read_shapes
+from numpyro_pvi.sites import ModelSites, plate_and_locals, read_model, read_padded
 from numpyro_pvi.steps import Steps, compile_steps
 
 if TYPE_CHECKING:
     from numpyro_pvi.pvi import PVI
-
-READ_KEY = jax.random.PRNGKey(0)
-
 
 @dataclass(frozen=True, eq=False)
 class Problem:
@@ -116,13 +114,13 @@ def _read(inference: PVI, args: tuple, kwargs: dict) -> tuple[ModelSites, Client
             raise TypeError("partitions=ClientData: each client holds its own data, so pass no data arguments "
                             "to init/update/run.")
         first_args, first_kwargs = partitions[0]
-        sites = read_model(model, first_args, first_kwargs, READ_KEY, who="Client 0's data")
+        sites = read_model(model, first_args, first_kwargs, who="Client 0's data")
         split = split_client_data(partitions, sites.plate_size, sites.plate)
         _check_unsure(model, sites, split)
         return sites, split
     if not args and not kwargs:
         raise TypeError("Pass the pooled data to init/update/run (or give partitions=pvi.ClientData(...)).")
-    sites = read_model(model, args, kwargs, READ_KEY, who="The pooled data")
+    sites = read_model(model, args, kwargs, who="The pooled data")
     parts = [np.arange(sites.plate_size)] if partitions is None else list(partitions)
     return sites, split_pooled(args, kwargs, parts, sites.plate_size, sites.plate)
 
@@ -130,8 +128,8 @@ def _read(inference: PVI, args: tuple, kwargs: dict) -> tuple[ModelSites, Client
 def _check_unsure(model: Any, sites: ModelSites, split: ClientColumns) -> None:
     """Trace (abstractly) the clients whose rows their arguments' shapes do not settle."""
     for m in split.unsure:
-        size, _ = read_shapes(model, sites, *split.layout.build([col[m] for col in split.columns]),
-                              who=f"Client {m}'s data")
+        size, _ = plate_and_locals(model, sites, *split.layout.build([col[m] for col in split.columns]),
+                                   who=f"Client {m}'s data")
         if size != split.sizes[m]:
             raise ValueError(f"Client {m}'s data does not fit the model: partition_plate '{sites.plate}' has size "
                              f"{size} in its model call, but its row arguments have {split.sizes[m]} rows.")

@@ -16,13 +16,13 @@ import optax
 from numpyro.infer import Trace_ELBO, TraceEnum_ELBO
 
 from numpyro_pvi.backtracking import backtrack
+from numpyro_pvi.densities import log_prior
 from numpyro_pvi.families import NatParams
 from numpyro_pvi.local_latents import expected_local_elbo
 from numpyro_pvi.local_updates.base import Client, ClientProblem, ClientResult
 from numpyro_pvi.merge import is_valid_state, merge
 from numpyro_pvi.partition import ArgsLayout
 from numpyro_pvi.prior import PriorFactor
-from numpyro_pvi.sites import log_prior
 from numpyro_pvi.state import ClientOutcome, PVIState
 
 

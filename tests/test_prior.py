@@ -4,11 +4,11 @@ import numpy as np
 import numpyro
 import numpyro.distributions as dist
 import pytest
-from jax import random
 
 import numpyro_pvi as pvi
+from numpyro_pvi.densities import log_prior
 from numpyro_pvi.prior import PriorFactor, exact_prior
-from numpyro_pvi.sites import log_prior, read_model
+from numpyro_pvi.sites import read_model
 
 
 def model(y=None):
@@ -20,7 +20,7 @@ def model(y=None):
 
 @pytest.fixture(scope="module")
 def prior_factor():
-    sites = read_model(model, (), {"y": jnp.zeros(3)}, random.PRNGKey(0))
+    sites = read_model(model, (), {"y": jnp.zeros(3)})
     prior, rest = exact_prior(pvi.MeanFieldGaussian(), sites)
     assert rest == ("sigma",)
     np.testing.assert_allclose(prior.eta2, [-0.125, 0.0])  # N(0, 2^2) on mu; nothing exact on sigma

@@ -7,7 +7,8 @@ from jax import random
 from numpyro.infer.util import potential_energy
 
 import numpyro_pvi as pvi
-from numpyro_pvi.sites import log_likelihood, log_prior, read_model
+from numpyro_pvi.densities import log_likelihood, log_prior
+from numpyro_pvi.sites import read_model
 
 from conftest import linear_model, scale_model
 
@@ -18,7 +19,7 @@ KEY = random.PRNGKey(0)
 
 def test_read_model_classifies_sites(linear_data):
     X, y = linear_data
-    sites = read_model(scale_model, (X,), {"y": y}, KEY)
+    sites = read_model(scale_model, (X,), {"y": y})
     assert sites.plate == "data" and sites.plate_size == X.shape[0]
     assert [s.name for s in sites.globals] == ["w", "sigma"]
     assert sites.likelihoods == ("y",)
@@ -28,7 +29,7 @@ def test_read_model_classifies_sites(linear_data):
 
 def test_flatten_unflatten_round_trip_in_model_order(linear_data):
     X, y = linear_data
-    sites = read_model(scale_model, (X,), {"y": y}, KEY)
+    sites = read_model(scale_model, (X,), {"y": y})
     values = {"w": jnp.array([0.1, -0.2, 0.3]), "sigma": jnp.array(2.0)}
     zeta = sites.flatten(values)
     np.testing.assert_allclose(zeta, [0.1, -0.2, 0.3, np.log(2.0)], rtol=1e-6)
@@ -39,7 +40,7 @@ def test_flatten_unflatten_round_trip_in_model_order(linear_data):
 
 def test_log_prior_matches_numpyro_potential_energy(linear_data):
     X, y = linear_data
-    sites = read_model(scale_model, (X,), {"y": y}, KEY)
+    sites = read_model(scale_model, (X,), {"y": y})
     zeta = jnp.array([0.1, -0.2, 0.3, -0.4])
     unconstrained = {"w": zeta[:3], "sigma": zeta[3]}
     joint = -potential_energy(scale_model, (X,), {"y": y}, unconstrained)
@@ -49,7 +50,7 @@ def test_log_prior_matches_numpyro_potential_energy(linear_data):
 
 def test_masked_log_likelihood_equals_unpadded(linear_data):
     X, y = linear_data
-    sites = read_model(linear_model, (X,), {"y": y}, KEY)
+    sites = read_model(linear_model, (X,), {"y": y})
     zeta = jnp.array([0.5, -0.1, 0.2])
     unpadded = log_likelihood(linear_model, sites, zeta, (X[:7],), {"y": y[:7]})
     mask = jnp.arange(10) < 7
@@ -64,7 +65,7 @@ def test_no_partition_plate_is_an_error(linear_data):
             numpyro.sample("y", dist.Normal(X @ w, 1.0), obs=y)
 
     with pytest.raises(ValueError, match="no pvi.partition_plate"):
-        read_model(model, linear_data[:1], {"y": linear_data[1]}, KEY)
+        read_model(model, linear_data[:1], {"y": linear_data[1]})
 
 
 def test_discrete_global_site_is_named():
@@ -74,7 +75,7 @@ def test_discrete_global_site_is_named():
             numpyro.sample("y", dist.Normal(k, 1.0), obs=y)
 
     with pytest.raises(ValueError, match="Global site 'k' has a discrete support"):
-        read_model(model, (), {"y": jnp.zeros(3)}, KEY)
+        read_model(model, (), {"y": jnp.zeros(3)})
 
 
 def test_local_latents_hyperparameters_and_enumerated_sites_are_classified():
@@ -86,7 +87,7 @@ def test_local_latents_hyperparameters_and_enumerated_sites_are_classified():
             k = numpyro.sample("k", dist.Bernoulli(0.5), infer={"enumerate": "parallel"})
             numpyro.sample("y", dist.Normal(mu + z.sum(-1) + k, s), obs=y)
 
-    sites = read_model(model, (), {"y": jnp.zeros(3)}, KEY)
+    sites = read_model(model, (), {"y": jnp.zeros(3)})
     assert [g.name for g in sites.globals] == ["mu"] and sites.likelihoods == ("y",)
     (z,) = sites.locals
     assert (z.name, z.shape, z.flat_shape, z.event_dim, z.row_axis) == ("z", (3, 2), (3, 2), 1, -2)
@@ -117,11 +118,11 @@ def test_unsupported_local_structure_names_the_site():
             numpyro.sample("y", dist.Normal(mu, 1.0), obs=y)
 
     with pytest.raises(ValueError, match="Local latent site 'k' is discrete: mark it for enumeration"):
-        read_model(discrete, (), {"y": jnp.zeros(3)}, KEY)
+        read_model(discrete, (), {"y": jnp.zeros(3)})
     with pytest.raises(ValueError, match="numpyro.param site 'a' is inside partition plate 'data'"):
-        read_model(param_in_plate, (), {"y": jnp.zeros(3)}, KEY)
+        read_model(param_in_plate, (), {"y": jnp.zeros(3)})
     with pytest.raises(NotImplementedError, match=r"\['s'\] enter the prior of global site 'mu'"):
-        read_model(param_in_prior, (), {"y": jnp.zeros(3)}, KEY)
+        read_model(param_in_prior, (), {"y": jnp.zeros(3)})
 
 
 def test_plate_without_observations_is_an_error():
@@ -133,7 +134,7 @@ def test_plate_without_observations_is_an_error():
         numpyro.sample("y", dist.Normal(mu, 1.0), obs=y)
 
     with pytest.raises(NotImplementedError, match="Observed site 'y' is outside"):
-        read_model(model, (), {"y": 0.0}, KEY)
+        read_model(model, (), {"y": 0.0})
 
 
 def test_gaussian_priors_in_unconstrained_space_are_recognised():
@@ -146,7 +147,7 @@ def test_gaussian_priors_in_unconstrained_space_are_recognised():
         with pvi.partition_plate("data", 3):
             numpyro.sample("y", dist.Normal(h, 1.0), obs=y)
 
-    sites = read_model(model, (), {"y": jnp.zeros(3)}, KEY)
+    sites = read_model(model, (), {"y": jnp.zeros(3)})
     assert set(sites.gaussian_prior) == {"a", "b", "c"}
     loc, precision = sites.gaussian_prior["a"]
     np.testing.assert_allclose(loc, [1.0, 1.0])

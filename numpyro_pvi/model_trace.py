@@ -1,0 +1,177 @@
+"""Tracing the user's model to read it: one compiled call, no eager operation, cached by data structure.
+
+Reading a model needs its sites' types, plates, shapes and supports (static), and a few values: the
+hyperparameters' initial values and the parameters of priors that are Gaussian in unconstrained space.
+Tracing the model eagerly would compile every operation it makes (a BNN's first ``init`` spent 20 s on
+that); :func:`compiled_trace` instead runs the model once under ``jax.jit``, records the static part of
+the trace while tracing, and returns the values as the call's outputs. The jitted reader is cached by the
+model and the data's structure, so re-reading data of the same shapes neither traces nor compiles.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import numpyro.distributions as dist
+from numpyro import handlers
+from numpyro.distributions.transforms import ExpTransform, IdentityTransform, IndependentTransform, biject_to
+
+READ_SEED = 0
+
+
+class SiteFn(NamedTuple):
+    """What PVI reads of a sample site's distribution: its ``support`` and ``event_dim`` (no arrays)."""
+
+    support: Any
+    event_dim: int
+
+
+def site_log_prob(site: dict) -> jax.Array:
+    """The summed (scaled) log density of a traced sample site."""
+    log_prob = site["fn"].log_prob(site["value"])
+    if site["scale"] is not None:
+        log_prob = site["scale"] * log_prob
+    return jnp.sum(log_prob)
+
+
+def checked_trace(model: Callable, args: tuple, kwargs: dict, who: str) -> dict:
+    """The model's trace on these data, its observed densities evaluated (which catches observations of the
+    wrong shape); any failure of the user's model on the data is a ``ValueError`` naming ``who``."""
+    try:
+        trace = handlers.trace(handlers.seed(model, jax.random.PRNGKey(READ_SEED))).get_trace(*args, **kwargs)
+        for site in trace.values():
+            if site["type"] == "sample" and site["is_observed"]:
+                site_log_prob(site)
+    except Exception as e:  # noqa: BLE001 - any failure of the user's model on these data is reported as such
+        raise ValueError(f"{who} does not fit the model: {type(e).__name__}: {e}. (The partition plate must be "
+                         "sized from the data, e.g. X.shape[0], and every row argument must have that many "
+                         "rows.)") from e
+    return trace
+
+
+def gaussian_block(fn: dist.Distribution, transform: Any, flat_shape: tuple) -> tuple | None:
+    """``(loc, precision)`` of a prior that is Gaussian in unconstrained space, else ``None``."""
+    base = fn
+    while isinstance(base, (dist.Independent, dist.ExpandedDistribution)):
+        base = base.base_dist
+    while isinstance(transform, IndependentTransform):
+        transform = transform.base_transform
+    if isinstance(base, dist.LogNormal) and isinstance(transform, ExpTransform):
+        base = base.base_dist
+    elif isinstance(base, dist.TransformedDistribution) or not isinstance(transform, IdentityTransform):
+        return None
+    if isinstance(base, dist.Normal):
+        loc = jnp.broadcast_to(base.loc, flat_shape).reshape(-1)
+        scale = jnp.broadcast_to(base.scale, flat_shape).reshape(-1)
+        return loc, 1.0 / scale**2
+    if isinstance(base, dist.MultivariateNormal) and base.batch_shape == () and flat_shape == base.event_shape:
+        return base.loc, base.precision_matrix
+    return None
+
+
+def compiled_trace(model: Callable, args: tuple, kwargs: dict, who: str) -> tuple[dict, dict]:
+    """``(trace, blocks)``: the model's trace with static entries only (``fn`` a :class:`SiteFn`, sample values
+    as ``jax.ShapeDtypeStruct``, param values concrete) and the Gaussian prior blocks ``site -> (loc, precision)``
+    of the sample sites whose prior is Gaussian in unconstrained space.
+    """
+    leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
+    positions = tuple(i for i, x in enumerate(leaves) if isinstance(x, (np.ndarray, jax.Array)))
+    static = tuple((i, x) for i, x in enumerate(leaves) if i not in positions)
+    arrays = [leaves[i] for i in positions]
+    try:
+        reader = _reader(model, treedef, static, who)
+    except TypeError:  # unhashable static arguments: an uncached reader
+        reader = _reader.__wrapped__(model, treedef, static, who)
+    values = reader.jitted(*arrays)
+    shape_key = _shape_key(arrays)
+    trace = dict(reader.static[shape_key])
+    if trace.pop(_TRACED_SUPPORT, False):  # a support or constraint built from the data: read eagerly
+        trace, params, blocks = _static_trace(checked_trace(model, args, kwargs, who))
+        trace.pop(_TRACED_SUPPORT, None)
+        values = {"params": params, "blocks": blocks}
+    for name, value in values["params"].items():
+        trace[name] = {**trace[name], "value": value}
+    return trace, values["blocks"]
+
+
+def _shape_key(arrays: Any) -> tuple:
+    """The shapes and (canonical) dtypes of the reader's arguments: what its compilation depends on."""
+    return tuple((tuple(a.shape), jax.dtypes.canonicalize_dtype(a.dtype)) for a in arrays)
+
+
+_TRACED_SUPPORT = "_pvi_traced_support"  # marks a static trace whose supports depend on the traced data
+
+
+class _Reader(NamedTuple):
+    jitted: Callable
+    static: dict  # shapes of the arrays -> the static part of the trace traced for them
+
+
+@functools.lru_cache(maxsize=32)
+def _reader(model: Callable, treedef: Any, static: tuple, who: str) -> _Reader:
+    recorded: dict = {}
+
+    fixed = dict(static)
+
+    def read(*arrays: jax.Array) -> dict:
+        free = iter(arrays)
+        leaves = [fixed[i] if i in fixed else next(free) for i in range(len(arrays) + len(fixed))]
+        args, kwargs = jax.tree_util.tree_unflatten(treedef, leaves)
+        trace = checked_trace(model, args, kwargs, who)
+        shape_key = _shape_key(arrays)
+        recorded[shape_key], params, blocks = _static_trace(trace)
+        return {"params": params, "blocks": blocks}
+
+    return _Reader(jax.jit(read), recorded)
+
+
+def _static_trace(trace: dict) -> tuple[dict, dict, dict]:
+    """The trace's static entries, the param sites' values and the sample sites' Gaussian prior blocks."""
+    out, params, blocks = {}, {}, {}
+    for name, site in trace.items():
+        entry = {k: site[k] for k in ("type", "is_observed", "infer", "cond_indep_stack", "args", "kwargs", "scale")
+                 if k in site}
+        if site["type"] == "sample":
+            entry["fn"] = SiteFn(site["fn"].support, site["fn"].event_dim)
+            entry["value"] = jax.ShapeDtypeStruct(jnp.shape(site["value"]), jnp.result_type(site["value"]))
+            entry["scale"] = None
+            if not site["is_observed"] and not site["fn"].support.is_discrete:
+                transform = biject_to(site["fn"].support)
+                shape = jnp.shape(site["value"])
+                block = gaussian_block(site["fn"], transform, tuple(transform.inverse_shape(shape)))
+                if block is not None:
+                    blocks[name] = block
+        elif site["type"] == "param":
+            params[name] = jnp.asarray(site["value"])
+            entry["kwargs"] = {"constraint": site["kwargs"].get("constraint")} if site["kwargs"].get("constraint") \
+                is not None else {}
+        elif site["type"] == "plate":
+            entry["args"] = tuple(site["args"])
+        out[name] = entry
+    held = [entry["fn"].support for entry in out.values() if "fn" in entry] + \
+        [entry["kwargs"].get("constraint") for entry in out.values() if entry["type"] == "param"]
+    if any(isinstance(leaf, jax.core.Tracer) for c in held if c is not None for leaf in jax.tree.leaves(vars(c))):
+        out[_TRACED_SUPPORT] = True
+    return out, params, blocks
+
+
+def read_shapes(model: Callable, args: tuple, kwargs: dict, who: str) -> dict:
+    """The model's static trace on these data, traced abstractly (``jax.eval_shape``: nothing computed)."""
+    found: dict = {}
+    leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
+    arrays = [i for i, x in enumerate(leaves) if isinstance(x, (np.ndarray, jax.Array))]
+
+    def trace_once(*values: jax.Array) -> jax.Array:
+        full = list(leaves)
+        for i, value in zip(arrays, values):
+            full[i] = value
+        c_args, c_kwargs = jax.tree_util.tree_unflatten(treedef, full)
+        found["trace"], _, _ = _static_trace(checked_trace(model, c_args, c_kwargs, who))
+        return jnp.zeros(())
+
+    jax.eval_shape(trace_once, *[leaves[i] for i in arrays])
+    return found["trace"]
