@@ -84,8 +84,13 @@ def to_arviz(result: Any, num_samples: int = 1000, rng_key: jax.Array | None = N
         ['mu[0]', 'mu[1]']
     """
     import arviz as az  # imported here: arviz is slow to import and prints a FutureWarning
-    import xarray as xr
 
+    _check_arguments(result, num_samples, num_chains)
+    return az.InferenceData(**_inference_groups(result, int(num_samples), int(num_chains), rng_key, coords, dims))
+
+
+def _check_arguments(result: Any, num_samples: int, num_chains: int) -> None:
+    """Raise unless ``num_chains`` is positive, ``num_samples`` a multiple of it and ``result`` a run result."""
     if not isinstance(num_chains, (int, np.integer)) or num_chains < 1:
         raise ValueError(f"to_arviz: num_chains must be a positive integer, got {num_chains!r}.")
     if not isinstance(num_samples, (int, np.integer)) or num_samples < num_chains or num_samples % num_chains:
@@ -94,37 +99,43 @@ def to_arviz(result: Any, num_samples: int = 1000, rng_key: jax.Array | None = N
     for field in ("state", "history", "inference"):
         if not hasattr(result, field):
             raise TypeError(f"to_arviz expects the PVIRunResult of PVI.run, got {type(result).__name__}.")
+
+
+def _inference_groups(result: Any, num_samples: int, num_chains: int, rng_key: jax.Array | None,
+                      coords: dict | None, dims: dict | None) -> dict:
+    """The groups of the ``InferenceData``, all with the run's attributes: see :func:`to_arviz`."""
+    attrs = {"inference_library": "numpyro_pvi", "inference_library_version": _version(),
+             "family": type(result.family).__name__, "server": repr(result.inference.server),
+             "num_clients": int(result.num_clients)}
+    groups = _posterior_groups(result, num_samples, num_chains, rng_key, coords, dims, attrs)
+    if result.history is not None:
+        groups["sample_stats"] = _history_dataset(result.history, attrs)
+    return groups
+
+
+def _posterior_groups(result: Any, num_samples: int, num_chains: int, rng_key: jax.Array | None,
+                      coords: dict | None, dims: dict | None, attrs: dict) -> dict:
+    """The ``posterior`` group (global and local draws) and, with local sites, ``constant_data``."""
+    import arviz as az
+    import xarray as xr
+
     rng_key = jax.random.PRNGKey(0) if rng_key is None else rng_key
-    samples = jax.device_get(result.sample_posterior(rng_key, int(num_samples)))
-    order = _site_order(result, samples)
-    local, local_dims, client_of_row, row_index = _local_draws(result, jax.random.fold_in(rng_key, 1),
-                                                               int(num_samples))
+    # in model order (a pytree operation such as jax.device_get would sort the dict's keys)
+    samples = {name: np.asarray(value) for name, value in result.sample_posterior(rng_key, num_samples).items()}
+    local, local_dims, client_of_row, row_index = _local_draws(result, jax.random.fold_in(rng_key, 1), num_samples)
     samples.update(local)
     dims = {**local_dims, **(dims or {})}
     if local:
         coords = {result.sites.plate: row_index, **(coords or {})}
-    draws = int(num_samples) // int(num_chains)
-    posterior = {name: np.asarray(samples[name]).reshape((num_chains, draws) + np.shape(samples[name])[1:])
-                 for name in order + list(local)}
-    attrs = {"inference_library": "numpyro_pvi", "inference_library_version": _version(),
-             "family": type(result.family).__name__, "server": repr(result.inference.server),
-             "num_clients": int(result.num_clients)}
-    posterior_ds = az.dict_to_dataset(posterior, library=None, coords=coords, dims=dims, attrs=attrs)
-    groups = {"posterior": posterior_ds}
+    draws = num_samples // num_chains
+    posterior = {name: np.asarray(value).reshape((num_chains, draws) + np.shape(value)[1:])
+                 for name, value in samples.items()}
+    groups = {"posterior": az.dict_to_dataset(posterior, library=None, coords=coords, dims=dims, attrs=attrs)}
     if local:
         plate = result.sites.plate
         groups["constant_data"] = xr.Dataset({"client": ((plate,), client_of_row)}, coords={plate: row_index},
                                              attrs=attrs)
-    history = result.history
-    if history is not None:
-        num_rounds = int(np.shape(history.elbo)[0])
-        num_clients = int(np.shape(history.free_energy)[1])
-        data_vars = {name: (field_dims, np.asarray(getattr(history, name)))
-                     for name, field_dims in HISTORY_DIMS.items()}
-        history_coords = {"round": np.arange(1, num_rounds + 1), "client": np.arange(num_clients)}
-        groups["sample_stats"] = xr.Dataset(data_vars, coords=history_coords,
-                                            attrs={**attrs, "num_rounds": num_rounds})
-    return az.InferenceData(**groups)
+    return groups
 
 
 def _local_draws(result: Any, rng_key: jax.Array, num_samples: int) -> tuple[dict, dict, np.ndarray, np.ndarray]:
@@ -152,13 +163,15 @@ def _local_draws(result: Any, rng_key: jax.Array, num_samples: int) -> tuple[dic
     return samples, dims, client_of_row[rows], index[rows]
 
 
-def _site_order(result: Any, samples: dict) -> list[str]:
-    """The global sites in model order (``jax.vmap`` returns the sample dict with sorted keys)."""
-    try:
-        names = [site.name for site in result.sites.globals]
-    except (AttributeError, RuntimeError):
-        names = []
-    return [n for n in names if n in samples] + [n for n in samples if n not in names]
+def _history_dataset(history: Any, attrs: dict) -> Any:
+    """The ``sample_stats`` group: the fields of :data:`HISTORY_DIMS` over ``round`` (``1 ... R``) and ``client``."""
+    import xarray as xr
+
+    num_rounds = int(np.shape(history.elbo)[0])
+    num_clients = int(np.shape(history.free_energy)[1])
+    data_vars = {name: (field_dims, np.asarray(getattr(history, name))) for name, field_dims in HISTORY_DIMS.items()}
+    history_coords = {"round": np.arange(1, num_rounds + 1), "client": np.arange(num_clients)}
+    return xr.Dataset(data_vars, coords=history_coords, attrs={**attrs, "num_rounds": num_rounds})
 
 
 def _version() -> str:

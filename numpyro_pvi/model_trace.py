@@ -24,10 +24,18 @@ READ_SEED = 0
 
 
 class SiteFn(NamedTuple):
-    """What PVI reads of a sample site's distribution: its ``support`` and ``event_dim`` (no arrays)."""
+    """What PVI reads of a sample site's distribution (no arrays).
+
+    :ivar support: its support; ``event_dim`` its event dimensions.
+    :ivar improper: whether it is an improper density (``ImproperUniform``), which no factor can represent.
+    :ivar log_prob_shape: the shape of its ``log_prob`` at the traced value (observed sites: one entry per
+        observation, so more entries than the plates' rows mean the value broadcast against the batch).
+    """
 
     support: Any
     event_dim: int
+    improper: bool = False
+    log_prob_shape: tuple = ()
 
 
 def site_log_prob(site: dict) -> jax.Array:
@@ -73,10 +81,11 @@ def gaussian_block(fn: dist.Distribution, transform: Any, flat_shape: tuple) -> 
     return None
 
 
-def compiled_trace(model: Callable, args: tuple, kwargs: dict, who: str) -> tuple[dict, dict]:
-    """``(trace, blocks)``: the model's trace with static entries only (``fn`` a :class:`SiteFn`, sample values
-    as ``jax.ShapeDtypeStruct``, param values concrete) and the Gaussian prior blocks ``site -> (loc, precision)``
-    of the sample sites whose prior is Gaussian in unconstrained space.
+def compiled_trace(model: Callable, args: tuple, kwargs: dict, who: str) -> tuple[dict, dict, dict]:
+    """``(trace, blocks, observed)``: the model's trace with static entries only (``fn`` a :class:`SiteFn`,
+    sample values as ``jax.ShapeDtypeStruct``, param values concrete), the Gaussian prior blocks
+    ``site -> (loc, precision)`` of the sample sites whose prior is Gaussian in unconstrained space, and for
+    each observed site ``(all finite, all in support)`` of its values.
     """
     leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
     positions = tuple(i for i, x in enumerate(leaves) if isinstance(x, (np.ndarray, jax.Array)))
@@ -90,12 +99,14 @@ def compiled_trace(model: Callable, args: tuple, kwargs: dict, who: str) -> tupl
     shape_key = _shape_key(arrays)
     trace = dict(reader.static[shape_key])
     if trace.pop(_TRACED_SUPPORT, False):  # a support or constraint built from the data: read eagerly
-        trace, params, blocks = _static_trace(checked_trace(model, args, kwargs, who))
+        eager = checked_trace(model, args, kwargs, who)
+        trace, params, blocks = _static_trace(eager)
         trace.pop(_TRACED_SUPPORT, None)
-        values = {"params": params, "blocks": blocks}
+        values = {"params": params, "blocks": blocks, "observed": _observed_checks(eager)}
     for name, value in values["params"].items():
         trace[name] = {**trace[name], "value": value}
-    return trace, values["blocks"]
+    observed = {name: (bool(finite), bool(inside)) for name, (finite, inside) in values["observed"].items()}
+    return trace, values["blocks"], observed
 
 
 def _shape_key(arrays: Any) -> tuple:
@@ -123,21 +134,40 @@ def _reader(model: Callable, treedef: Any, static: tuple, who: str) -> _Reader:
         args, kwargs = jax.tree_util.tree_unflatten(treedef, leaves)
         trace = checked_trace(model, args, kwargs, who)
         shape_key = _shape_key(arrays)
-        recorded[shape_key], params, blocks = _static_trace(trace)
-        return {"params": params, "blocks": blocks}
+        recorded[shape_key], params, blocks = _static_trace(trace, {id(a): i for i, a in enumerate(arrays)})
+        return {"params": params, "blocks": blocks, "observed": _observed_checks(trace)}
 
     return _Reader(jax.jit(read), recorded)
 
 
-def _static_trace(trace: dict) -> tuple[dict, dict, dict]:
-    """The trace's static entries, the param sites' values and the sample sites' Gaussian prior blocks."""
+def _observed_checks(trace: dict) -> dict:
+    """For each observed site: whether its values are all finite and all in the likelihood's support."""
+    return {name: (jnp.all(jnp.isfinite(site["value"])), jnp.all(site["fn"].support(site["value"])))
+            for name, site in trace.items() if site["type"] == "sample" and site["is_observed"]}
+
+
+def _improper(fn: dist.Distribution) -> bool:
+    while isinstance(fn, (dist.Independent, dist.ExpandedDistribution, dist.MaskedDistribution)):
+        fn = fn.base_dist
+    return isinstance(fn, dist.ImproperUniform)
+
+
+def _static_trace(trace: dict, sources: dict | None = None) -> tuple[dict, dict, dict]:
+    """The trace's static entries, the param sites' values and the sample sites' Gaussian prior blocks.
+
+    :param sources: ``id`` of each array argument -> its position: an observed site whose value *is* an
+        argument records it as ``source`` (so that every client's observations can be checked by value).
+    """
     out, params, blocks = {}, {}, {}
     for name, site in trace.items():
         entry = {k: site[k] for k in ("type", "is_observed", "infer", "cond_indep_stack", "args", "kwargs", "scale")
                  if k in site}
         if site["type"] == "sample":
-            entry["fn"] = SiteFn(site["fn"].support, site["fn"].event_dim)
+            fn = site["fn"]
+            log_prob_shape = tuple(jnp.shape(fn.log_prob(site["value"]))) if site["is_observed"] else ()
+            entry["fn"] = SiteFn(fn.support, fn.event_dim, _improper(fn), log_prob_shape)
             entry["value"] = jax.ShapeDtypeStruct(jnp.shape(site["value"]), jnp.result_type(site["value"]))
+            entry["source"] = (sources or {}).get(id(site["value"])) if site["is_observed"] else None
             entry["scale"] = None
             if not site["is_observed"] and not site["fn"].support.is_discrete:
                 transform = biject_to(site["fn"].support)

@@ -111,51 +111,11 @@ def plot_compare(posteriors: Mapping[str, Any], sites: Sequence[str] | Mapping[s
         >>> [ax.get_title() for ax in fig.axes]
         ['w[0]', 'w[1]', 'w[2]']
     """
-    import matplotlib.pyplot as plt
-
     if not posteriors:
         raise ValueError("plot_compare needs at least one posterior, e.g. {'PVI': result, 'NUTS': mcmc}.")
     draws = {label: _as_samples(post, num_samples) for label, post in posteriors.items()}
-    common = [name for name in next(iter(draws.values())) if all(name in d for d in draws.values())]
-    if sites is None:
-        selection = {name: None for name in common}
-    elif isinstance(sites, Mapping):
-        selection = {name: list(idx) for name, idx in sites.items()}
-    else:
-        selection = {name: None for name in sites}
-    for name in selection:
-        missing = [label for label, d in draws.items() if name not in d]
-        if missing:
-            raise ValueError(f"plot_compare: site '{name}' is missing from {missing}; common sites: {common}.")
-    panels = []  # (title, {label: 1-d samples})
-    for name, indices in selection.items():
-        first = np.asarray(next(iter(draws.values()))[name])
-        shape = first.shape[1:]
-        size = int(np.prod(shape, dtype=int))
-        for i in range(size) if indices is None else indices:
-            title = name if shape == () else f"{name}[{','.join(map(str, np.unravel_index(i, shape)))}]"
-            panels.append((title, {label: np.asarray(d[name]).reshape(np.shape(d[name])[0], -1)[:, i]
-                                   for label, d in draws.items()}))
-    if not panels:
-        raise ValueError("plot_compare: no coordinate to plot.")
-    panels = panels[:max_panels]
-    ncols = max(1, min(ncols, len(panels)))
-    nrows = -(-len(panels) // ncols)
-    fig, axes = plt.subplots(nrows, ncols, figsize=figsize or (2.6 * ncols, 2.2 * nrows), squeeze=False,
-                             constrained_layout=True)
-    colors = dict(zip(draws, _method_colors(len(draws))))
-    for ax, (title, values) in zip(axes.flat, panels):
-        for label, x in values.items():
-            grid, density = _kde(np.asarray(x, dtype=float))
-            ax.plot(grid, density, color=colors[label], lw=1.5, label=label)
-            ax.plot([np.mean(x)], [0.0], "|", color=colors[label], ms=10, mew=2, clip_on=False)
-        ax.set_title(title)
-        ax.set_yticks([])
-        ax.set_ylim(bottom=0.0)
-    for ax in axes.flat[len(panels):]:
-        ax.set_visible(False)
-    fig.legend(*axes.flat[0].get_legend_handles_labels(), loc="outside right upper", fontsize="small")
-    return fig
+    panels = _compare_panels(draws, sites)[:max_panels]
+    return _draw_compare(panels, list(draws), ncols, figsize)
 
 
 def plot_clients(result: Any, sites: Sequence[str] | Mapping[str, Sequence[int]] | None = None, *,
@@ -203,40 +163,14 @@ def plot_clients(result: Any, sites: Sequence[str] | Mapping[str, Sequence[int]]
     if getattr(result, "state", None) is None or getattr(result, "inference", None) is None:
         raise TypeError(f"plot_clients expects the PVIRunResult of PVI.run, got {type(result).__name__}.")
     coords = _flat_coordinates(result.sites, sites)[:max_coords]
-    family, state, num_clients = result.family, result.state, int(result.num_clients)
-    q_loc, q_var, q_prec = family.marginals(state.q)
-    factors = [_index(state.factors, m) for m in range(num_clients)]
-    factor_prec = np.stack([family.marginals(t).precision for t in factors])  # (M, D)
-    cavities = [family.marginals(_sub(state.q, t)) for t in factors]
-    colors = _client_colors(num_clients)
+    q, cavities, factor_prec = _client_marginals(result)
+    colors = _client_colors(len(cavities))
     ncols = len(coords)
     fig, axes = plt.subplots(2, ncols, figsize=figsize or (3.0 * ncols, 5.0), squeeze=False,
                              constrained_layout=True, gridspec_kw={"height_ratios": [3, 2]})
     for col, (title, i) in enumerate(coords):
-        ax, bars = axes[0, col], axes[1, col]
-        sd = np.sqrt(q_var[i])
-        spread = [q_loc[i] - 4 * sd, q_loc[i] + 4 * sd]
-        for loc, var, _ in cavities:
-            if np.isfinite(var[i]) and var[i] > 0:
-                spread += [loc[i] - 3 * np.sqrt(var[i]), loc[i] + 3 * np.sqrt(var[i])]
-        grid = np.linspace(min(spread), max(spread), 400)
-        for m, (loc, var, _) in enumerate(cavities):
-            if np.isfinite(var[i]) and var[i] > 0:
-                ax.plot(grid, _normal_pdf(grid, loc[i], var[i]), color=colors[m], lw=1, alpha=0.85,
-                        label=f"without client {m}" if num_clients <= 10 else None)
-        ax.plot(grid, _normal_pdf(grid, q_loc[i], q_var[i]), color="k", lw=2.2, label="q")
-        ax.set_title(title)
-        ax.set_yticks([])
-        ax.set_ylim(bottom=0.0)
-        share = factor_prec[:, i] / q_prec[i]
-        prior_share = 1.0 - np.sum(share)
-        bars.bar(np.arange(-1, num_clients), np.concatenate([[prior_share], share]),
-                 color=["0.6"] + [colors[m] for m in range(num_clients)])
-        bars.axhline(0.0, color="k", lw=0.8)
-        bars.set_xticks(np.arange(-1, num_clients),
-                        ["prior"] + [str(m) if num_clients <= 12 or m % 5 == 0 else "" for m in range(num_clients)],
-                        fontsize="small")
-        bars.set_xlabel("client")
+        _draw_cavities(axes[0, col], title, q, [(loc[i], var[i]) for loc, var, _ in cavities], i, colors)
+        _draw_precision_shares(axes[1, col], factor_prec[:, i] / q[2][i], colors)
     fig.legend(*axes[0, 0].get_legend_handles_labels(), loc="outside right upper", fontsize="small")
     axes[1, 0].set_ylabel("share of q's precision")
     return fig
@@ -245,15 +179,114 @@ def plot_clients(result: Any, sites: Sequence[str] | Mapping[str, Sequence[int]]
 # ----------------------------------------------------------------------------- helpers
 
 
+def _selection(sites: Sequence[str] | Mapping[str, Sequence[int]] | None, default: Sequence[str]) -> dict:
+    """The chosen sites as a dict site -> flat indices (``None``: all of them); ``default`` when ``sites`` is None."""
+    if sites is None:
+        return {name: None for name in default}
+    if isinstance(sites, Mapping):
+        return {name: list(idx) for name, idx in sites.items()}
+    return {name: None for name in sites}
+
+
+def _coordinate_title(name: str, shape: tuple, i: int) -> str:
+    """``name`` for a scalar site, else ``name[i, j, ...]`` for its flat index ``i``."""
+    return name if shape == () else f"{name}[{','.join(map(str, np.unravel_index(i, shape)))}]"
+
+
+def _compare_panels(draws: dict, sites: Sequence[str] | Mapping[str, Sequence[int]] | None) -> list:
+    """``(title, {label: 1-d samples})`` of every chosen coordinate, checking each site is in every method."""
+    common = [name for name in next(iter(draws.values())) if all(name in d for d in draws.values())]
+    selection = _selection(sites, common)
+    for name in selection:
+        missing = [label for label, d in draws.items() if name not in d]
+        if missing:
+            raise ValueError(f"plot_compare: site '{name}' is missing from {missing}; common sites: {common}.")
+    panels = []
+    for name, indices in selection.items():
+        shape = np.asarray(next(iter(draws.values()))[name]).shape[1:]
+        for i in range(int(np.prod(shape, dtype=int))) if indices is None else indices:
+            panels.append((_coordinate_title(name, shape, i),
+                           {label: np.asarray(d[name]).reshape(np.shape(d[name])[0], -1)[:, i]
+                            for label, d in draws.items()}))
+    if not panels:
+        raise ValueError("plot_compare: no coordinate to plot.")
+    return panels
+
+
+def _draw_compare(panels: list, labels: list, ncols: int, figsize: tuple | None) -> Any:
+    """The figure of :func:`plot_compare`: one density panel per ``(title, values)``, unused axes hidden."""
+    import matplotlib.pyplot as plt
+
+    ncols = max(1, min(ncols, len(panels)))
+    nrows = -(-len(panels) // ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=figsize or (2.6 * ncols, 2.2 * nrows), squeeze=False,
+                             constrained_layout=True)
+    colors = dict(zip(labels, _method_colors(len(labels))))
+    for ax, (title, values) in zip(axes.flat, panels):
+        _draw_densities(ax, title, values, colors)
+    for ax in axes.flat[len(panels):]:
+        ax.set_visible(False)
+    fig.legend(*axes.flat[0].get_legend_handles_labels(), loc="outside right upper", fontsize="small")
+    return fig
+
+
+def _draw_densities(ax: Any, title: str, values: dict, colors: dict) -> None:
+    """One :func:`plot_compare` panel: each method's density estimate, with its mean as a tick on the axis."""
+    for label, x in values.items():
+        grid, density = _kde(np.asarray(x, dtype=float))
+        ax.plot(grid, density, color=colors[label], lw=1.5, label=label)
+        ax.plot([np.mean(x)], [0.0], "|", color=colors[label], ms=10, mew=2, clip_on=False)
+    ax.set_title(title)
+    ax.set_yticks([])
+    ax.set_ylim(bottom=0.0)
+
+
+def _client_marginals(result: Any) -> tuple[Any, list, np.ndarray]:
+    """``q``'s marginals, each client's cavity marginals and each client's factor precision ``(M, D)``."""
+    family, state, num_clients = result.family, result.state, int(result.num_clients)
+    factors = [_index(state.factors, m) for m in range(num_clients)]
+    factor_prec = np.stack([family.marginals(t).precision for t in factors])
+    cavities = [family.marginals(_sub(state.q, t)) for t in factors]
+    return family.marginals(state.q), cavities, factor_prec
+
+
+def _draw_cavities(ax: Any, title: str, q: Any, cavities: list, i: int, colors: list) -> None:
+    """Top :func:`plot_clients` panel: ``q``'s marginal of coordinate ``i`` and each proper cavity's ``(loc, var)``."""
+    q_loc, q_var = q[0][i], q[1][i]
+    sd = np.sqrt(q_var)
+    proper = [(m, loc, var) for m, (loc, var) in enumerate(cavities) if np.isfinite(var) and var > 0]
+    spread = [q_loc - 4 * sd, q_loc + 4 * sd]
+    for _, loc, var in proper:
+        spread += [loc - 3 * np.sqrt(var), loc + 3 * np.sqrt(var)]
+    grid = np.linspace(min(spread), max(spread), 400)
+    for m, loc, var in proper:
+        ax.plot(grid, _normal_pdf(grid, loc, var), color=colors[m], lw=1, alpha=0.85,
+                label=f"without client {m}" if len(cavities) <= 10 else None)
+    ax.plot(grid, _normal_pdf(grid, q_loc, q_var), color="k", lw=2.2, label="q")
+    ax.set_title(title)
+    ax.set_yticks([])
+    ax.set_ylim(bottom=0.0)
+
+
+def _draw_precision_shares(bars: Any, share: np.ndarray, colors: list) -> None:
+    """Bottom :func:`plot_clients` panel: the prior's and each client's share of ``q``'s precision."""
+    num_clients = len(share)
+    bars.bar(np.arange(-1, num_clients), np.concatenate([[1.0 - np.sum(share)], share]),
+             color=["0.6"] + [colors[m] for m in range(num_clients)])
+    bars.axhline(0.0, color="k", lw=0.8)
+    bars.set_xticks(np.arange(-1, num_clients),
+                    ["prior"] + [str(m) if num_clients <= 12 or m % 5 == 0 else "" for m in range(num_clients)],
+                    fontsize="small")
+    bars.set_xlabel("client")
+
+
 def _as_samples(posterior: Any, num_samples: int) -> dict:
     """Any supported posterior -> dict site -> numpy samples ``(num_draws, *shape)``."""
     import jax
 
     if hasattr(posterior, "sample_posterior") and hasattr(posterior, "state"):  # PVIRunResult
-        from numpyro_pvi.diagnostics import _site_order
-
-        samples = posterior.sample_posterior(jax.random.PRNGKey(0), num_samples)
-        return {k: np.asarray(samples[k]) for k in _site_order(posterior, samples)}
+        samples = posterior.sample_posterior(jax.random.PRNGKey(0), num_samples)  # in model order
+        return {k: np.asarray(v) for k, v in samples.items()}
     if hasattr(posterior, "get_samples"):  # numpyro MCMC
         return {k: np.asarray(v) for k, v in posterior.get_samples().items()}
     if hasattr(posterior, "posterior"):  # arviz InferenceData
@@ -295,14 +328,8 @@ def _flat_coordinates(model_sites: Any, sites: Sequence[str] | Mapping[str, Sequ
     """``(title, flat index)`` of the chosen coordinates of ``zeta``."""
     by_name = {s.name: s for s in model_sites.globals}
     slices = model_sites.slices()
-    if sites is None:
-        selection = {name: None for name in by_name}
-    elif isinstance(sites, Mapping):
-        selection = {name: list(idx) for name, idx in sites.items()}
-    else:
-        selection = {name: None for name in sites}
     out = []
-    for name, indices in selection.items():
+    for name, indices in _selection(sites, list(by_name)).items():
         if name not in by_name:
             raise ValueError(f"plot_clients: '{name}' is not a global site; the global sites are {list(by_name)}.")
         site = by_name[name]
@@ -311,9 +338,7 @@ def _flat_coordinates(model_sites: Any, sites: Sequence[str] | Mapping[str, Sequ
             transform = transform.base_transform
         suffix = "" if isinstance(transform, IdentityTransform) else " (unconstrained)"
         for i in range(site.size) if indices is None else indices:
-            title = name if site.flat_shape == () else \
-                f"{name}[{','.join(map(str, np.unravel_index(i, site.flat_shape)))}]"
-            out.append((title + suffix, slices[name].start + int(i)))
+            out.append((_coordinate_title(name, site.flat_shape, i) + suffix, slices[name].start + int(i)))
     if not out:
         raise ValueError("plot_clients: no coordinate to plot.")
     return out

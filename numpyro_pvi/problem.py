@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from numpyro_pvi.clients import ClientColumns, append_client, split_client_data, split_pooled, stack
@@ -21,7 +22,7 @@ from numpyro_pvi.families import NatParams
 from numpyro_pvi.local_updates.base import Client, ClientProblem
 from numpyro_pvi.partition import ClientData
 from numpyro_pvi.prior import exact_prior
-from numpyro_pvi.sites import ModelSites, plate_and_locals, read_model, read_padded
+from numpyro_pvi.sites import ModelSites, check_observed, plate_and_locals, read_model, read_padded
 from numpyro_pvi.steps import Steps, compile_steps
 
 if TYPE_CHECKING:
@@ -117,12 +118,27 @@ def _read(inference: PVI, args: tuple, kwargs: dict) -> tuple[ModelSites, Client
         sites = read_model(model, first_args, first_kwargs, who="Client 0's data")
         split = split_client_data(partitions, sites.plate_size, sites.plate)
         _check_unsure(model, sites, split)
+        _check_observations(sites, split)
         return sites, split
     if not args and not kwargs:
         raise TypeError("Pass the pooled data to init/update/run (or give partitions=pvi.ClientData(...)).")
     sites = read_model(model, args, kwargs, who="The pooled data")
     parts = [np.arange(sites.plate_size)] if partitions is None else list(partitions)
     return sites, split_pooled(args, kwargs, parts, sites.plate_size, sites.plate)
+
+
+def _check_observations(sites: ModelSites, split: ClientColumns) -> None:
+    """Every client's observations are finite and in their likelihood's support (client 0's were checked when the
+    model was read; observations the model computes from its arguments are checked for client 0 only)."""
+    for observed in sites.observed:
+        if observed.source is None or not split.is_row[observed.source]:
+            continue
+        column = [np.asarray(x) for x in split.columns[observed.source]]
+        inside = np.asarray(observed.support(jnp.asarray(np.concatenate(column))))
+        starts = np.cumsum([0] + [len(x) for x in column])
+        for m, values in enumerate(column):
+            check_observed(observed.name, {"fn": observed}, bool(np.all(np.isfinite(values))),
+                           bool(np.all(inside[starts[m]:starts[m + 1]])), f"Client {m}'s data")
 
 
 def _check_unsure(model: Any, sites: ModelSites, split: ClientColumns) -> None:

@@ -22,6 +22,7 @@ from tqdm.auto import trange
 from numpyro_pvi import problem as problems
 from numpyro_pvi.backends import get_backend
 from numpyro_pvi.families import Family
+from numpyro_pvi.local_updates.base import LocalUpdate
 from numpyro_pvi.partition import ClientData, is_array, same_static
 from numpyro_pvi.problem import Problem, build_problem
 from numpyro_pvi.results import PVIRunResult, hyperparameters, make_guide, sample_posterior
@@ -94,7 +95,7 @@ class PVI:
         if not isinstance(family, Family):
             raise TypeError(f"family must be a pvi family such as pvi.MeanFieldGaussian() or pvi.FullRankGaussian(), "
                             f"got {family!r}.")
-        if local_update is None or not callable(getattr(local_update, "bind", None)):
+        if not isinstance(local_update, LocalUpdate):
             raise TypeError(f"local_update must be a local update such as pvi.GradientUpdate(...), "
                             f"got {local_update!r}.")
         server = Synchronous() if server is None else server

@@ -27,10 +27,12 @@ def client_local(problem: Problem, state: PVIState, client: int) -> tuple[Any, i
 
 def sample_posterior(problem: Problem, family: Any, state: PVIState, rng_key: jax.Array, num_samples: int,
                      client: int | None = None) -> dict:
-    """``num_samples`` draws of every global site from ``q`` (constrained), and client ``client``'s local sites."""
+    """``num_samples`` draws of every global site from ``q`` (constrained, in model order), and client ``client``'s
+    local sites."""
     zeta_key, local_key = jax.random.split(rng_key) if client is not None else (rng_key, None)
     zeta = family.to_dist(state.q).sample(zeta_key, (num_samples,))
-    samples = jax.vmap(problem.sites.unflatten)(zeta)
+    drawn = jax.vmap(problem.sites.unflatten)(zeta)  # vmap returns the dict with sorted keys: back to model order
+    samples = {site.name: drawn[site.name] for site in problem.sites.globals}
     if client is not None:
         local, rows = client_local(problem, state, client)
         samples.update(sample_local(problem.sites, local_key, local, num_samples, rows))

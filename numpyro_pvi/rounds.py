@@ -15,7 +15,7 @@ The round records what every client did (:class:`~numpyro_pvi.RoundInfo`'s per-c
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -28,8 +28,24 @@ from numpyro_pvi.state import ClientOutcome, PVIState
 from numpyro_pvi.steps import Steps
 
 
+class Pending(NamedTuple):
+    """A client update running in the background: the backend's ``handle`` and what it started from."""
+
+    handle: Any
+    cavity: NatParams
+    state: Any
+    hyper: Any
+
+
+class InFlightUpdate(NamedTuple):
+    """An update in flight across rounds, and the server's merge count when its client pulled ``q``."""
+
+    pending: Pending
+    pulled_at: int
+
+
 class InFlight(dict):
-    """Client updates running in the background across rounds of one run: ``client -> (handle, merges at start)``."""
+    """Client updates running in the background across rounds of one run: ``client -> InFlightUpdate``."""
 
 
 class Round:
@@ -80,7 +96,8 @@ class Round:
         """
         size = len(ids)
         target = min(self.capacity, 1 << (size - 1).bit_length()) if size < self.capacity else size
-        spare = [m for m in range(self.capacity) if m not in set(ids)][:target - size]
+        taken = set(ids)
+        spare = [m for m in range(self.capacity) if m not in taken][:target - size]
         allowed = np.concatenate([np.full(size, allow, bool), np.zeros(len(spare), bool)])
         return jnp.asarray(list(ids) + spare), jnp.asarray(allowed)
 
@@ -91,23 +108,22 @@ class Round:
         state, out = self.steps.group_step(state, group, self.key(salt), self.clients, pulled, allowed)
         return state, self._note(list(ids), out)
 
-    def start(self, state: PVIState, m: int, salt: int) -> Any:
-        """Start client ``m`` against the current q in the background; returns a handle for :meth:`finish`."""
+    def start(self, state: PVIState, m: int, salt: int) -> Pending:
+        """Start client ``m`` against the current q in the background, for :meth:`finish`."""
         key = jax.random.fold_in(self.key(salt), m)
         cavity = jax.tree.map(lambda a, f: a - f[m], state.q, state.factors)
         local = take(state.client_states, m)
-        return self.steps.runner.submit(m, key, cavity, state.q, local, state.hyper, self.clients), cavity, local, \
-            state.hyper
+        handle = self.steps.runner.submit(m, key, cavity, state.q, local, state.hyper, self.clients)
+        return Pending(handle, cavity, local, state.hyper)
 
-    def wait(self, handles: dict) -> int:
-        """The client (a key of ``{client: handle}``) that finishes first."""
-        return self.steps.runner.wait_any({m: h[0] for m, h in handles.items()})
+    def wait(self, pending: dict) -> int:
+        """The client (a key of ``{client: Pending}``) that finishes first."""
+        return self.steps.runner.wait_any({m: p.handle for m, p in pending.items()})
 
-    def finish(self, state: PVIState, m: int, handle: tuple, allow: bool = True) -> tuple[PVIState, np.ndarray]:
+    def finish(self, state: PVIState, m: int, pending: Pending, allow: bool = True) -> tuple[PVIState, np.ndarray]:
         """Collect client ``m``'s update and merge it into the current q."""
-        future, cavity, local, hyper = handle
-        result = jax.tree.map(lambda x: jnp.asarray(x)[None], self.steps.runner.result(m, future, cavity, local,
-                                                                                       hyper))
+        out = self.steps.runner.result(m, pending.handle, pending.cavity, pending.state, pending.hyper)
+        result = jax.tree.map(lambda x: jnp.asarray(x)[None], out)
         state, out = self.steps.apply(state, jnp.asarray([m]), result, jnp.asarray([allow]))
         return state, self._note([m], out)
 
@@ -115,5 +131,5 @@ class Round:
 def cancel_in_flight(runner: Any, in_flight: InFlight) -> None:
     """Abandon a run's background updates when it ends: they will never be merged."""
     if in_flight and isinstance(runner, ConcurrentRunner):
-        runner.cancel({m: handle[0] for m, (handle, _) in in_flight.items()})
+        runner.cancel({m: update.pending.handle for m, update in in_flight.items()})
     in_flight.clear()

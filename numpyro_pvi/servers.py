@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from numpyro_pvi.families import NatParams
-from numpyro_pvi.rounds import Round
+from numpyro_pvi.rounds import InFlightUpdate, Round
 
 
 class Server:
@@ -201,17 +201,17 @@ class Asynchronous(Server):
         ``round.in_flight``, which belongs to the run: the next round of the same run merges them, a
         new run never sees them.
         """
-        server, pending = state.server_state, round.in_flight
+        server, in_flight = state.server_state, round.in_flight
         for m in range(num_clients):
-            if m not in pending:
-                pending[m] = (round.start(state, m, salt=int(server.merges) + 1), int(server.merges))
+            if m not in in_flight:
+                in_flight[m] = InFlightUpdate(round.start(state, m, salt=int(server.merges) + 1), int(server.merges))
         for _ in range(num_clients):
-            m = round.wait({k: h for k, (h, _) in pending.items()})
-            handle, pulled_at = pending.pop(m)
-            fresh = self.max_staleness is None or int(server.merges) - pulled_at <= self.max_staleness
-            state, _ = round.finish(state, m, handle, allow=fresh)
+            m = round.wait({k: update.pending for k, update in in_flight.items()})
+            update = in_flight.pop(m)
+            fresh = self.max_staleness is None or int(server.merges) - update.pulled_at <= self.max_staleness
+            state, _ = round.finish(state, m, update.pending, allow=fresh)
             server = server._replace(merges=server.merges + 1, pulled_at=server.pulled_at.at[m].set(server.merges + 1))
-            pending[m] = (round.start(state, m, salt=int(server.merges) + 1), int(server.merges))
+            in_flight[m] = InFlightUpdate(round.start(state, m, salt=int(server.merges) + 1), int(server.merges))
         return state._replace(server_state=server._replace(round=server.round + 1))
 
     def __repr__(self) -> str:

@@ -74,6 +74,16 @@ class HyperSite:
 
 
 @dataclass(frozen=True)
+class ObservedSite:
+    """An observed site in the partition plate: its likelihood's ``support``, and ``source``, the position of the
+    array argument (among the array arguments) its values are, or ``None`` if the model computes them."""
+
+    name: str
+    support: Any
+    source: int | None
+
+
+@dataclass(frozen=True)
 class ModelSites:
     """What PVI needs to know about a model, read once from a trace.
 
@@ -87,6 +97,7 @@ class ModelSites:
     :ivar locals: continuous local latent sites (:class:`LocalSite`), in model order.
     :ivar enumerated: names of the discrete local latent sites marked for enumeration.
     :ivar hyper: hyperparameters (:class:`HyperSite`), in model order.
+    :ivar observed: the observed sites (:class:`ObservedSite`), in model order.
     """
 
     plate: str
@@ -97,6 +108,7 @@ class ModelSites:
     locals: tuple = ()
     enumerated: tuple = ()
     hyper: tuple = ()
+    observed: tuple = ()
 
     @property
     def has_local(self) -> bool:
@@ -147,7 +159,32 @@ def read_model(model: Callable, args: tuple, kwargs: dict, who: str = "The data"
 
     :param who: names the data in errors, e.g. ``"Client 3's data"``.
     """
-    trace, blocks = compiled_trace(model, args, kwargs, who)
+    trace, blocks, values_ok = compiled_trace(model, args, kwargs, who)
+    plate = _partition_plate(trace)
+    kinds = _classify(trace, plate)
+    if not kinds["likelihoods"]:
+        raise ValueError(f"partition_plate '{plate}' holds no observed site: put the likelihood (obs=...) inside it.")
+    if not kinds["globals"]:
+        raise ValueError("The model has no global latent site outside the partition plate: nothing to infer.")
+    for name in kinds["likelihoods"]:
+        check_observed(name, trace[name], *values_ok[name], who)
+    observed = tuple(ObservedSite(n, trace[n]["fn"].support, trace[n]["source"]) for n in kinds["likelihoods"])
+    gaussian = _gaussian_prior(get_model_relations(model, args, kwargs), kinds["globals"], kinds["hyper"], blocks)
+    return ModelSites(plate, int(trace[plate]["args"][0]), *(tuple(kinds[k]) for k in ("globals", "likelihoods")),
+                      gaussian, *(tuple(kinds[k]) for k in ("locals", "enumerated", "hyper")), observed)
+
+
+def check_observed(name: str, site: dict, finite: bool, in_support: bool, who: str) -> None:
+    """Raise a ``ValueError`` naming the site if its values are not finite or outside the likelihood's support."""
+    if not finite:
+        raise ValueError(f"{who}: observed site '{name}' holds NaN or inf values; remove or impute those rows.")
+    if not in_support:
+        raise ValueError(f"{who}: observed site '{name}' has values outside the support of its likelihood "
+                         f"({site['fn'].support}), e.g. Bernoulli labels must be 0 or 1.")
+
+
+def _partition_plate(trace: dict) -> str:
+    """The name of the model's one partition plate (with no subsampling)."""
     plates = {s["infer"].get(PARTITION_TAG) for s in trace.values()
               if s["type"] == "sample" and s.get("infer") and PARTITION_TAG in s["infer"]}
     if not plates:
@@ -160,63 +197,81 @@ def read_model(model: Callable, args: tuple, kwargs: dict, who: str = "The data"
     if subsample_size is not None and subsample_size != size:
         raise ValueError(f"partition_plate '{plate}' uses subsample_size={subsample_size}; under PVI use "
                          "GradientUpdate(batch_size=...) for mini-batches instead.")
+    return plate
 
-    global_sites, likelihoods, local_sites, enumerated, hyper = [], [], [], [], []
+
+def _classify(trace: dict, plate: str) -> dict:
+    """The trace's sites by kind: ``globals``, ``likelihoods``, ``locals``, ``enumerated``, ``hyper`` (model order)."""
+    kinds: dict = {"globals": [], "likelihoods": [], "locals": [], "enumerated": [], "hyper": []}
     for name, site in trace.items():
         in_plate = any(f.name == plate for f in site.get("cond_indep_stack", ()))
         if site["type"] == "param":
-            if in_plate:
-                raise ValueError(f"numpyro.param site '{name}' is inside partition plate '{plate}': a per-row "
-                                 "parameter would belong to one client only. Make it a local latent (a sample "
-                                 "site with a prior) or move it outside the plate to learn it as a hyperparameter.")
-            constraint = site["kwargs"].get("constraint", constraints.real)
-            transform = biject_to(constraint)
-            hyper.append(HyperSite(name, transform.inv(site["value"]), transform))
+            kinds["hyper"].append(_hyper_site(name, site, in_plate, plate))
+        elif site["type"] != "sample":
             continue
-        if site["type"] != "sample":
-            continue
-        if site["is_observed"]:
+        elif site["is_observed"]:
             if not in_plate:
                 raise NotImplementedError(f"Observed site '{name}' is outside partition plate '{plate}'; PVI splits "
                                           "only the observations inside the partition plate.")
-            likelihoods.append(name)
-            continue
-        if in_plate:
-            if site["fn"].support.is_discrete:
-                if (site.get("infer") or {}).get("enumerate") != "parallel":
-                    raise ValueError(f"Local latent site '{name}' is discrete: mark it for enumeration "
-                                     "(numpyro.infer.config_enumerate or infer={'enumerate': 'parallel'}) so that "
-                                     "clients sum it out with TraceEnum_ELBO.")
-                enumerated.append(name)
-            else:
-                local_sites.append(_local_site(name, site, plate))
-            continue
-        if site["fn"].support.is_discrete:
+            _check_observed_shape(name, site, plate)
+            kinds["likelihoods"].append(name)
+        elif in_plate and site["fn"].support.is_discrete:
+            if (site.get("infer") or {}).get("enumerate") != "parallel":
+                raise ValueError(f"Local latent site '{name}' is discrete: mark it for enumeration "
+                                 "(numpyro.infer.config_enumerate or infer={'enumerate': 'parallel'}) so that "
+                                 "clients sum it out with TraceEnum_ELBO.")
+            kinds["enumerated"].append(name)
+        elif in_plate:
+            kinds["locals"].append(_local_site(name, site, plate))
+        elif site["fn"].improper:
+            raise ValueError(f"Global site '{name}' has an improper prior ({site['fn'].support}); PVI's factors need "
+                             "a proper prior: give it a proper distribution (e.g. a wide Normal).")
+        elif site["fn"].support.is_discrete:
             raise ValueError(f"Global site '{name}' has a discrete support ({site['fn'].support}); PVI's factors "
                              "are Gaussian in unconstrained space, so global latents must be continuous.")
-        transform = biject_to(site["fn"].support)
-        shape = tuple(site["value"].shape)
-        global_sites.append(GlobalSite(name, shape, tuple(transform.inverse_shape(shape)), transform))
-    if not likelihoods:
-        raise ValueError(f"partition_plate '{plate}' holds no observed site: put the likelihood (obs=...) inside it.")
-    if not global_sites:
-        raise ValueError("The model has no global latent site outside the partition plate: nothing to infer.")
+        else:
+            transform = biject_to(site["fn"].support)
+            shape = tuple(site["value"].shape)
+            kinds["globals"].append(GlobalSite(name, shape, tuple(transform.inverse_shape(shape)), transform))
+    return kinds
 
-    model_relations = get_model_relations(model, args, kwargs)
-    parents = model_relations.get("sample_sample", {})
-    names = {s.name for s in global_sites}
+
+def _check_observed_shape(name: str, site: dict, plate: str) -> None:
+    """An observed site has one likelihood term per row of its plates: no nested copies of the partition plate,
+    and no observations that broadcast against the batch (``y`` of shape ``(n, 1)`` under a plate of ``n``)."""
+    frames = site["cond_indep_stack"]
+    if sum(f.name == plate for f in frames) > 1:
+        raise ValueError(f"Observed site '{name}' is inside partition plate '{plate}' more than once (nested plates "
+                         "with the same name): use the partition plate once.")
+    rows = int(np.prod([f.size for f in frames], dtype=np.int64))
+    terms = int(np.prod(site["fn"].log_prob_shape, dtype=np.int64))
+    if terms > rows:
+        raise ValueError(f"Observed site '{name}' has {terms} likelihood terms for {rows} rows of its plates: its "
+                         f"value of shape {tuple(site['value'].shape)} broadcasts against the distribution's batch "
+                         "shape (e.g. y of shape (n, 1) under a plate of size n). Pass y of shape (n,), or declare "
+                         "the extra dimensions with .to_event() or an inner plate.")
+
+
+def _hyper_site(name: str, site: dict, in_plate: bool, plate: str) -> HyperSite:
+    if in_plate:
+        raise ValueError(f"numpyro.param site '{name}' is inside partition plate '{plate}': a per-row "
+                         "parameter would belong to one client only. Make it a local latent (a sample "
+                         "site with a prior) or move it outside the plate to learn it as a hyperparameter.")
+    transform = biject_to(site["kwargs"].get("constraint", constraints.real))
+    return HyperSite(name, transform.inv(site["value"]), transform)
+
+
+def _gaussian_prior(relations: dict, global_sites: list, hyper: list, blocks: dict) -> dict:
+    """The Gaussian prior blocks of the global sites whose prior has fixed parameters (no latent parent)."""
+    parents, names = relations.get("sample_sample", {}), {s.name for s in global_sites}
     for site in global_sites if hyper else ():
-        used = set(model_relations.get("sample_param", {}).get(site.name, ())) & {h.name for h in hyper}
+        used = set(relations.get("sample_param", {}).get(site.name, ())) & {h.name for h in hyper}
         if used:
             raise NotImplementedError(f"Hyperparameter(s) {sorted(used)} enter the prior of global site '{site.name}'; "
                                       "PVI learns hyperparameters of the likelihood and of local latents only. Give "
                                       "them a prior (make them global latent sites) instead.")
-    gaussian = {}
-    for site in global_sites:
-        if names.isdisjoint(parents.get(site.name, ())) and site.name in blocks:
-            gaussian[site.name] = blocks[site.name]
-    return ModelSites(plate, int(size), tuple(global_sites), tuple(likelihoods), gaussian, tuple(local_sites),
-                      tuple(enumerated), tuple(hyper))
+    return {s.name: blocks[s.name] for s in global_sites
+            if names.isdisjoint(parents.get(s.name, ())) and s.name in blocks}
 
 
 def read_padded(model: Callable, sites: ModelSites, args: tuple, kwargs: dict, rows: int,

@@ -11,7 +11,7 @@ import numpyro.distributions as dist
 from jax.scipy.linalg import cho_solve, solve_triangular
 from numpyro.distributions import constraints
 
-from numpyro_pvi.families.gaussian import _Gaussian
+from numpyro_pvi.families.gaussian import GaussianFamily
 from numpyro_pvi.families.protocol import Marginals, NatParams
 
 
@@ -24,7 +24,7 @@ def _inverse_tril(scale_tril: jax.Array) -> jax.Array:
     return solve_triangular(scale_tril, jnp.eye(scale_tril.shape[-1], dtype=scale_tril.dtype), lower=True)
 
 
-class FullRankGaussian(_Gaussian):
+class FullRankGaussian(GaussianFamily):
     """Full-covariance Gaussian factors and approximation, like ``AutoMultivariateNormal``.
 
     The client guide is ``MultivariateNormal(loc, scale_tril=L)`` with ``L`` constrained

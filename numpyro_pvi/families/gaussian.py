@@ -1,4 +1,4 @@
-"""What the Gaussian families share: the ``_Gaussian`` base class and :func:`expected_site`."""
+"""What the Gaussian families share: the ``GaussianFamily`` base class and :func:`expected_site`."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import numpyro.distributions as dist
 from numpyro_pvi.families.protocol import Family, NatParams
 
 
-class _Gaussian:
+class GaussianFamily:
     """The code every Gaussian family shares; a family subclasses it and implements the rest of :class:`Family`."""
 
     def to_dist(self, nat: NatParams) -> dist.Distribution:

@@ -10,11 +10,11 @@ import numpy as np
 import numpyro.distributions as dist
 from numpyro.distributions import constraints
 
-from numpyro_pvi.families.gaussian import _Gaussian
+from numpyro_pvi.families.gaussian import GaussianFamily
 from numpyro_pvi.families.protocol import Marginals, NatParams
 
 
-class MeanFieldGaussian(_Gaussian):
+class MeanFieldGaussian(GaussianFamily):
     """Diagonal Gaussian factors and approximation, like ``AutoDiagonalNormal``.
 
     The client guide is ``Normal(loc, scale).to_event(1)`` with ``scale`` constrained

@@ -79,7 +79,7 @@ class Family(Protocol):
     improper, ``q`` and cavities must be valid. "Form" below is the family's own storage of a
     symmetric ``(D, D)`` matrix (a ``(D,)`` diagonal for mean field, the matrix for full rank), and
     ``scale`` is the guide's scale (a ``(D,)`` sd vector or a ``(D, D)`` lower Cholesky factor ``L``).
-    A new family implements every member below (subclassing ``numpyro_pvi.families.gaussian._Gaussian``
+    A new family implements every member below (subclassing ``numpyro_pvi.families.gaussian.GaussianFamily``
     gives ``to_dist``, ``dense_precision`` and ``mix_moments``):
 
     * **Guide and core** (used by PVI, the servers and ``GradientUpdate``): ``scale_name``,

@@ -1,6 +1,6 @@
 """How a client improves its factor ``t_m`` against its cavity: one local update per module."""
 
-from numpyro_pvi.local_updates.base import Client, ClientProblem, ClientResult
+from numpyro_pvi.local_updates.base import Client, ClientProblem, ClientResult, LocalUpdate
 from numpyro_pvi.local_updates.gradient import GradientUpdate
 from numpyro_pvi.local_updates.moment_matching import MomentMatchingUpdate
 from numpyro_pvi.local_updates.natural_gradient import NaturalGradientUpdate
@@ -11,6 +11,7 @@ __all__ = [
     "ClientProblem",
     "ClientResult",
     "GradientUpdate",
+    "LocalUpdate",
     "MomentMatchingUpdate",
     "NaturalGradientUpdate",
     "SNEPState",

@@ -19,13 +19,29 @@ model the update does not support with a clear error.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple, Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
 from numpyro.distributions import kl_divergence
 
 from numpyro_pvi.families import Family, NatParams
+
+
+@runtime_checkable
+class LocalUpdate(Protocol):
+    r"""How a client improves its factor: ``init_state(problem)`` and ``bind(problem) -> client_update``.
+
+    ``client_update(rng_key, client, cavity, q, state, hyper=()) -> ClientResult`` must be pure (a backend
+    ``jit``\ s and ``vmap``\ s it). Optional class attributes ``supports_local_latents`` and
+    ``supports_hyperparameters`` (false if absent) declare what models it handles.
+
+    **Example:** ``isinstance(pvi.GradientUpdate(optax.adam(1e-2), num_steps=100), pvi.LocalUpdate)`` is true.
+    """
+
+    def init_state(self, problem: ClientProblem) -> Any: ...
+
+    def bind(self, problem: ClientProblem) -> Callable: ...
 
 
 class Client(NamedTuple):
