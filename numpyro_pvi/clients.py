@@ -64,7 +64,8 @@ def split_client_data(clients: Sequence[tuple[tuple, dict]], first_size: int, pl
     for m, (_, other) in enumerate(flat):
         if other != treedef:
             raise ValueError(f"ClientData: client {m}'s arguments have structure {other}, but client 0's have "
-                             f"{treedef}; every client must pass the same arguments.")
+                             f"{treedef}; every client must pass the same arguments (a missing observation, e.g. "
+                             "y=None, or an extra argument makes a different model call).")
     leaves = [f[0] for f in flat]
     static = []
     for i, value in enumerate(leaves[0]):

@@ -19,6 +19,7 @@ import numpy as np
 import numpyro.distributions as dist
 from numpyro import handlers
 from numpyro.distributions.transforms import ExpTransform, IdentityTransform, IndependentTransform, biject_to
+from numpyro.infer.initialization import init_to_sample
 
 READ_SEED = 0
 
@@ -50,7 +51,9 @@ def checked_trace(model: Callable, args: tuple, kwargs: dict, who: str) -> dict:
     """The model's trace on these data, its observed densities evaluated (which catches observations of the
     wrong shape); any failure of the user's model on the data is a ``ValueError`` naming ``who``."""
     try:
-        trace = handlers.trace(handlers.seed(model, jax.random.PRNGKey(READ_SEED))).get_trace(*args, **kwargs)
+        # init_to_sample draws latent values as NumPyro's inference does (also for an ImproperUniform site)
+        seeded = handlers.substitute(handlers.seed(model, jax.random.PRNGKey(READ_SEED)), substitute_fn=init_to_sample)
+        trace = handlers.trace(seeded).get_trace(*args, **kwargs)
         for site in trace.values():
             if site["type"] == "sample" and site["is_observed"]:
                 site_log_prob(site)

@@ -98,6 +98,10 @@ class PVI:
         if not isinstance(local_update, LocalUpdate):
             raise TypeError(f"local_update must be a local update such as pvi.GradientUpdate(...), "
                             f"got {local_update!r}.")
+        if hyper_optimizer is not None and not isinstance(hyper_optimizer, optax.GradientTransformation):
+            raise TypeError(f"hyper_optimizer must be an optax.GradientTransformation, got {hyper_optimizer!r}.")
+        if not isinstance(num_elbo_particles, int) or isinstance(num_elbo_particles, bool) or num_elbo_particles < 1:
+            raise ValueError(f"num_elbo_particles must be a positive integer, got {num_elbo_particles!r}.")
         server = Synchronous() if server is None else server
         if not isinstance(server, Server):
             raise TypeError(f"server must be a pvi server such as pvi.Synchronous(), got {server!r}.")
@@ -198,6 +202,8 @@ class PVI:
 
         :return: :class:`PVIRunResult` with the final state, the stacked per-round history and the problem.
         """
+        if not isinstance(num_rounds, (int, np.integer)) or isinstance(num_rounds, bool) or num_rounds < 1:
+            raise ValueError(f"num_rounds must be a positive integer, got {num_rounds!r}.")
         problem = self._problem(args, kwargs)
         state = self.init(rng_key, problem) if init_state is None else init_state
         infos, in_flight = [], InFlight()

@@ -7,8 +7,10 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import numpyro
+import optax
 from numpyro.infer import SVI, TraceEnum_ELBO, TraceMeanField_ELBO
 from numpyro.infer.elbo import ELBO
+from numpyro.optim import _NumPyroOptim  # the base class of numpyro.optim's optimisers (no public name)
 
 from numpyro_pvi.families import NatParams
 from numpyro_pvi.local_latents import init_local_state, local_guide, state_from_params
@@ -56,6 +58,11 @@ class GradientUpdate:
                  elbo: ELBO | None = None, average_fraction: float = 0.5) -> None:
         if not isinstance(num_steps, int) or num_steps < 1:
             raise ValueError(f"GradientUpdate: num_steps must be a positive integer, got {num_steps!r}.")
+        if not isinstance(num_particles, int) or isinstance(num_particles, bool) or num_particles < 1:
+            raise ValueError(f"GradientUpdate: num_particles must be a positive integer, got {num_particles!r}.")
+        if not isinstance(optimizer, (optax.GradientTransformation, _NumPyroOptim)):
+            raise TypeError("GradientUpdate: optimizer must be an optax.GradientTransformation (e.g. "
+                            f"optax.adam(1e-2)) or a numpyro.optim optimiser, got {optimizer!r}.")
         if batch_size is not None and (not isinstance(batch_size, int) or batch_size < 1):
             raise ValueError(f"GradientUpdate: batch_size must be a positive integer or None, got {batch_size!r}.")
         if not 0.0 <= average_fraction < 1.0:

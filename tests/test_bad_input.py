@@ -1,0 +1,98 @@
+"""Bad input is a clear error naming the site, client or argument, raised before anything compiles."""
+
+import jax.numpy as jnp
+import numpy as np
+import numpyro
+import numpyro.distributions as dist
+import optax
+import pytest
+from jax import random
+
+import numpyro_pvi as pvi
+
+from conftest import linear_model, logistic_model
+
+UPDATE = pvi.GradientUpdate(optax.adam(1e-2), num_steps=5)
+
+
+def pvi_for(model, partitions=None, update=UPDATE):
+    return pvi.PVI(model, pvi.MeanFieldGaussian(), partitions, update, pvi.Sequential())
+
+
+def test_observations_that_broadcast_against_the_batch(linear_data):
+    X, y = linear_data
+    with pytest.raises(ValueError, match=r"Observed site 'y' has 90000 likelihood terms for 300 rows.*\(n, 1\)"):
+        pvi_for(linear_model).build(X, y=y[:, None])  # (n, 1) under a plate of n: an (n, n) likelihood
+
+
+def test_nested_partition_plates():
+    def model(y=None):
+        mu = numpyro.sample("mu", dist.Normal(0.0, 1.0))
+        with pvi.partition_plate("data", y.shape[0]):
+            with pvi.partition_plate("data", y.shape[0]):
+                numpyro.sample("y", dist.Normal(mu, 1.0), obs=y)
+
+    with pytest.raises(ValueError, match="'y' is inside partition plate 'data' more than once"):
+        pvi_for(model).build(y=jnp.zeros(5))
+
+
+@pytest.mark.parametrize("client", [0, 2])
+def test_non_finite_observations_name_the_client_and_site(linear_data, client):
+    X, y = linear_data
+    parts = np.array_split(np.arange(300), 3)
+    ys = [np.asarray(y[p]).copy() for p in parts]
+    ys[client][3] = np.nan
+    clients = pvi.ClientData([((X[p],), {"y": ys[m]}) for m, p in enumerate(parts)])
+    with pytest.raises(ValueError, match=f"Client {client}'s data: observed site 'y' holds NaN or inf"):
+        pvi_for(linear_model, clients).build()
+    pooled = np.concatenate(ys)
+    with pytest.raises(ValueError, match="The pooled data: observed site 'y' holds NaN or inf"):
+        pvi_for(linear_model, parts).build(X, y=jnp.asarray(pooled))
+
+
+@pytest.mark.parametrize("labels", [(0.0, 2.0), (-1.0, 1.0)], ids=["0-2", "plus-minus-1"])
+def test_observations_outside_the_support(logistic_data, labels):
+    X, y = logistic_data
+    bad = jnp.where(y > 0, labels[1], labels[0])
+    with pytest.raises(ValueError, match=r"observed site 'y' has values outside the support .*Bernoulli labels"):
+        pvi_for(logistic_model, pvi.split_iid(random.PRNGKey(0), 400, 4)).build(X, y=bad)
+    parts = np.array_split(np.arange(400), 2)
+    clients = pvi.ClientData([((X[p],), {"y": (y if m == 0 else bad)[p]}) for m, p in enumerate(parts)])
+    with pytest.raises(ValueError, match="Client 1's data: observed site 'y' has values outside the support"):
+        pvi_for(logistic_model, clients).build()
+
+
+def test_an_improper_prior_is_named():
+    def model(y=None):
+        mu = numpyro.sample("mu", dist.ImproperUniform(dist.constraints.real, (), ()))
+        with pvi.partition_plate("data", y.shape[0]):
+            numpyro.sample("y", dist.Normal(mu, 1.0), obs=y)
+
+    with pytest.raises(ValueError, match="Global site 'mu' has an improper prior"):
+        pvi_for(model).build(y=jnp.zeros(5))
+
+
+def test_a_client_missing_an_observation(linear_data):
+    X, y = linear_data
+    clients = pvi.ClientData([((X[:10],), {"y": y[:10]}), ((X[10:20],), {"y": None})])
+    with pytest.raises(ValueError, match="client 1's arguments have structure .*missing observation"):
+        pvi_for(linear_model, clients).build()
+
+
+def test_arguments_are_checked():
+    with pytest.raises(ValueError, match="num_particles must be a positive integer, got 0"):
+        pvi.GradientUpdate(optax.adam(1e-2), num_steps=5, num_particles=0)
+    with pytest.raises(TypeError, match="optimizer must be an optax.GradientTransformation"):
+        pvi.GradientUpdate(lambda g: g, num_steps=5)
+    pvi.GradientUpdate(numpyro.optim.Adam(1e-2), num_steps=5)  # numpyro's optimisers are accepted
+    with pytest.raises(TypeError, match="hyper_optimizer must be an optax.GradientTransformation"):
+        pvi.PVI(linear_model, pvi.MeanFieldGaussian(), None, UPDATE, hyper_optimizer="adam")
+    with pytest.raises(ValueError, match="num_elbo_particles must be a positive integer"):
+        pvi.PVI(linear_model, pvi.MeanFieldGaussian(), None, UPDATE, num_elbo_particles=0)
+
+
+@pytest.mark.parametrize("num_rounds", [0, -1, 2.5, "3"])
+def test_num_rounds_must_be_a_positive_integer(linear_data, num_rounds):
+    X, y = linear_data
+    with pytest.raises(ValueError, match="num_rounds must be a positive integer"):
+        pvi_for(linear_model).run(random.PRNGKey(0), num_rounds, X, y=y)
