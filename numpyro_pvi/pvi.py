@@ -175,6 +175,11 @@ class PVI:
             cancel_in_flight(problem.steps.runner, in_flight)
 
     def _round(self, state: PVIState, problem: Problem, in_flight: InFlight) -> tuple[PVIState, RoundInfo]:
+        expected = jax.tree.map(jnp.shape, self.family.zeros(problem.sites.dim))
+        if jax.tree.map(jnp.shape, state.q) != expected:
+            raise ValueError(f"The state's q has shapes {jax.tree.map(jnp.shape, state.q)}, but this model's global "
+                             f"sites {[s.name for s in problem.sites.globals]} with {type(self.family).__name__} need "
+                             f"{expected}: was it made for another model or family?")
         if int(state.factors.eta1.shape[0]) != problem.capacity:
             raise ValueError(f"The state has {state.factors.eta1.shape[0]} client slots but the problem "
                              f"{problem.capacity} ({problem.num_clients} clients): was it made for other data?")
