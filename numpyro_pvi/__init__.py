@@ -13,13 +13,14 @@ from numpyro_pvi.local_updates import (
     NaturalGradientUpdate,
     SNEPUpdate,
 )
+from numpyro_pvi.monitor import PVIWarning
 from numpyro_pvi.partition import ClientData, partition_plate, split_by_label, split_iid
 from numpyro_pvi.problem import Problem, build_problem
 from numpyro_pvi.pvi import PVI
 from numpyro_pvi.ray_backend import RayBackend
 from numpyro_pvi.results import PVIRunResult
 from numpyro_pvi.servers import Asynchronous, Continual, Sequential, Server, Synchronous
-from numpyro_pvi.state import PVIState, RoundInfo
+from numpyro_pvi.state import PVIState, Rejection, RoundInfo
 
 __version__ = "0.1.0"
 
@@ -45,6 +46,8 @@ __all__ = [
     "NaturalGradientUpdate",
     "NatParams",
     "PVIRunResult",
+    "PVIWarning",
+    "Rejection",
     "PVIState",
     "RayBackend",
     "RoundInfo",

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from numpyro_pvi.local_updates.base import Client, ClientProblem, ClientResult
+from numpyro_pvi.state import Rejection
 
 # client_update(rng_key, client, cavity, q, state, hyper): q and hyper are shared, the rest is per client.
 IN_AXES = (0, 0, 0, None, 0, None)
@@ -74,10 +75,11 @@ def stack(trees: list) -> Any:
     return jax.tree.map(lambda *xs: jnp.stack(xs), *trees)
 
 
-def failed_result(cavity: Any, state: Any, hyper: Any = ()) -> ClientResult:
-    """What a failed client reports: a non-finite delta, which the server rejects."""
+def failed_result(cavity: Any, state: Any, hyper: Any = (), failure: Rejection = Rejection.RAISED) -> ClientResult:
+    """What a failed client reports: a non-finite delta, which the server rejects, and why (``failure``)."""
     nan_like = lambda tree: jax.tree.map(lambda x: jnp.full(jnp.shape(x), jnp.nan, jnp.result_type(x)), tree)  # noqa: E731
-    return ClientResult(nan_like(cavity), jnp.asarray(jnp.nan), state, jnp.asarray(0), nan_like(hyper))
+    return ClientResult(nan_like(cavity), jnp.asarray(jnp.nan), state, jnp.asarray(0), nan_like(hyper),
+                        jnp.asarray(int(failure)))
 
 
 class VmapBackend:

@@ -24,6 +24,9 @@ HISTORY_DIMS = {
     "damping": ("round", "client"),
     "clamped": ("round", "client"),
     "time": ("round",),
+    "rejection": ("round", "client"),
+    "moved": ("round", "client"),
+    "change": ("round",),
 }
 
 

@@ -23,6 +23,7 @@ from numpyro_pvi import problem as problems
 from numpyro_pvi.backends import get_backend
 from numpyro_pvi.families import Family
 from numpyro_pvi.local_updates.base import LocalUpdate
+from numpyro_pvi.monitor import RunMonitor, q_change
 from numpyro_pvi.partition import ClientData, is_array, same_static
 from numpyro_pvi.problem import Problem, build_problem
 from numpyro_pvi.results import PVIRunResult, hyperparameters, make_guide, sample_posterior
@@ -170,11 +171,11 @@ class PVI:
         """
         problem, in_flight = self._problem(args, kwargs), InFlight()
         try:
-            return self._round(state, problem, in_flight)
+            return self._round(state, problem, in_flight, RunMonitor(self.server))
         finally:
             cancel_in_flight(problem.steps.runner, in_flight)
 
-    def _round(self, state: PVIState, problem: Problem, in_flight: InFlight) -> tuple[PVIState, RoundInfo]:
+    def _check_state(self, state: PVIState, problem: Problem) -> None:
         expected = jax.tree.map(jnp.shape, self.family.zeros(problem.sites.dim))
         if jax.tree.map(jnp.shape, state.q) != expected:
             raise ValueError(f"The state's q has shapes {jax.tree.map(jnp.shape, state.q)}, but this model's global "
@@ -183,7 +184,11 @@ class PVI:
         if int(state.factors.eta1.shape[0]) != problem.capacity:
             raise ValueError(f"The state has {state.factors.eta1.shape[0]} client slots but the problem "
                              f"{problem.capacity} ({problem.num_clients} clients): was it made for other data?")
-        start, steps = time.perf_counter(), problem.steps
+
+    def _round(self, state: PVIState, problem: Problem, in_flight: InFlight,
+               monitor: RunMonitor) -> tuple[PVIState, RoundInfo]:
+        self._check_state(state, problem)
+        start, steps, old_q = time.perf_counter(), problem.steps, state.q
         round_key, elbo_key, next_key = jax.random.split(state.rng_key, 3)
         if steps.prior_step is not None:
             state = steps.prior_step(state, problem.clients)
@@ -196,32 +201,46 @@ class PVI:
             state = steps.hyper_step(state._replace(hyper_grads=grads), jax.tree.map(lambda g: g.sum(0), grads))
         elbo = float(steps.elbo(state.q, elbo_key, problem.clients, self.num_elbo_particles, state.client_states,
                                 state.hyper))
-        return state._replace(rng_key=next_key), RoundInfo(elbo, *round.record(), time.perf_counter() - start)
+        info = RoundInfo(elbo, *round.record(), time.perf_counter() - start, round.rejection, round.moved,
+                         q_change(self.family, old_q, state.q))
+        monitor.after_round(info, round.staleness)
+        return state._replace(rng_key=next_key), info
 
     def run(self, rng_key: jax.Array, num_rounds: int, *args: Any, progress_bar: bool = True,
-            init_state: PVIState | None = None, **kwargs: Any) -> PVIRunResult:
+            init_state: PVIState | None = None, tol: float | None = None, **kwargs: Any) -> PVIRunResult:
         """Run ``num_rounds`` rounds from ``init(rng_key, ...)`` (or ``init_state``) with a tqdm bar.
 
         Background work of a concurrent backend carries over between the run's rounds and is cancelled
-        when the run ends: a later run never merges it.
+        when the run ends: a later run never merges it. A :class:`~numpyro_pvi.PVIWarning` says when the run
+        cannot do what was asked (every update rejected or clamped, a stall, no convergence).
 
+        :param tol: stop once a round moves ``q`` by at most ``tol`` posterior sds (``RoundInfo.change``: the
+            largest change of a marginal mean in sds, or of a marginal log sd); ``result.converged`` says
+            whether it did. Pick it above the Monte Carlo noise of the local updates (e.g. 0.05 for
+            ``GradientUpdate``, far less for exact or natural-gradient updates).
         :return: :class:`PVIRunResult` with the final state, the stacked per-round history and the problem.
         """
+        if tol is not None and not (isinstance(tol, (int, float)) and tol > 0):
+            raise ValueError(f"tol must be a positive number or None, got {tol!r}.")
         if not isinstance(num_rounds, (int, np.integer)) or isinstance(num_rounds, bool) or num_rounds < 1:
             raise ValueError(f"num_rounds must be a positive integer, got {num_rounds!r}.")
         problem = self._problem(args, kwargs)
         state = self.init(rng_key, problem) if init_state is None else init_state
-        infos, in_flight = [], InFlight()
+        infos, in_flight, monitor = [], InFlight(), RunMonitor(self.server)
         try:
             with trange(num_rounds, disable=not progress_bar, desc="PVI") as rounds:
                 for _ in rounds:
-                    state, info = self._round(state, problem, in_flight)
+                    state, info = self._round(state, problem, in_flight, monitor)
                     infos.append(info)
-                    rounds.set_postfix(elbo=f"{info.elbo:.4g}", rejected=int(info.num_rejected))
+                    rounds.set_postfix(elbo=f"{info.elbo:.4g}", rejected=int(info.num_rejected),
+                                       clamped=int(np.sum(info.clamped)), change=f"{info.change:.2g}")
+                    if tol is not None and info.change <= tol:
+                        break
         finally:
             cancel_in_flight(problem.steps.runner, in_flight)
-        history = RoundInfo(*(np.stack([np.asarray(x) for x in field]) for field in zip(*infos))) if infos else None
-        return PVIRunResult(state, history, self, problem)
+        history = RoundInfo(*(np.stack([np.asarray(x) for x in field]) for field in zip(*infos)))
+        converged = monitor.at_end(infos[-1], tol, len(infos))
+        return PVIRunResult(state, history, self, problem, converged)
 
     def add_client(self, state: PVIState, problem: Problem, *args: Any, **kwargs: Any) -> tuple[PVIState, Problem]:
         """A client that holds ``model(*args, **kwargs)``'s data joins a running federated inference.

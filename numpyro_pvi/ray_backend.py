@@ -17,6 +17,7 @@ import numpy as np
 
 from numpyro_pvi.backends import ClientRunner, failed_result, stack, take
 from numpyro_pvi.local_updates.base import Client, ClientProblem, ClientResult
+from numpyro_pvi.state import Rejection
 
 
 def unpad(client: Client, is_row: tuple) -> Client:
@@ -144,9 +145,10 @@ class RayRunner:
         except (ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError):
             ray.kill(self.actors[m], no_restart=True)
             self.actors[m] = self._spawn(m)  # restarted from the client's own data
+            return failed_result(cavity, state, hyper, Rejection.TIMEOUT)
         except ray.exceptions.RayError:
             pass  # the update raised: reject it, keep the actor
-        return failed_result(cavity, state, hyper)
+        return failed_result(cavity, state, hyper, Rejection.RAISED)
 
     def wait_any(self, handles: dict) -> int:
         """The client whose pending update (``{client: handle}``) finishes first."""

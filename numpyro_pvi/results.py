@@ -62,6 +62,7 @@ def hyperparameters(problem: Problem, state: PVIState) -> dict:
 class PVIRunResult(NamedTuple):
     """The result of :meth:`PVI.run`: final ``state``, per-round ``history`` (:class:`RoundInfo`), the
     ``inference`` (configuration) and the ``problem`` (data, sites, compiled steps) it ran on; all immutable.
+    ``converged`` says whether the run reached ``run(..., tol=...)`` (``None`` if no ``tol`` was given).
 
     **Example:** ``result = inference.run(key, 20, X, y=y)``; then ``result.sample_posterior(key, 1000)``,
     ``Predictive(model, guide=result.guide(), num_samples=500)``, ``result.to_arviz()``,
@@ -72,6 +73,7 @@ class PVIRunResult(NamedTuple):
     history: RoundInfo | None
     inference: PVI
     problem: Problem
+    converged: bool | None = None
 
     @property
     def sites(self) -> ModelSites:

@@ -66,11 +66,17 @@ class Round:
         self.in_flight = InFlight() if in_flight is None else in_flight
         self.free_energy, self.damping = np.full(num_clients, np.nan), np.zeros(num_clients)
         self.attempts, self.accepted, self.clamped = (np.zeros(num_clients, int) for _ in range(3))
+        self.rejection, self.moved = np.zeros(num_clients, int), np.zeros(num_clients, bool)
+        self.staleness: list[int] = []  # how stale each update the server rejected as stale was (in merges)
         self.hyper_grad: dict = {}  # client -> its last accepted hyperparameter gradient this round
 
     def record(self) -> tuple:
         """``(free_energy, attempts, accepted, damping, clamped)`` for :class:`~numpyro_pvi.RoundInfo`."""
         return self.free_energy, self.attempts, self.accepted, self.damping, self.clamped
+
+    def note_stale(self, staleness: int) -> None:
+        """The server rejects an update computed against a ``q`` ``staleness`` merges old."""
+        self.staleness.append(int(staleness))
 
     def key(self, salt: int) -> jax.Array:
         """The round key for the ``salt``-th group of the round (salt 0: the round key itself)."""
@@ -83,6 +89,7 @@ class Round:
         self.attempts[ids] += 1
         self.accepted[ids] += accepted
         self.clamped[ids] += np.asarray(out.clamped)[:n]
+        self.rejection[ids], self.moved[ids] = np.asarray(out.rejection)[:n], np.asarray(out.moved)[:n]
         if out.hyper_grad:
             for i, m in enumerate(ids):
                 if accepted[i]:

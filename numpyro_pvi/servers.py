@@ -186,6 +186,8 @@ class Asynchronous(Server):
             pulled = jax.tree.map(lambda x, m=m: x[m], server.pulled)
             stale = int(server.merges - server.pulled_at[m])
             fresh = self.max_staleness is None or stale <= self.max_staleness
+            if not fresh:
+                round.note_stale(stale)
             state, accepted = round(state, [m], pulled=pulled, salt=salt, allow=fresh)
             merges = server.merges + 1
             server = AsyncState(jax.tree.map(lambda p, q, m=m: p.at[m].set(q), server.pulled, state.q),
@@ -208,7 +210,10 @@ class Asynchronous(Server):
         for _ in range(num_clients):
             m = round.wait({k: update.pending for k, update in in_flight.items()})
             update = in_flight.pop(m)
-            fresh = self.max_staleness is None or int(server.merges) - update.pulled_at <= self.max_staleness
+            stale = int(server.merges) - update.pulled_at
+            fresh = self.max_staleness is None or stale <= self.max_staleness
+            if not fresh:
+                round.note_stale(stale)
             state, _ = round.finish(state, m, update.pending, allow=fresh)
             server = server._replace(merges=server.merges + 1, pulled_at=server.pulled_at.at[m].set(server.merges + 1))
             in_flight[m] = InFlightUpdate(round.start(state, m, salt=int(server.merges) + 1), int(server.merges))

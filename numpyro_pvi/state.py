@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from enum import IntEnum
 from typing import Any, NamedTuple
 
 import jax
@@ -44,6 +45,20 @@ class PVIState(NamedTuple):
     hyper_grads: Any = ()
 
 
+class Rejection(IntEnum):
+    """Why a client's update was not merged (``RoundInfo.rejection``; ``NONE`` if it was).
+
+    **Example:** ``pvi.Rejection(int(info.rejection[m])).name`` is e.g. ``"STALE"``.
+    """
+
+    NONE = 0
+    NON_FINITE = 1  # its delta or free energy was NaN or inf
+    STALE = 2  # computed against a q older than Asynchronous(max_staleness) merges
+    INVALID = 3  # every damping tried would have left q or a cavity invalid
+    TIMEOUT = 4  # the client did not answer in time, or its actor died (Ray)
+    RAISED = 5  # the client's update raised an exception
+
+
 class RoundInfo(NamedTuple):
     """What happened in a round (in ``history`` every field gains a leading round axis).
 
@@ -54,6 +69,12 @@ class RoundInfo(NamedTuple):
     :ivar damping: ``(M,)`` the damping applied to each client's last update (0 if rejected).
     :ivar clamped: ``(M,)`` corrections each client's local update made to stay valid.
     :ivar time: wall-clock seconds of the round.
+    :ivar rejection: ``(M,)`` why each client's last update this round was rejected (a :class:`Rejection`
+        code, 0 if it was merged or the client did not run).
+    :ivar moved: ``(M,)`` whether each client's last merged update changed its factor (an update whose every
+        step was clamped away changes nothing).
+    :ivar change: how far the round moved ``q``: the largest change of a marginal mean, in posterior sds,
+        or of a marginal log sd (0 when nothing was merged).
 
     **Example:** ``state, info = inference.update(state, X, y=y)``; ``info.elbo``, ``info.num_rejected``;
     over a run, ``result.history.free_energy`` is ``(rounds, M)``.
@@ -66,6 +87,9 @@ class RoundInfo(NamedTuple):
     damping: Any
     clamped: Any
     time: Any
+    rejection: Any = None
+    moved: Any = None
+    change: Any = None
 
     @property
     def num_rejected(self) -> Any:
@@ -81,6 +105,8 @@ class ClientOutcome(NamedTuple):
     :ivar damping: the damping applied (0 if rejected).
     :ivar clamped: corrections its local update made to stay valid.
     :ivar hyper_grad: its gradient of the local free energy w.r.t. the hyperparameters (``()`` if none).
+    :ivar rejection: why it was rejected (a :class:`Rejection` code, 0 if merged).
+    :ivar moved: whether its delta was non-zero.
     """
 
     free_energy: jax.Array
@@ -88,3 +114,5 @@ class ClientOutcome(NamedTuple):
     damping: jax.Array
     clamped: jax.Array
     hyper_grad: Any
+    rejection: jax.Array
+    moved: jax.Array

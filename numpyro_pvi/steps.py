@@ -23,7 +23,7 @@ from numpyro_pvi.local_updates.base import Client, ClientProblem, ClientResult
 from numpyro_pvi.merge import is_valid_state, merge
 from numpyro_pvi.partition import ArgsLayout
 from numpyro_pvi.prior import PriorFactor
-from numpyro_pvi.state import ClientOutcome, PVIState
+from numpyro_pvi.state import ClientOutcome, PVIState, Rejection
 
 
 class Steps(NamedTuple):
@@ -73,19 +73,24 @@ def compile_steps(inference: Any, problem: ClientProblem, layout: ArgsLayout, re
 def _apply_fn(family: Any, server: Any) -> Callable:
     def apply(state: PVIState, ids: jax.Array, result: ClientResult, allow: jax.Array) -> tuple:
         """Merge the clients' ``result`` (stacked over ``ids``) into the state."""
-        finite = jnp.isfinite(result.free_energy) & allow
+        finite, moved = jnp.isfinite(result.free_energy), jnp.zeros(ids.shape, bool)
         for leaf in jax.tree.leaves(result.delta):
             finite &= jnp.all(jnp.isfinite(leaf.reshape(leaf.shape[0], -1)), axis=1)
-        merged = merge(family, state.q, state.factors, ids, result.delta, finite, server.damping,
+            moved |= jnp.any(leaf.reshape(leaf.shape[0], -1) != 0, axis=1)
+        merged = merge(family, state.q, state.factors, ids, result.delta, finite & allow, server.damping,
                        server.max_backtracks)
-        accepted = finite & merged.valid
+        accepted = finite & allow & merged.valid
+        failure = jnp.broadcast_to(result.failure, ids.shape)
+        rejection = jnp.select([~allow, failure > 0, ~finite, ~merged.valid],
+                               [Rejection.STALE, failure, Rejection.NON_FINITE, Rejection.INVALID], Rejection.NONE)
         client_states = jax.tree.map(
             lambda s, new: s.at[ids].set(jnp.where(accepted.reshape((-1,) + (1,) * (new.ndim - 1)), new, s[ids])),
             state.client_states, result.state)
         state = state._replace(q=merged.q, factors=merged.factors, client_states=client_states)
         damping = jnp.broadcast_to(merged.damping, ids.shape) * accepted
         clamped = jnp.broadcast_to(result.clamped, ids.shape)
-        return state, ClientOutcome(result.free_energy, accepted, damping, clamped, result.hyper_grad)
+        return state, ClientOutcome(result.free_energy, accepted, damping, clamped, result.hyper_grad, rejection,
+                                    moved & accepted)
 
     return apply
 

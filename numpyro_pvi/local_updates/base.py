@@ -62,6 +62,8 @@ class ClientResult(NamedTuple):
     ``clamped`` counts the corrections the update made to stay valid (e.g. a step size halved to
     keep ``q`` positive definite, a site variance clamped); it is reported in ``RoundInfo.clamped``.
     ``hyper_grad`` is ``d F_m / d hyper`` (unconstrained) for models with hyperparameters, else ``()``.
+    ``failure`` is set by a backend whose client could not deliver (a :class:`~numpyro_pvi.Rejection` code:
+    timed out or raised); a local update leaves it 0.
 
     **Example:** a client that moves ``q`` to ``q_new`` returns
     ``ClientResult(delta=q_new - q, free_energy=f, state=state)``.
@@ -72,6 +74,7 @@ class ClientResult(NamedTuple):
     state: Any
     clamped: Any = 0
     hyper_grad: Any = ()
+    failure: Any = 0
 
 
 @dataclass(frozen=True)
