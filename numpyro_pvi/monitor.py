@@ -6,8 +6,9 @@ round's :class:`~numpyro_pvi.RoundInfo` and issues a :class:`PVIWarning` (once p
 * every update of the round was rejected or clamped away (with the reasons; for ``max_staleness``, the
   staleness seen and the value that would admit the updates);
 * ``q`` has not moved for :data:`STALL_ROUNDS` rounds while updates were rejected or clamped;
-* the run ends without converging (``tol`` given) or far from it (the last round still moved ``q`` by
-  more than :data:`FAR` posterior sds).
+* a client timed out in each of the last :data:`STALL_ROUNDS` rounds (Ray);
+* the run ends without converging (``tol`` given) or far from it (after two rounds or more, the last
+  round still moved ``q`` by more than :data:`FAR` posterior sds).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ class RunMonitor:
 
     def __init__(self, server: Any) -> None:
         self.server, self.warned, self.still = server, set(), 0
+        self.timeouts: np.ndarray | None = None  # consecutive rounds in which each client timed out
 
     def warn(self, cause: str, message: str) -> None:
         if cause not in self.warned:
@@ -58,6 +60,13 @@ class RunMonitor:
         lost = (rejection > 0) | (~np.asarray(info.moved) & (clamped > 0))
         if attempts.any() and np.all(lost[attempts]):
             self._nothing_merged(info, staleness)
+        timed_out = rejection == Rejection.TIMEOUT
+        self.timeouts = np.where(timed_out, (0 if self.timeouts is None else self.timeouts) + 1, 0)
+        late = np.flatnonzero(self.timeouts >= STALL_ROUNDS)
+        if late.size:
+            self.warn("timeouts", f"Client(s) {late.tolist()} timed out (or their actors died) in each of the last "
+                                  f"{STALL_ROUNDS} rounds: their data never reach q. Raise RayBackend(timeout=...) "
+                                  "or give the clients less local work.")
         troubled = info.num_rejected > 0 or np.asarray(info.clamped).sum() > 0
         self.still = self.still + 1 if info.change == 0.0 and troubled else 0
         if self.still >= STALL_ROUNDS:
@@ -89,7 +98,7 @@ class RunMonitor:
         if converged is False:
             self.warn("not converged", f"The run did not converge in {num_rounds} rounds: its last round moved q by "
                                        f"{info.change:.3g} posterior sds (tol={tol}). Run more rounds.")
-        elif tol is None and info.change > FAR:
+        elif tol is None and num_rounds > 1 and info.change > FAR:  # a first round always moves q from the prior
             self.warn("far", f"The run ended far from converged: its last round moved q by {info.change:.3g} "
                              "posterior sds. Run more rounds, or pass tol= to run until q settles.")
         return converged

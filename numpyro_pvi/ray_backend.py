@@ -43,8 +43,11 @@ class RayBackend:
     restarted from the client's data and the client is tried again next time.
 
     :param int num_workers: CPUs (concurrently running clients) for ``ray.init`` when Ray is not running yet.
-    :param float timeout: seconds to wait for one client update (``None``: no limit).
+    :param float timeout: seconds to wait for one client update (``None``: no limit). It does not count the
+        actor's compilation: a new or restarted actor first compiles its update (ahead of time, within
+        ``compile_timeout``), and only then is its update timed.
     :param float cpus_per_client: the CPU share each actor reserves (several actors share a core).
+    :param float compile_timeout: seconds to wait for an actor's compilation (``None``: no limit).
 
     **Example:** ``pvi.PVI(..., backend=pvi.RayBackend(num_workers=2))``; ``backend.close()`` frees the
     actors' CPU shares when the inference is done.
@@ -54,12 +57,13 @@ class RayBackend:
     jit_group = False
 
     def __init__(self, num_workers: int | None = None, timeout: float | None = None,
-                 cpus_per_client: float = 0.25) -> None:
+                 cpus_per_client: float = 0.25, compile_timeout: float | None = None) -> None:
         try:
             import ray
         except ImportError as e:  # pragma: no cover - exercised only without ray
             raise ImportError("RayBackend needs Ray: pip install 'numpyro-pvi[ray]'") from e
         self.ray, self.num_workers, self.timeout, self.cpus_per_client = ray, num_workers, timeout, cpus_per_client
+        self.compile_timeout = compile_timeout
         self.runners: list[RayRunner] = []
 
     def prepare(self, local_update: Any, problem: ClientProblem) -> ClientRunner:
@@ -97,8 +101,11 @@ class RayRunner:
         self.clients: Client | None = None  # the data the actors hold
         self.digests: list[str] = []
         self.actors: list = []
+        self.compiling: dict = {}  # client -> the reference of its actor's compilation, until it is collected
+        self.compiled: set = set()  # clients whose actor has compiled its update
 
     def _spawn(self, m: int) -> Any:
+        self.compiled.discard(m)
         return self.actor_class.remote(self.local_update, self.problem, self._own(m))
 
     def _own(self, m: int) -> Client:
@@ -133,14 +140,23 @@ class RayRunner:
                       for i, (m, h) in enumerate(zip(ids, handles))])
 
     def submit(self, m: int, key: jax.Array, cavity: Any, q: Any, state: Any, hyper: Any, clients: Client) -> Any:
-        """Start client ``m``'s update; returns a Ray object reference."""
+        """Start client ``m``'s update (after compiling it, if its actor has not yet); returns a Ray object reference.
+
+        An actor runs its calls in order, so the update starts when the compilation ends.
+        """
         self.sync(clients)
-        return self.actors[m].update.remote(*jax.device_get((key, cavity, q, state, hyper)))
+        inputs = jax.device_get((key, cavity, q, state, hyper))
+        if m not in self.compiled:
+            self.compiling[m] = self.actors[m].compile.remote(*inputs)
+            self.compiled.add(m)
+        return self.actors[m].update.remote(*inputs)
 
     def result(self, m: int, handle: Any, cavity: Any, state: Any, hyper: Any = ()) -> ClientResult:
         """Client ``m``'s result, or a rejected one if it failed, timed out or its actor died."""
         ray = self.ray
         try:
+            if m in self.compiling:  # the compilation is not timed by `timeout`, only by `compile_timeout`
+                ray.get(self.compiling.pop(m), timeout=self.backend.compile_timeout)
             return jax.tree.map(jnp.asarray, ray.get(handle, timeout=self.timeout))
         except (ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError):
             ray.kill(self.actors[m], no_restart=True)
@@ -153,6 +169,9 @@ class RayRunner:
     def wait_any(self, handles: dict) -> int:
         """The client whose pending update (``{client: handle}``) finishes first."""
         refs = list(handles.values())
+        compiling = [self.compiling[m] for m in handles if m in self.compiling]
+        if compiling:  # actors still compiling: their time does not count against `timeout`
+            self.ray.wait(compiling, num_returns=len(compiling), timeout=self.backend.compile_timeout)
         done, _ = self.ray.wait(refs, num_returns=1, timeout=self.timeout)
         ref = done[0] if done else refs[0]  # on time-out, collect (and fail) the oldest
         return next(m for m, h in handles.items() if h is ref)
@@ -173,6 +192,7 @@ class RayRunner:
         for actor in self.actors:
             self.ray.kill(actor, no_restart=True)
         self.actors, self.digests, self.clients = [], [], None
+        self.compiling, self.compiled = {}, set()
 
 
 class ClientActor:
@@ -181,6 +201,11 @@ class ClientActor:
     def __init__(self, local_update: Any, problem: ClientProblem, client: Client) -> None:
         self.client = jax.tree.map(jnp.asarray, client)
         self.client_update = jax.jit(local_update.bind(problem))
+
+    def compile(self, key: Any, cavity: Any, q: Any, state: Any, hyper: Any = ()) -> bool:
+        """Compile the update for inputs like these, ahead of time (nothing runs)."""
+        self.client_update.lower(key, self.client, cavity, q, state, hyper).compile()
+        return True
 
     def update(self, key: Any, cavity: Any, q: Any, state: Any, hyper: Any = ()) -> ClientResult:
         return jax.device_get(self.client_update(key, self.client, cavity, q, state, hyper))

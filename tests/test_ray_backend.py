@@ -162,6 +162,7 @@ def test_ray_timeout_rejects_and_restarts(ray_cluster, linear_data):
     inference = pvi.PVI(linear_model, pvi.FullRankGaussian(), UNEQUAL, update, pvi.Synchronous(), backend)
     state, info = inference.update(inference.init(random.PRNGKey(0), X, y=y), X, y=y)
     np.testing.assert_array_equal(info.accepted, [1, 1, 0, 1])
+    assert info.rejection[2] == pvi.Rejection.TIMEOUT
     old = backend.actors[2]  # restarted after its time-out
     state, info = inference.update(state, X, y=y)
     np.testing.assert_array_equal(info.accepted, [1, 1, 0, 1])
@@ -234,3 +235,24 @@ def test_actors_hold_the_current_data_after_new_data_or_add_client(ray_cluster, 
         other.update(other.init(random.PRNGKey(0), new), new)
         held_by_actors_is(new)
     backend.close()
+
+
+def test_a_timeout_shorter_than_compilation_is_no_livelock(ray_cluster, linear_data):
+    """A client's first compilation is not timed: a timeout shorter than it still lets every client through.
+    A client slower than the timeout every round is reported (and its data never reach q: said, not hidden)."""
+    X, y = linear_data
+    backend = pvi.RayBackend(timeout=0.3)  # far less than an actor's first compilation (about a second)
+    inference = pvi.PVI(linear_model, pvi.FullRankGaussian(), UNEQUAL, ExactLinearUpdate(), pvi.Synchronous(),
+                        backend)
+    result = inference.run(random.PRNGKey(0), 2, X, y=y, progress_bar=False)
+    np.testing.assert_array_equal(result.history.accepted, np.ones((2, 4), int))
+    np.testing.assert_allclose(inference.family.loc_scale(result.state.q)[0], exact_linear_posterior(X, y)[0],
+                               rtol=1e-4)
+    slow = pvi.PVI(linear_model, pvi.FullRankGaussian(), UNEQUAL, FaultyUpdate(size=20, mode="sleep", seconds=2.0),
+                   pvi.Synchronous(), pvi.RayBackend(timeout=0.5))
+    with pytest.warns(pvi.PVIWarning, match=r"Client\(s\) \[2\] timed out .* in each of the last 3 rounds"):
+        result = slow.run(random.PRNGKey(0), 3, X, y=y, progress_bar=False)
+    assert (result.history.rejection[:, 2] == pvi.Rejection.TIMEOUT).all()
+    assert (result.history.accepted[:, [0, 1, 3]] == 1).all()
+    backend.close()
+    slow.backend.close()

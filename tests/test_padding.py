@@ -1,0 +1,46 @@
+"""Padding is invisible: clients of different sizes are padded to the largest with copies of a real row (masked),
+so a row argument the model uses as a scale never reaches it as 0; uneven clients give exactly the answer."""
+
+import jax.numpy as jnp
+import numpy as np
+import numpyro
+import numpyro.distributions as dist
+import pytest
+from jax import enable_x64, random
+
+import numpyro_pvi as pvi
+
+# eight schools: effects and their standard errors; sigma is a row argument used as a scale
+Y = np.array([28.0, 8.0, -3.0, 7.0, -1.0, 1.0, 18.0, 12.0])
+SIGMA = np.array([15.0, 10.0, 16.0, 11.0, 9.0, 11.0, 10.0, 18.0])
+PRIOR_SD = 10.0
+
+
+def schools(sigma, y=None):
+    mu = numpyro.sample("mu", dist.Normal(0.0, PRIOR_SD))
+    with pvi.partition_plate("schools", sigma.shape[0]):
+        numpyro.sample("y", dist.Normal(mu, sigma), obs=y)
+
+
+def exact_posterior():
+    precision = 1 / PRIOR_SD**2 + np.sum(1 / SIGMA**2)
+    return np.sum(Y / SIGMA**2) / precision, precision**-0.5
+
+
+@pytest.mark.parametrize("sizes", [(3, 2, 3), (2, 3, 3)], ids=["small-middle", "small-first"])
+def test_uneven_clients_with_a_row_scale_give_the_exact_posterior(sizes):
+    with enable_x64(True):
+        cuts = np.cumsum(sizes)[:-1]
+        clients = pvi.ClientData([((jnp.asarray(s),), {"y": jnp.asarray(y)})
+                                  for s, y in zip(np.split(SIGMA, cuts), np.split(Y, cuts))])
+        update = pvi.NaturalGradientUpdate(step_size=1.0, num_particles=8)  # exact in one step: Gaussian likelihood
+        inference = pvi.PVI(schools, pvi.MeanFieldGaussian(), clients, update, pvi.Sequential())
+        problem = inference.build()
+        small = int(np.argmin(sizes))
+        padded = np.asarray(problem.clients.arrays[0][small])  # sigma of the small client, padded to 3 rows
+        assert padded.shape == (3,) and np.all(padded > 0)  # copies of a real row, not zeros
+        result = inference.run(random.PRNGKey(0), 1, problem, progress_bar=False)
+        assert result.history.num_rejected.sum() == 0
+        loc, scale = inference.family.loc_scale(result.state.q)
+        mean, sd = exact_posterior()
+        np.testing.assert_allclose([float(loc[0]), float(scale[0])], [mean, sd], rtol=1e-6)
