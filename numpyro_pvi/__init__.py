@@ -2,6 +2,7 @@
 
 from numpyro_pvi.backends import Backend, ConcurrentRunner, LoopBackend, VmapBackend
 from numpyro_pvi.checkpoint import load, save
+from numpyro_pvi.damping import AdaptiveDamping
 from numpyro_pvi.families import Family, FullRankGaussian, MeanFieldGaussian, NatParams
 from numpyro_pvi.local_updates import (
     Client,
@@ -26,6 +27,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "PVI",
+    "AdaptiveDamping",
     "Asynchronous",
     "Backend",
     "ConcurrentRunner",

@@ -19,6 +19,7 @@ import numpyro.distributions as dist
 import optax
 from tqdm.auto import trange
 
+from numpyro_pvi import damping
 from numpyro_pvi import problem as problems
 from numpyro_pvi.backends import get_backend
 from numpyro_pvi.families import Family
@@ -30,9 +31,10 @@ from numpyro_pvi.results import PVIRunResult, hyperparameters, make_guide, sampl
 from numpyro_pvi.rounds import InFlight, Round, cancel_in_flight
 from numpyro_pvi.servers import Server, Synchronous
 from numpyro_pvi.sites import ModelSites
-from numpyro_pvi.state import PVIState, RoundInfo
+from numpyro_pvi.state import PVIState, Rejection, RoundInfo
 
 MEMO_SIZE = 4  # problems remembered by the identity of their data
+ELBO_KEY = jax.random.PRNGKey(1)  # RoundInfo.elbo's draws, the same every round
 
 
 class PVI:
@@ -165,7 +167,7 @@ class PVI:
         hyper = hyper or ()  # not weak-typed: the optimiser's first step must not change types (a recompilation)
         hyper_state = self.hyper_optimizer.init(hyper) if hyper else ()
         return PVIState(q, factors, t0, client_states, self.server.init(q, capacity), rng_key, hyper, hyper_state,
-                        _broadcast(hyper, capacity, zero=True))
+                        _broadcast(hyper, capacity, zero=True), damping.initial_state(self.server.damping))
 
     def update(self, state: PVIState, *args: Any, **kwargs: Any) -> tuple[PVIState, RoundInfo]:
         """One round: the prior factor's step (if any), then the clients in the server's schedule.
@@ -192,7 +194,8 @@ class PVI:
                monitor: RunMonitor) -> tuple[PVIState, RoundInfo]:
         self._check_state(state, problem)
         start, steps, old_q = time.perf_counter(), problem.steps, state.q
-        round_key, elbo_key, next_key = jax.random.split(state.rng_key, 3)
+        round_key, _, next_key = jax.random.split(state.rng_key, 3)
+        rho = float(damping.current(self.server.damping, state.damping))
         if steps.prior_step is not None:
             state = steps.prior_step(state, problem.clients)
         round = Round(steps, problem.clients, round_key, problem.num_clients, problem.capacity, in_flight)
@@ -202,8 +205,12 @@ class PVI:
             for m, grad in round.hyper_grad.items():
                 grads = jax.tree.map(lambda stack, g, m=m: stack.at[m].set(g), grads, grad)
             state = steps.hyper_step(state._replace(hyper_grads=grads), jax.tree.map(lambda g: g.sum(0), grads))
-        elbo = float(steps.elbo(state.q, elbo_key, problem.clients, self.num_elbo_particles, state.client_states,
+        # the same draws every round (common random numbers): rounds' ELBOs compare without sampling noise
+        elbo = float(steps.elbo(state.q, ELBO_KEY, problem.clients, self.num_elbo_particles, state.client_states,
                                 state.hyper))
+        backtracked = bool(np.any(round.rejection == Rejection.INVALID) or
+                           np.any((round.accepted > 0) & (round.damping < rho * (1 - 1e-6))))
+        state = state._replace(damping=damping.after_round(self.server.damping, state.damping, elbo, backtracked))
         info = RoundInfo(elbo, *round.record(), time.perf_counter() - start, round.rejection, round.moved,
                          q_change(self.family, old_q, state.q))
         monitor.after_round(info, round.staleness)

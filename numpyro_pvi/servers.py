@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from numpyro_pvi.damping import AdaptiveDamping, checked_damping
 from numpyro_pvi.families import NatParams
 from numpyro_pvi.rounds import InFlightUpdate, Round
 
@@ -37,13 +38,11 @@ class Server:
                 return state
     """
 
-    def __init__(self, damping: float = 1.0, max_backtracks: int = 5) -> None:
-        if not (isinstance(damping, (int, float)) and 0.0 < damping <= 1.0):
-            raise ValueError(f"{type(self).__name__}: damping must be in (0, 1], got {damping!r}.")
+    def __init__(self, damping: float | AdaptiveDamping | None = 1.0, max_backtracks: int = 5) -> None:
         if not isinstance(max_backtracks, int) or max_backtracks < 0:
             raise ValueError(f"{type(self).__name__}: max_backtracks must be a non-negative integer, "
                              f"got {max_backtracks!r}.")
-        self.damping = float(damping)
+        self.damping = checked_damping(damping, type(self).__name__)
         self.max_backtracks = max_backtracks
 
     def init(self, q: NatParams, num_clients: int) -> Any:
@@ -79,10 +78,14 @@ class Synchronous(Server):
     """All clients update against the same ``q``; the server adds their damped deltas (PVI-sync).
 
     With many clients undamped synchronous rounds can overshoot (a factor is counted once by each
-    client's cavity): use ``damping`` around ``1 / num_clients`` to ``0.5``.
+    client's cavity). The default damping adapts (:class:`~numpyro_pvi.AdaptiveDamping`): it grows while
+    the ELBO improves and halves when it falls; a float fixes it (``1 / num_clients`` to ``0.5`` is safe).
 
-    **Example:** ``pvi.PVI(..., server=pvi.Synchronous(damping=0.5))``
+    **Example:** ``pvi.PVI(..., server=pvi.Synchronous())`` or ``pvi.Synchronous(damping=0.5)``
     """
+
+    def __init__(self, damping: float | AdaptiveDamping | None = None, max_backtracks: int = 5) -> None:
+        super().__init__(damping, max_backtracks)
 
     def run_round(self, state: Any, round: Round, num_clients: int) -> Any:
         state, _ = round(state, list(range(num_clients)))
@@ -142,8 +145,8 @@ class Asynchronous(Server):
     **Example:** ``pvi.PVI(..., server=pvi.Asynchronous(damping=0.5, speeds=[1, 1, 0.2]))``
     """
 
-    def __init__(self, damping: float = 1.0, max_staleness: int | None = None, speeds: Any = None,
-                 seed: int = 0, max_backtracks: int = 5) -> None:
+    def __init__(self, damping: float | AdaptiveDamping | None = None, max_staleness: int | None = None,
+                 speeds: Any = None, seed: int = 0, max_backtracks: int = 5) -> None:
         super().__init__(damping, max_backtracks)
         if max_staleness is not None and (not isinstance(max_staleness, int) or max_staleness < 0):
             raise ValueError(f"Asynchronous: max_staleness must be a non-negative integer or None, "

@@ -26,6 +26,7 @@ class PVIState(NamedTuple):
     :ivar rng_key: the random key of the next round.
     :ivar hyper: the hyperparameters (``numpyro.param`` sites) in unconstrained space, ``()`` if none.
     :ivar hyper_state: the state of the server's ``hyper_optimizer``.
+    :ivar damping: an adaptive damping's state (:class:`~numpyro_pvi.damping.DampingState`), ``()`` if fixed.
     :ivar hyper_grads: each client's latest accepted gradient of its local free energy with respect to
         ``hyper``, stacked ``(M, ...)``; the server steps along their sum, so a client that did not
         report this round (asynchronous servers) still counts with its latest gradient.
@@ -43,6 +44,7 @@ class PVIState(NamedTuple):
     hyper: Any = ()
     hyper_state: Any = ()
     hyper_grads: Any = ()
+    damping: Any = ()
 
 
 class Rejection(IntEnum):

@@ -16,6 +16,7 @@ import optax
 from numpyro.infer import Trace_ELBO, TraceEnum_ELBO
 
 from numpyro_pvi.backtracking import backtrack
+from numpyro_pvi.damping import current as current_damping
 from numpyro_pvi.densities import log_prior
 from numpyro_pvi.families import NatParams
 from numpyro_pvi.local_latents import expected_local_elbo
@@ -77,8 +78,8 @@ def _apply_fn(family: Any, server: Any) -> Callable:
         for leaf in jax.tree.leaves(result.delta):
             finite &= jnp.all(jnp.isfinite(leaf.reshape(leaf.shape[0], -1)), axis=1)
             moved |= jnp.any(leaf.reshape(leaf.shape[0], -1) != 0, axis=1)
-        merged = merge(family, state.q, state.factors, ids, result.delta, finite & allow, server.damping,
-                       server.max_backtracks)
+        merged = merge(family, state.q, state.factors, ids, result.delta, finite & allow,
+                       current_damping(server.damping, state.damping), server.max_backtracks)
         accepted = finite & allow & merged.valid
         failure = jnp.broadcast_to(result.failure, ids.shape)
         rejection = jnp.select([~allow, failure > 0, ~finite, ~merged.valid],
@@ -127,7 +128,7 @@ def _prior_steps(inference: Any, problem: ClientProblem, prior_logdensity: Calla
             q_new = state.q + rho * delta
             return (q_new, state.prior_factor + rho * delta), is_valid_state(family, q_new, state.factors)
 
-        out = backtrack(propose, server.damping, server.max_backtracks)
+        out = backtrack(propose, current_damping(server.damping, state.damping), server.max_backtracks)
         keep = lambda new, old: jnp.where(out.valid, new, old)  # noqa: E731
         q, t0 = out.value
         return state._replace(q=jax.tree.map(keep, q, state.q), prior_factor=jax.tree.map(keep, t0, state.prior_factor))

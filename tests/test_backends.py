@@ -41,7 +41,7 @@ class FaultyUpdate(ExactLinearUpdate):
 def test_loop_backend_rejects_a_raising_client(linear_data):
     X, y = linear_data
     inference = pvi.PVI(linear_model, pvi.FullRankGaussian(), UNEQUAL, FaultyUpdate(90, "raise"),
-                        pvi.Synchronous(), backend="loop")
+                        pvi.Synchronous(1.0), backend="loop")
     state, info = inference.update(inference.init(random.PRNGKey(0), X, y=y), X, y=y)
     np.testing.assert_array_equal(info.accepted, [1, 0, 1, 1])
     assert info.num_rejected == 1 and bool(inference.family.is_valid(state.q))

@@ -81,7 +81,7 @@ def test_clients_gradients_sum_to_the_evidence_gradient(data):
 def test_noise_scale_reaches_type_ii_maximum_likelihood(data, type_ii_sigma, kind):
     X, y = data
     if kind == "natural_gradient":
-        update, server, rounds, lr = pvi.NaturalGradientUpdate(step_size=1.0, num_particles=32), pvi.Synchronous(), \
+        update, server, rounds, lr = pvi.NaturalGradientUpdate(step_size=1.0, num_particles=32), pvi.Synchronous(1.0), \
             200, 0.05
     else:
         update = pvi.GradientUpdate(optax.adam(optax.exponential_decay(2e-2, 200, 0.05)), num_steps=200,
@@ -112,7 +112,7 @@ def test_defaults_reach_type_ii_maximum_likelihood_in_40_rounds(data, type_ii_si
 
 def test_hyperparameters_reach_predictive_and_checkpoints(data, tmp_path):
     X, y = data
-    inference = pvi.PVI(noise_model, pvi.MeanFieldGaussian(), PARTS, pvi.NaturalGradientUpdate(), pvi.Synchronous(),
+    inference = pvi.PVI(noise_model, pvi.MeanFieldGaussian(), PARTS, pvi.NaturalGradientUpdate(), pvi.Synchronous(1.0),
                         hyper_optimizer=optax.sgd(1e-3))
     result = inference.run(random.PRNGKey(0), 3, X, y=y, progress_bar=False)
     assert float(result.hyperparameters["sigma"]) < 1.0  # the data pull the noise down from its initial 1

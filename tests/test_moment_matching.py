@@ -14,7 +14,7 @@ import numpyro_pvi as pvi
 from conftest import exact_linear_posterior, linear_model, logistic_model
 
 
-@pytest.mark.parametrize("server", [pvi.Sequential(), pvi.Synchronous()], ids=["sequential", "synchronous"])
+@pytest.mark.parametrize("server", [pvi.Sequential(), pvi.Synchronous(1.0)], ids=["sequential", "synchronous"])
 @pytest.mark.parametrize("num_clients", [1, 4])
 def test_ep_is_exact_on_a_conjugate_model_in_one_pass(linear_data, server, num_clients):
     X, y = linear_data
@@ -36,7 +36,7 @@ def test_ep_with_nuts_is_exact_on_a_conjugate_model_up_to_mc_error(linear_data):
     sd = np.sqrt(np.diag(cov))
     update = pvi.MomentMatchingUpdate(tilted="nuts", num_samples=200, num_warmup=100, num_chains=2)
     partitions = pvi.split_iid(random.PRNGKey(4), X.shape[0], 4)
-    inference = pvi.PVI(linear_model, pvi.FullRankGaussian(), partitions, update, pvi.Synchronous())
+    inference = pvi.PVI(linear_model, pvi.FullRankGaussian(), partitions, update, pvi.Synchronous(1.0))
     state = inference.run(random.PRNGKey(0), 1, X, y=y, progress_bar=False).state
     loc, scale_tril = inference.family.loc_scale(state.q)
     # Each site's moments come from 2 x 200 NUTS draws: over seeds 0-4 the mean was off by 0.12-0.37 posterior sd
@@ -99,15 +99,18 @@ def test_power_ep_halves_steps_that_would_make_q_improper(family):
 
     X = random.normal(random.PRNGKey(0), (40, 2))
     y = (X @ jnp.array([1.0, -0.5]) + 0.1 * random.normal(random.PRNGKey(1), (40,))).at[:10].set(30.0)
-    update = pvi.MomentMatchingUpdate(alpha=0.5, num_samples=512)
+    # importance sampling from the cavity (not the Laplace proposal, whose well-centred draws no longer need
+    # halving here): with 10 outliers the weights collapse, and (q_tilde - q) / alpha overshoots out of the PD cone
+    update = pvi.MomentMatchingUpdate(alpha=0.5, num_samples=512, proposal="cavity")
     inference = pvi.PVI(robust_model, family, pvi.split_iid(random.PRNGKey(3), 40, 4), update, pvi.Synchronous(0.5))
     result = inference.run(random.PRNGKey(0), 6, X, y=y, progress_bar=False)
-    assert result.history.clamped.sum() > 0  # (q_tilde - q) / alpha overshoots out of the PD cone
+    assert result.history.clamped.sum() > 0
     assert bool(family.is_valid(result.state.q)) and np.isfinite(result.history.elbo).all()
     assert all(np.isfinite(leaf).all() for leaf in result.state.factors)
     loc, _ = family.loc_scale(result.state.q)
     # The Cauchy likelihood ignores the 10 outliers: over seeds 0-2 and both families power EP ended 0.017-0.034
-    # from the true w (seed-to-seed spread 0.001; 7-18 clamps), as CVI's test allows 0.05.
+    # from the true w (seed-to-seed spread 0.001), as CVI's test allows 0.05; with the cavity proposal, seed 0: within
+    # 0.02 of w, 38 clamps (mean field) and 77 (full rank).
     np.testing.assert_allclose(loc, [1.0, -0.5], atol=0.05)
 
 

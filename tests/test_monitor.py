@@ -64,7 +64,7 @@ def test_rejection_reasons_are_recorded(linear_data):
     cases = [(PoisonedUpdate(bad_size=20), 2, pvi.Rejection.NON_FINITE), (FaultyUpdate(90, "raise"), 1,
                                                                              pvi.Rejection.RAISED)]
     for update, bad, reason in cases:
-        inference = pvi.PVI(linear_model, pvi.FullRankGaussian(), UNEQUAL, update, pvi.Synchronous(), backend="loop")
+        inference = pvi.PVI(linear_model, pvi.FullRankGaussian(), UNEQUAL, update, pvi.Synchronous(1.0), backend="loop")
         _, info = inference.update(inference.init(random.PRNGKey(0), X, y=y), X, y=y)
         expected = np.zeros(4, int)
         expected[bad] = reason

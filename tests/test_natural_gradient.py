@@ -13,7 +13,7 @@ import numpyro_pvi as pvi
 from conftest import exact_linear_posterior, linear_model, logistic_model
 
 
-@pytest.mark.parametrize("server", [pvi.Sequential(), pvi.Synchronous()], ids=["sequential", "synchronous"])
+@pytest.mark.parametrize("server", [pvi.Sequential(), pvi.Synchronous(1.0)], ids=["sequential", "synchronous"])
 @pytest.mark.parametrize("num_clients", [1, 4])
 def test_cvi_step_one_is_exact_after_one_round(linear_data, server, num_clients):
     X, y = linear_data

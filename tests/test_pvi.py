@@ -61,7 +61,7 @@ def assert_close_to(mean, cov, ref_mean, ref_cov, mean_tol, cov_tol):
 
 
 @pytest.mark.parametrize("server, rounds", [(pvi.Sequential(), 3), (pvi.Sequential(damping=0.5), 8),
-                                             (pvi.Synchronous(), 3), (pvi.Synchronous(damping=0.5), 8)], ids=str)
+                                             (pvi.Synchronous(1.0), 3), (pvi.Synchronous(damping=0.5), 8)], ids=str)
 def test_gradient_pvi_reaches_the_exact_conjugate_posterior(linear_data, server, rounds):
     mean, cov = exact_linear_posterior(*linear_data)
     inference = pvi.PVI(linear_model, pvi.FullRankGaussian(), PARTS, gradient_update(), server)

@@ -97,7 +97,8 @@ def test_ray_asynchronous_learns_hyperparameters(ray_cluster, linear_data):
 def test_ray_clients_hold_only_their_own_rows(ray_cluster, linear_data):
     X, y = linear_data
     backend = pvi.RayBackend()
-    inference = pvi.PVI(linear_model, pvi.FullRankGaussian(), UNEQUAL, ExactLinearUpdate(), pvi.Synchronous(), backend)
+    inference = pvi.PVI(linear_model, pvi.FullRankGaussian(), UNEQUAL, ExactLinearUpdate(), pvi.Synchronous(1.0),
+                        backend)
     inference.update(inference.init(random.PRNGKey(0), X, y=y), X, y=y)  # the actors start with the first round
     held = ray.get([a.__ray_call__.remote(lambda self: self.client) for a in backend.actors])
     for client, rows in zip(held, UNEQUAL):
@@ -128,7 +129,8 @@ def test_ray_faults_are_rejected_and_recovered(ray_cluster, linear_data):
     mean, _ = exact_linear_posterior(X, y)
     # a NaN update and a raising client are rejected, the others merge
     for update, bad in [(PoisonedUpdate(bad_size=20), 2), (FaultyUpdate(90, "raise"), 1)]:
-        inference = pvi.PVI(linear_model, pvi.FullRankGaussian(), UNEQUAL, update, pvi.Synchronous(), pvi.RayBackend())
+        inference = pvi.PVI(linear_model, pvi.FullRankGaussian(), UNEQUAL, update, pvi.Synchronous(1.0),
+                            pvi.RayBackend())
         state, info = inference.update(inference.init(random.PRNGKey(0), X, y=y), X, y=y)
         expected = np.ones(4, int)
         expected[bad] = 0
@@ -136,7 +138,8 @@ def test_ray_faults_are_rejected_and_recovered(ray_cluster, linear_data):
         assert bool(inference.family.is_valid(state.q))
     # a killed actor is restarted from its data: its client misses one round, then catches up
     backend = pvi.RayBackend()
-    inference = pvi.PVI(linear_model, pvi.FullRankGaussian(), UNEQUAL, ExactLinearUpdate(), pvi.Synchronous(), backend)
+    inference = pvi.PVI(linear_model, pvi.FullRankGaussian(), UNEQUAL, ExactLinearUpdate(), pvi.Synchronous(1.0),
+                        backend)
     state, info = inference.update(inference.init(random.PRNGKey(0), X, y=y), X, y=y)
     ray.kill(backend.actors[3])
     state, info = inference.update(state, X, y=y)
@@ -159,7 +162,7 @@ def test_ray_timeout_rejects_and_restarts(ray_cluster, linear_data):
     X, y = linear_data
     update = FaultyUpdate(size=20, mode="sleep", seconds=10.0)
     backend = pvi.RayBackend(timeout=5.0)
-    inference = pvi.PVI(linear_model, pvi.FullRankGaussian(), UNEQUAL, update, pvi.Synchronous(), backend)
+    inference = pvi.PVI(linear_model, pvi.FullRankGaussian(), UNEQUAL, update, pvi.Synchronous(1.0), backend)
     state, info = inference.update(inference.init(random.PRNGKey(0), X, y=y), X, y=y)
     np.testing.assert_array_equal(info.accepted, [1, 1, 0, 1])
     assert info.rejection[2] == pvi.Rejection.TIMEOUT
@@ -212,7 +215,7 @@ def test_actors_hold_the_current_data_after_new_data_or_add_client(ray_cluster, 
     X, y = linear_data
     backend = pvi.RayBackend()
     clients = pvi.ClientData([((X[p],), {"y": y[p]}) for p in UNEQUAL[:3]])
-    inference = pvi.PVI(linear_model, pvi.FullRankGaussian(), clients, ExactLinearUpdate(), pvi.Synchronous(),
+    inference = pvi.PVI(linear_model, pvi.FullRankGaussian(), clients, ExactLinearUpdate(), pvi.Synchronous(1.0),
                         backend)
 
     def held_by_actors_is(problem):
@@ -229,7 +232,7 @@ def test_actors_hold_the_current_data_after_new_data_or_add_client(ray_cluster, 
     np.testing.assert_array_equal(info.accepted, [1, 1, 1, 1])
     np.testing.assert_allclose(inference.family.loc_scale(state.q)[0], exact_linear_posterior(X, y)[0], rtol=1e-4)
     # the same clients with other values (equal shapes): the actors are given the new data
-    other = pvi.PVI(linear_model, pvi.FullRankGaussian(), UNEQUAL, ExactLinearUpdate(), pvi.Synchronous(), backend)
+    other = pvi.PVI(linear_model, pvi.FullRankGaussian(), UNEQUAL, ExactLinearUpdate(), pvi.Synchronous(1.0), backend)
     for scale in (1.0, 2.0):
         new = other.build(X * scale, y=y)
         other.update(other.init(random.PRNGKey(0), new), new)
@@ -242,14 +245,14 @@ def test_a_timeout_shorter_than_compilation_is_no_livelock(ray_cluster, linear_d
     A client slower than the timeout every round is reported (and its data never reach q: said, not hidden)."""
     X, y = linear_data
     backend = pvi.RayBackend(timeout=0.3)  # far less than an actor's first compilation (about a second)
-    inference = pvi.PVI(linear_model, pvi.FullRankGaussian(), UNEQUAL, ExactLinearUpdate(), pvi.Synchronous(),
+    inference = pvi.PVI(linear_model, pvi.FullRankGaussian(), UNEQUAL, ExactLinearUpdate(), pvi.Synchronous(1.0),
                         backend)
     result = inference.run(random.PRNGKey(0), 2, X, y=y, progress_bar=False)
     np.testing.assert_array_equal(result.history.accepted, np.ones((2, 4), int))
     np.testing.assert_allclose(inference.family.loc_scale(result.state.q)[0], exact_linear_posterior(X, y)[0],
                                rtol=1e-4)
     slow = pvi.PVI(linear_model, pvi.FullRankGaussian(), UNEQUAL, FaultyUpdate(size=20, mode="sleep", seconds=2.0),
-                   pvi.Synchronous(), pvi.RayBackend(timeout=0.5))
+                   pvi.Synchronous(1.0), pvi.RayBackend(timeout=0.5))
     with pytest.warns(pvi.PVIWarning, match=r"Client\(s\) \[2\] timed out .* in each of the last 3 rounds"):
         result = slow.run(random.PRNGKey(0), 3, X, y=y, progress_bar=False)
     assert (result.history.rejection[:, 2] == pvi.Rejection.TIMEOUT).all()

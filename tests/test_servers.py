@@ -50,7 +50,7 @@ UNEQUAL = [np.arange(0, 40), np.arange(40, 130), np.arange(130, 150), np.arange(
 
 @pytest.mark.parametrize("server, rounds, backend", [
     (pvi.Sequential(), 1, "vmap"), (pvi.Sequential(damping=0.5), 40, "vmap"),
-    (pvi.Synchronous(), 1, "vmap"), (pvi.Synchronous(damping=0.5), 40, "vmap"),
+    (pvi.Synchronous(1.0), 1, "vmap"), (pvi.Synchronous(damping=0.5), 40, "vmap"),
     (pvi.Synchronous(damping=0.5), 40, "loop"),
 ], ids=str)
 def test_exact_local_updates_reach_the_exact_posterior(linear_data, server, rounds, backend):

@@ -94,7 +94,7 @@ def test_snep_reaches_the_ep_fixed_point(logistic_data, ep_fixed_point):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("server", [pvi.Sequential(), pvi.Synchronous()], ids=["sequential", "synchronous"])
+@pytest.mark.parametrize("server", [pvi.Sequential(), pvi.Synchronous(1.0)], ids=["sequential", "synchronous"])
 def test_snep_satisfies_the_ep_fixed_point_conditions(logistic_data, ep_fixed_point, server):
     X, y = logistic_data
     ep_loc, ep_sd = ep_fixed_point
@@ -117,7 +117,7 @@ def test_snep_recovers_the_exact_posterior_of_a_conjugate_model(linear_data):
     family = pvi.FullRankGaussian()
     # num_newton=0: the first visit starts at the prior's mean (30 posterior sd away), not at the (exact) Laplace mode
     update = pvi.SNEPUpdate(num_newton=0)
-    inference = pvi.PVI(linear_model, family, pvi.split_iid(random.PRNGKey(1), 300, 4), update, pvi.Synchronous())
+    inference = pvi.PVI(linear_model, family, pvi.split_iid(random.PRNGKey(1), 300, 4), update, pvi.Synchronous(1.0))
     loc, scale_tril = family.loc_scale(inference.run(random.PRNGKey(0), 3, X, y=y, progress_bar=False).state.q)
     # The control variates are exact for a Gaussian tilted distribution: the third round ended 5e-6 sd from the
     # exact mean and 4e-6 from its sds (float32); the tolerances leave room for rounding only.
@@ -130,7 +130,7 @@ def test_site_variance_clamp_keeps_sites_proper_and_is_counted(linear_data):
     family = pvi.FullRankGaussian()
     # Each client's exact site variance is ~0.003; a floor of 0.01 must bind. (Plain moments: that path runs too.)
     update = pvi.SNEPUpdate(num_inner=20, site_variance=(0.01, 100.0), control_variates=False)
-    inference = pvi.PVI(linear_model, family, pvi.split_iid(random.PRNGKey(1), 300, 4), update, pvi.Synchronous())
+    inference = pvi.PVI(linear_model, family, pvi.split_iid(random.PRNGKey(1), 300, 4), update, pvi.Synchronous(1.0))
     result = inference.run(random.PRNGKey(0), 2, X, y=y, progress_bar=False)
     assert (result.history.clamped > 0).all()
     assert np.isfinite(result.history.elbo).all() and result.history.accepted.all()
@@ -157,7 +157,7 @@ def test_snep_never_returns_nan_on_a_heavy_tailed_model():
     y = (X @ jnp.array([1.0, -0.5]) + 0.1 * random.normal(random.PRNGKey(1), (40,))).at[:10].set(30.0)
     family = pvi.MeanFieldGaussian()
     inference = pvi.PVI(robust_model, family, pvi.split_iid(random.PRNGKey(3), 40, 4),
-                        pvi.SNEPUpdate(num_inner=50), pvi.Synchronous())
+                        pvi.SNEPUpdate(num_inner=50), pvi.Synchronous(1.0))
     result = inference.run(random.PRNGKey(0), 2, X, y=y, progress_bar=False)
     assert np.isfinite(result.history.elbo).all() and bool(family.is_valid(result.state.q))
     assert all(np.isfinite(leaf).all() for leaf in result.state.factors)

@@ -6,12 +6,14 @@ power-EP cavity ``q_alpha = q / t_m^alpha``, estimates its mean and covariance (
 ``delta = (eta(q_tilde) - eta(q)) / alpha``; with ``alpha = 1`` this is EP (``q_new = q_tilde``).
 
 The tilted moments come from importance sampling (default) or NUTS. Both start from a Laplace
-approximation of the tilted distribution (a few damped Newton steps from ``q``'s mean): it is the
-importance proposal, and NUTS runs in its whitened coordinates. Importance sampling uses the
-proposal's exact moments as a control variate, so it is exact when the tilted distribution is
+approximation of the tilted distribution (damped Newton steps from ``q``'s mean, with the curvature
+made positive definite where the tilted density is not log-concave, until the Newton decrement is
+small): it is the importance proposal, and NUTS runs in its whitened coordinates. Importance sampling
+uses the proposal's exact moments as a control variate, so it is exact when the tilted distribution is
 Gaussian (a conjugate likelihood) and cheap when it is nearly so. A step that would make ``q``
 improper is halved (counted in ``RoundInfo.clamped``), as is a step from weights with a low
-effective sample size; if no halving helps, the step is not taken.
+effective sample size; if no halving helps, the step moves towards the Laplace approximation instead
+(halved the same way), and if that fails too it is not taken.
 """
 
 from __future__ import annotations
@@ -20,7 +22,6 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-from jax.scipy.linalg import cho_solve
 from numpyro.infer.hmc import hmc
 
 from numpyro_pvi.backtracking import backtrack
@@ -28,37 +29,51 @@ from numpyro_pvi.families import Family, NatParams
 from numpyro_pvi.local_updates.base import Client, ClientProblem, ClientResult, local_free_energy
 
 
-def laplace(log_density: Callable, start: jax.Array, fallback: jax.Array, num_newton: int) -> tuple:
-    """Mode and ``(D, D)`` precision of ``log_density`` by ``num_newton`` damped Newton steps from ``start``.
+def laplace(log_density: Callable, start: jax.Array, fallback: jax.Array, num_newton: int,
+            tol: float = 1e-3) -> tuple:
+    """Mode and ``(D, D)`` precision of ``log_density`` by damped Newton steps from ``start``.
 
-    Where the Hessian is not negative definite (a non-log-concave density) the step uses the
-    positive-definite ``fallback`` precision instead, and so does the returned precision. Every step
-    is halved until the density does not decrease (at most 10 times; then it is not taken).
+    Where the negative Hessian is not positive definite (a non-log-concave density, or far from the
+    mode) it is replaced by its eigendecomposition with the eigenvalues made positive: their absolute
+    values for a step (an ascent direction), floored at the smallest eigenvalue of the positive-definite
+    ``fallback`` precision (so no step is longer than one with ``fallback``). Each step is halved until
+    the density rises by at least ``1e-4`` of the predicted gain (Armijo; at most 30 halvings). The
+    iteration stops after ``num_newton`` steps, once the Newton decrement ``g^T P^-1 g`` is below ``tol``,
+    or when no halving rises. The returned precision is the negative Hessian at the mode if positive
+    definite, else its eigenvalues floored the same way (``fallback`` if it is not finite).
     """
     value_grad, hessian = jax.value_and_grad(log_density), jax.hessian(log_density)
+    floor = jnp.linalg.eigvalsh(fallback)[0]
 
-    def curvature(z: jax.Array) -> tuple[jax.Array, jax.Array]:
-        precision = -hessian(z)
-        precision = 0.5 * (precision + precision.T)
-        chol = jnp.linalg.cholesky(precision)
-        ok = jnp.all(jnp.isfinite(chol))
-        return jnp.where(ok, precision, fallback), jnp.where(ok, chol, jnp.linalg.cholesky(fallback))
+    def curvature(z: jax.Array, newton: bool) -> jax.Array:
+        evals, evecs = jnp.linalg.eigh(_sym(-hessian(z)))
+        modified = jnp.maximum(jnp.abs(evals) if newton else evals, floor)
+        precision = (evecs * jnp.where(evals[0] > 0, evals, modified)) @ evecs.T
+        return jnp.where(jnp.all(jnp.isfinite(precision)), _sym(precision), fallback)
 
-    def newton(z: jax.Array, _: Any) -> tuple:
+    def newton(carry: tuple) -> tuple:
+        z, _, k = carry
         value, grad = value_grad(z)
-        _, chol = curvature(z)
-        direction = cho_solve((chol, True), grad)
+        direction = jnp.linalg.solve(curvature(z, True), grad)
+        gain = jnp.dot(grad, direction)  # the Newton decrement: twice the predicted rise
 
         def propose(step: jax.Array) -> tuple[jax.Array, jax.Array]:
             new = z + step * direction
-            return new, log_density(new) >= value
+            return new, log_density(new) >= value + 1e-4 * step * gain
 
-        out = backtrack(propose, 1.0, max_halvings=10)
-        return jnp.where(out.valid & jnp.all(jnp.isfinite(direction)), out.value, z), None
+        out = backtrack(propose, 1.0, max_halvings=30)
+        moved = out.valid & jnp.all(jnp.isfinite(direction)) & jnp.isfinite(gain)
+        done = ~moved | (gain < tol)
+        return jnp.where(moved, out.value, z), done, k + 1
 
-    mode, _ = jax.lax.scan(newton, start, None, length=num_newton)
-    precision, chol = curvature(mode)
-    return mode, precision, chol
+    mode, _, _ = jax.lax.while_loop(lambda c: (~c[1]) & (c[2] < num_newton), newton,
+                                    (start, jnp.asarray(num_newton <= 0), jnp.asarray(0)))
+    precision = curvature(mode, False)
+    return mode, precision, jnp.linalg.cholesky(precision)
+
+
+def _sym(matrix: jax.Array) -> jax.Array:
+    return 0.5 * (matrix + matrix.T)
 
 
 def importance_moments(log_density: Callable, loc: jax.Array, chol_cov: jax.Array, eps: jax.Array) -> tuple:
@@ -127,11 +142,13 @@ class MomentMatchingUpdate:
         which is only adequate when one client's likelihood moves ``q`` little).
     :param float min_ess: the step is halved (and counted as clamped) when the importance weights' effective
         sample size is below this fraction of ``num_samples``.
-    :param int num_newton: Newton steps for the Laplace approximation.
+    :param int num_newton: at most this many Newton steps for the Laplace approximation (fewer once it has
+        converged).
     :param int num_chains: NUTS chains per client.
     :param int num_warmup: NUTS warm-up steps per chain.
     :param int max_tree_depth: NUTS maximum tree depth.
-    :param int max_backtracks: halvings of the step tried when it would make ``q`` improper.
+    :param int max_backtracks: halvings of the step tried when it would make ``q`` improper (then, with the
+        Laplace proposal, as many of a step towards the Laplace approximation).
 
     **Example:**
 
@@ -143,7 +160,7 @@ class MomentMatchingUpdate:
     """
 
     def __init__(self, alpha: float = 1.0, tilted: str = "importance", num_samples: int | None = None,
-                 proposal: str = "laplace", min_ess: float = 0.1, num_newton: int = 10, num_chains: int = 2,
+                 proposal: str = "laplace", min_ess: float = 0.1, num_newton: int = 20, num_chains: int = 2,
                  num_warmup: int = 300, max_tree_depth: int = 6, max_backtracks: int = 5) -> None:
         if not (isinstance(alpha, (int, float)) and 0.0 < alpha <= 1.0):
             raise ValueError(f"MomentMatchingUpdate: alpha must be in (0, 1], got {alpha!r}.")
@@ -179,27 +196,15 @@ class MomentMatchingUpdate:
             cavity_alpha = alpha * cavity + (1.0 - alpha) * q  # q / t_m^alpha: valid, a convex combination
             log_tilted = lambda z: family.quadratic(cavity_alpha, z) + alpha * loglik(z)  # noqa: E731
             sample_key, fe_key = jax.random.split(rng_key)
-            clamped = 0
-            if self.proposal == "laplace":
-                fallback = family.dense_precision(cavity_alpha)
-                loc, _, chol_precision = laplace(log_tilted, family.loc_scale(q)[0], fallback, self.num_newton)
-                inv = jax.scipy.linalg.solve_triangular(chol_precision, jnp.eye(problem.dim), lower=True)
-                chol_cov = jnp.linalg.cholesky(inv.T @ inv)
-            else:
-                loc, cov = family.moments(cavity_alpha)
-                chol_cov = jnp.linalg.cholesky(family.to_dense(cov))
-            if self.tilted == "importance":
-                half = jax.random.normal(sample_key, (self.num_samples // 2, problem.dim))
-                mean, cov, ess = importance_moments(log_tilted, loc, chol_cov, jnp.concatenate([half, -half]))
-                low_ess = ess < self.min_ess * 2 * half.shape[0]
-                clamped = clamped + low_ess
-            else:
-                mean, cov = nuts_moments(log_tilted, loc, chol_cov, sample_key, self.num_chains, self.num_warmup,
-                                         self.num_samples, self.max_tree_depth)
-                low_ess = False
-            delta, halvings = _safe_step(family, q, family.from_moments(mean, family.from_dense(cov)), alpha,
-                                         low_ess, max_backtracks)
-            clamped = clamped + halvings
+            loc, chol_cov, laplace_q = self._proposal(family, q, cavity_alpha, log_tilted)
+            mean, cov, low_ess = self._tilted_moments(log_tilted, loc, chol_cov, sample_key)
+            target = family.from_moments(mean, family.from_dense(cov))
+            delta, halvings, ok = _safe_step(family, q, target, alpha, low_ess, max_backtracks)
+            clamped = low_ess + halvings
+            if laplace_q is not None:  # no halving gave a valid q: step towards the Laplace approximation instead
+                fallback, extra, _ = _safe_step(family, q, laplace_q, alpha, False, max_backtracks)
+                delta = jax.tree.map(lambda a, b: jnp.where(ok, a, b), delta, fallback)
+                clamped = clamped + jnp.where(ok, 0, extra)
             q_new = q + delta
             zeta = family.to_dist(q_new).sample(fe_key, (64,))
             free_energy = local_free_energy(family, q_new, cavity, loglik, zeta)
@@ -207,10 +212,30 @@ class MomentMatchingUpdate:
 
         return client_update
 
+    def _proposal(self, family: Family, q: NatParams, cavity_alpha: NatParams, log_tilted: Callable) -> tuple:
+        """``(loc, chol_cov, laplace_q)``: the proposal, and the Laplace approximation (``None`` for the cavity)."""
+        if self.proposal == "cavity":
+            loc, cov = family.moments(cavity_alpha)
+            return loc, jnp.linalg.cholesky(family.to_dense(cov)), None
+        fallback = family.dense_precision(cavity_alpha)
+        loc, precision, chol_precision = laplace(log_tilted, family.loc_scale(q)[0], fallback, self.num_newton)
+        inv = jax.scipy.linalg.solve_triangular(chol_precision, jnp.eye(loc.shape[-1]), lower=True)
+        return loc, jnp.linalg.cholesky(inv.T @ inv), family.from_dense_precision(loc, precision)
+
+    def _tilted_moments(self, log_tilted: Callable, loc: jax.Array, chol_cov: jax.Array, key: jax.Array) -> tuple:
+        """``(mean, cov, low_ess)`` of the tilted distribution: importance sampling or NUTS from the proposal."""
+        if self.tilted == "nuts":
+            mean, cov = nuts_moments(log_tilted, loc, chol_cov, key, self.num_chains, self.num_warmup,
+                                     self.num_samples, self.max_tree_depth)
+            return mean, cov, jnp.asarray(False)
+        half = jax.random.normal(key, (self.num_samples // 2, loc.shape[-1]))
+        mean, cov, ess = importance_moments(log_tilted, loc, chol_cov, jnp.concatenate([half, -half]))
+        return mean, cov, ess < self.min_ess * 2 * half.shape[0]
+
 
 def _safe_step(family: Family, q: NatParams, target: NatParams, alpha: float, low_ess: jax.Array | bool,
-               max_backtracks: int) -> tuple[NatParams, jax.Array]:
-    """The step ``(target - q) / alpha``, halved until ``q`` stays valid, and the number of halvings.
+               max_backtracks: int) -> tuple[NatParams, jax.Array, jax.Array]:
+    """The step ``(target - q) / alpha``, halved until ``q`` stays valid, the number of halvings and whether it was.
 
     A low effective sample size starts at half the step (that halving is counted apart). At most
     ``max_backtracks`` halvings in all; if none gives a valid ``q`` the step is not taken (and counts
@@ -224,4 +249,4 @@ def _safe_step(family: Family, q: NatParams, target: NatParams, alpha: float, lo
 
     out = backtrack(propose, 1.0, max_halvings=max_backtracks - start, start=start)
     ok = out.valid & (start <= max_backtracks)  # max_backtracks=0 allows no halving, not even for a low ESS
-    return jax.tree.map(lambda d: jnp.where(ok, d, 0.0), out.value), out.halvings
+    return jax.tree.map(lambda d: jnp.where(ok, d, 0.0), out.value), out.halvings, ok

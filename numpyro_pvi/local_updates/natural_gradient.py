@@ -7,8 +7,11 @@ the natural-gradient site of its expected log-likelihood,
 
 whose Gaussian form is ``eta2 = E_q[H] / 2``, ``eta1 = E_q[g] - E_q[H] mu`` (Bonnet / Price). With
 ``step_size=1`` on a Gaussian likelihood one step is exact. Expectations use antithetic draws and
-``jax.hessian`` (Stein's lemma from gradients above ``max_hessian_dim``); a step that would leave
-``q`` improper is halved (counted in ``RoundInfo.clamped``) and, if that fails, not taken.
+``jax.hessian`` (Stein's lemma from gradients above ``max_hessian_dim``). A step is halved (counted in
+``RoundInfo.clamped``) until ``q`` is proper and its estimated local free energy is finite and has not
+fallen by more than ``tolerance`` (from a wide prior a step can give a proper ``q`` far out in a tail
+where, e.g., ``exp`` overflows); if no halving passes, the client's Laplace site is taken if it passes,
+else no step.
 
 Hyperparameters are supported (the client returns ``E_q[d log p(y_m | theta) / d hyper]`` at its new
 ``q``); local latent variables are not (use ``GradientUpdate``).
@@ -22,18 +25,30 @@ import jax
 import jax.numpy as jnp
 
 from numpyro_pvi.backtracking import backtrack
-from numpyro_pvi.families import NatParams, expected_site
+from numpyro_pvi.families import Family, NatParams, expected_site
 from numpyro_pvi.local_updates.base import Client, ClientProblem, ClientResult, local_free_energy
+from numpyro_pvi.local_updates.moment_matching import laplace
 
 
 class NaturalGradientUpdate:
     """Natural-gradient (CVI) local steps on the client's factor (Khan & Lin 2017; Bui et al. 2018, Prop. 5).
 
+    Each step is halved until ``q`` is valid and its local free energy ``F_m(q)`` (estimated with the
+    step's own draws, so old and new ``q`` are compared with common random numbers) is finite and no more
+    than ``tolerance`` below the current one; if no halving passes, the client's Laplace site (the mode and
+    curvature of ``cavity * p(y_m | theta)``) is taken if it passes, else no step.
+
     :param float step_size: ``beta`` in ``(0, 1]``; 1 is the fixed-point (EP-like) update.
     :param int num_steps: natural-gradient steps per client visit.
     :param int num_particles: Monte Carlo draws for the expectations (made even: antithetic pairs).
-    :param int max_backtracks: halvings of ``beta`` tried when a step would make ``q`` improper.
-    :param int max_hessian_dim: largest ``D`` for which Hessians are computed; above it, Stein's lemma.
+    :param int max_backtracks: halvings of ``beta`` tried when a step would make ``q`` improper or lower
+        its local free energy.
+    :param int max_hessian_dim: largest ``D`` for which Hessians are computed; above it, Stein's lemma (and
+        no Laplace fallback).
+    :param float tolerance: the drop in the estimated local free energy (nats) a step may make, for Monte
+        Carlo noise; ``inf`` checks only validity and finiteness.
+    :param bool laplace_fallback: whether a step with no acceptable halving falls back to the Laplace site.
+    :param int num_newton: at most this many Newton steps for the Laplace site.
 
     **Example:**
 
@@ -46,15 +61,21 @@ class NaturalGradientUpdate:
     supports_hyperparameters = True
 
     def __init__(self, step_size: float = 1.0, num_steps: int = 1, num_particles: int = 16, max_backtracks: int = 5,
-                 max_hessian_dim: int = 64) -> None:
+                 max_hessian_dim: int = 64, tolerance: float = 1.0, laplace_fallback: bool = True,
+                 num_newton: int = 20) -> None:
         if not 0.0 < step_size <= 1.0:
             raise ValueError(f"NaturalGradientUpdate: step_size must be in (0, 1], got {step_size!r}.")
         if not isinstance(num_steps, int) or num_steps < 1:
             raise ValueError(f"NaturalGradientUpdate: num_steps must be a positive integer, got {num_steps!r}.")
         if not isinstance(num_particles, int) or num_particles < 2:
             raise ValueError(f"NaturalGradientUpdate: num_particles must be an integer >= 2, got {num_particles!r}.")
+        if not tolerance >= 0.0:
+            raise ValueError(f"NaturalGradientUpdate: tolerance must be >= 0, got {tolerance!r}.")
+        if not isinstance(num_newton, int) or num_newton < 0:
+            raise ValueError(f"NaturalGradientUpdate: num_newton must be an integer >= 0, got {num_newton!r}.")
         self.step_size, self.num_steps, self.max_backtracks = step_size, num_steps, max_backtracks
         self.num_pairs, self.max_hessian_dim = num_particles // 2, max_hessian_dim
+        self.tolerance, self.laplace_fallback, self.num_newton = float(tolerance), laplace_fallback, num_newton
 
     def init_state(self, problem: ClientProblem) -> Any:
         """The client's persistent state (none for this update)."""
@@ -62,31 +83,16 @@ class NaturalGradientUpdate:
 
     def bind(self, problem: ClientProblem) -> Callable:
         """Return the pure ``client_update(rng_key, client, cavity, q, state, hyper=()) -> ClientResult``."""
-        family, beta, pairs = problem.family, self.step_size, self.num_pairs
+        family, pairs = problem.family, self.num_pairs
         use_hessian = problem.dim <= self.max_hessian_dim
-        max_backtracks = self.max_backtracks
-
-        has_hyper = problem.has_hyper
+        fallback = self.laplace_fallback and use_hessian and self.num_newton > 0
 
         def client_update(rng_key: jax.Array, client: Client, cavity: NatParams, q: NatParams,
                           state: Any, hyper: Any = ()) -> ClientResult:
             loglik = lambda z: problem.log_likelihood(z, client, hyper)  # noqa: E731
-            grad = jax.vmap(jax.grad(loglik))
             hessian = jax.vmap(jax.hessian(loglik)) if use_hessian else None
-
-            def step(carry: tuple, key: jax.Array) -> tuple:
-                t, clamped = carry
-                half = jax.random.normal(key, (pairs, problem.dim))
-                target = expected_site(family, cavity + t, jnp.concatenate([half, -half]), grad, hessian)
-                direction = target - t
-
-                def propose(size: jax.Array) -> tuple[NatParams, jax.Array]:
-                    return t + size * direction, family.is_valid(cavity + t + size * direction)
-
-                out = backtrack(propose, beta, max_halvings=max_backtracks)  # no valid step: t unchanged
-                new = jax.tree.map(lambda a, b: jnp.where(out.valid, a, b), out.value, t)
-                return (new, clamped + out.halvings), None
-
+            laplace_site = _laplace_site(family, cavity, q, loglik, self.num_newton) if fallback else None
+            step = self._step(family, cavity, loglik, jax.vmap(jax.grad(loglik)), hessian, laplace_site, pairs)
             t_old = q - cavity
             (t_new, clamped), _ = jax.lax.scan(step, (t_old, 0), jax.random.split(rng_key, self.num_steps))
             q_new = cavity + t_new
@@ -95,9 +101,53 @@ class NaturalGradientUpdate:
             zeta = jnp.concatenate([half, 2 * family.loc_scale(q_new)[0] - half])  # antithetic: z and 2 mu - z
             free_energy = local_free_energy(family, q_new, cavity, loglik, zeta)
             hyper_grad = ()
-            if has_hyper:  # d F_m / d hyper = E_q[d log p(y_m | theta, hyper) / d hyper] at the new q
+            if problem.has_hyper:  # d F_m / d hyper = E_q[d log p(y_m | theta, hyper) / d hyper] at the new q
                 expected = lambda h: jnp.mean(jax.vmap(lambda z: problem.log_likelihood(z, client, h))(zeta))  # noqa: E731
                 hyper_grad = jax.grad(expected)(hyper)
             return ClientResult(t_new - t_old, free_energy, state, clamped, hyper_grad)
 
         return client_update
+
+    def _step(self, family: Family, cavity: NatParams, loglik: Callable, grad: Callable, hessian: Callable | None,
+              laplace_site: NatParams | None, pairs: int) -> Callable:
+        """One natural-gradient step ``(t, clamped), key -> (t_new, clamped + corrections)`` for ``lax.scan``."""
+        beta, max_backtracks, tolerance = self.step_size, self.max_backtracks, self.tolerance
+
+        def step(carry: tuple, key: jax.Array) -> tuple:
+            t, clamped = carry
+            half = jax.random.normal(key, (pairs, cavity.eta1.shape[-1]))
+            eps = jnp.concatenate([half, -half])
+            target = expected_site(family, cavity + t, eps, grad, hessian)
+            current = _free_energy(family, cavity, t, loglik, eps)
+            floor = jnp.where(jnp.isfinite(current), current - tolerance, -jnp.inf)
+
+            def acceptable(site: NatParams) -> jax.Array:
+                value = _free_energy(family, cavity, site, loglik, eps)
+                return family.is_valid(cavity + site) & jnp.isfinite(value) & (value >= floor)
+
+            def propose(size: jax.Array) -> tuple[NatParams, jax.Array]:
+                new = t + size * (target - t)
+                return new, acceptable(new)
+
+            out = backtrack(propose, beta, max_halvings=max_backtracks)  # none acceptable: t unchanged
+            new = jax.tree.map(lambda a, b: jnp.where(out.valid, a, b), out.value, t)
+            if laplace_site is not None:  # the Laplace site when no halving passes (and it does)
+                use = ~out.valid & acceptable(laplace_site)
+                new = jax.tree.map(lambda a, b: jnp.where(use, a, b), laplace_site, new)
+            return (new, clamped + out.halvings), None
+
+        return step
+
+
+def _free_energy(family: Family, cavity: NatParams, site: NatParams, loglik: Callable, eps: jax.Array) -> jax.Array:
+    """``F_m`` at ``q = cavity * site`` from the standard-normal points ``eps`` (NaN if ``q`` is improper)."""
+    q = cavity + site
+    loc, scale = family.loc_scale(q)
+    return local_free_energy(family, q, cavity, loglik, family.unwhiten(loc, scale, eps))
+
+
+def _laplace_site(family: Family, cavity: NatParams, q: NatParams, loglik: Callable, num_newton: int) -> NatParams:
+    """The site ``N(mode, P^-1) / cavity`` of the Laplace approximation of ``cavity * p(y_m | theta)``."""
+    log_tilted = lambda z: family.quadratic(cavity, z) + loglik(z)  # noqa: E731
+    mode, precision, _ = laplace(log_tilted, family.loc_scale(q)[0], family.dense_precision(cavity), num_newton)
+    return family.from_dense_precision(mode, precision) - cavity
