@@ -127,24 +127,6 @@ def stack(split: ClientColumns, rows: int | None = None, capacity: int | None = 
 
 
 def append_client(split: ClientColumns, args: tuple, kwargs: dict, plate: str) -> ClientColumns:
-    """``split`` with one more client holding ``model(*args, **kwargs)``'s data (checked like the others)."""
-    leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
-    if treedef != split.layout.treedef:
-        raise ValueError(f"add_client: the new client's arguments have structure {treedef}, but the others' have "
-                         f"{split.layout.treedef}.")
-    arrays = [x for x in leaves if is_array(x)]
-    if len(arrays) != len(split.columns):
-        raise ValueError("add_client: the new client passes arrays where the others pass other values, or the "
-                         "reverse; every client must pass the same arguments.")
-    columns = [col + [x] for col, x in zip(split.columns, arrays)]
-    sizes = _client_sizes(columns, split.sizes[0], plate)
-    for i, (col, row) in enumerate(zip(columns, split.is_row)):
-        ok = (np.ndim(col[-1]) >= 1 and np.shape(col[-1])[0] == sizes[-1]) if row else \
-            np.shape(col[-1]) == np.shape(col[0])
-        if not ok:
-            raise ValueError(f"add_client: array argument {i} has shape {np.shape(col[-1])}, which does not fit "
-                             f"the other clients' (a {'row' if row else 'shared'} argument).")
-    for pos, value in split.layout.static:
-        if not same_static(leaves[pos], value):
-            raise ValueError(f"add_client: non-array argument leaf {pos} is {leaves[pos]!r}, the others' {value!r}.")
-    return split._replace(columns=columns, sizes=sizes, unsure=_unsure(columns, sizes))
+    """``split`` with one more client holding ``model(*args, **kwargs)``'s data, checked like the others."""
+    clients = [split.layout.build([col[m] for col in split.columns]) for m in range(len(split.sizes))]
+    return split_client_data([*clients, (args, kwargs)], split.sizes[0], plate)
