@@ -9,6 +9,7 @@ dtypes reuses an earlier problem's steps without recompiling.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -72,11 +73,6 @@ class Problem:
         """Each client's number of rows."""
         return np.asarray(self.split.sizes)
 
-    def client_data(self, m: int) -> Client:
-        """Client ``m``'s own data, unpadded (what a remote client holds)."""
-        n = self.split.sizes[m]
-        arrays = [np.asarray(col[m]) for col in self.split.columns]
-        return Client(arrays, np.ones(n, bool), np.asarray(n, np.int32))
 
 
 def build_problem(inference: PVI, args: tuple, kwargs: dict, reuse: Problem | None = None) -> Problem:
@@ -97,8 +93,9 @@ def add_client(inference: PVI, problem: Problem, args: tuple, kwargs: dict) -> P
     recompiles only when it grows.
     """
     split = append_client(problem.split, args, kwargs, problem.sites.plate)
-    _check_unsure(inference.model, problem.sites, split._replace(unsure=tuple(m for m in split.unsure
-                                                                            if m == len(split.sizes) - 1)))
+    new = [len(split.sizes) - 1]  # the other clients were checked when they joined
+    _check_unsure(inference.model, problem.sites, split, new)
+    _check_observations(problem.sites, split, new)
     rows, capacity = problem.clients.mask.shape[1], problem.capacity
     if split.sizes[-1] > rows:
         rows = max(split.sizes[-1], 2 * rows)
@@ -117,8 +114,8 @@ def _read(inference: PVI, args: tuple, kwargs: dict) -> tuple[ModelSites, Client
         first_args, first_kwargs = partitions[0]
         sites = read_model(model, first_args, first_kwargs, who="Client 0's data")
         split = split_client_data(partitions, sites.plate_size, sites.plate)
-        _check_unsure(model, sites, split)
-        _check_observations(sites, split)
+        _check_unsure(model, sites, split, range(len(split.sizes)))
+        _check_observations(sites, split, range(1, len(split.sizes)))  # client 0's: checked by read_model
         return sites, split
     if not args and not kwargs:
         raise TypeError("Pass the pooled data to init/update/run (or give partitions=pvi.ClientData(...)).")
@@ -127,23 +124,24 @@ def _read(inference: PVI, args: tuple, kwargs: dict) -> tuple[ModelSites, Client
     return sites, split_pooled(args, kwargs, parts, sites.plate_size, sites.plate)
 
 
-def _check_observations(sites: ModelSites, split: ClientColumns) -> None:
-    """Every client's observations are finite and in their likelihood's support (client 0's were checked when the
-    model was read; observations the model computes from its arguments are checked for client 0 only)."""
+def _check_observations(sites: ModelSites, split: ClientColumns, clients: Sequence[int]) -> None:
+    """The observations of ``clients`` are finite and in their likelihood's support (observations the model
+    computes from its arguments are checked only where the model was read: the pooled data or client 0's)."""
+    clients = list(clients)
     for observed in sites.observed:
-        if observed.source is None or not split.is_row[observed.source]:
+        if not clients or observed.source is None or not split.is_row[observed.source]:
             continue
-        column = [np.asarray(x) for x in split.columns[observed.source]]
+        column = [np.asarray(split.columns[observed.source][m]) for m in clients]
         inside = np.asarray(observed.support(jnp.asarray(np.concatenate(column))))
         starts = np.cumsum([0] + [len(x) for x in column])
-        for m, values in enumerate(column):
+        for i, (m, values) in enumerate(zip(clients, column)):
             check_observed(observed.name, {"fn": observed}, bool(np.all(np.isfinite(values))),
-                           bool(np.all(inside[starts[m]:starts[m + 1]])), f"Client {m}'s data")
+                           bool(np.all(inside[starts[i]:starts[i + 1]])), f"Client {m}'s data")
 
 
-def _check_unsure(model: Any, sites: ModelSites, split: ClientColumns) -> None:
-    """Trace (abstractly) the clients whose rows their arguments' shapes do not settle."""
-    for m in split.unsure:
+def _check_unsure(model: Any, sites: ModelSites, split: ClientColumns, clients: Sequence[int]) -> None:
+    """Trace (abstractly) those of ``clients`` whose rows their arguments' shapes do not settle."""
+    for m in set(split.unsure) & set(clients):
         size, _ = plate_and_locals(model, sites, *split.layout.build([col[m] for col in split.columns]),
                                    who=f"Client {m}'s data")
         if size != split.sizes[m]:

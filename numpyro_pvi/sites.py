@@ -9,7 +9,7 @@ get a client-private guide, discrete ones marked for enumeration are summed out 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import jax
@@ -284,8 +284,7 @@ def read_padded(model: Callable, sites: ModelSites, args: tuple, kwargs: dict, r
     if size != rows:
         raise ValueError(f"partition_plate '{sites.plate}' has size {size} in a client's model call with "
                          f"{rows} rows: size the plate from the data (e.g. X.shape[0]).")
-    return ModelSites(sites.plate, rows, sites.globals, sites.likelihoods, sites.gaussian_prior, local_sites,
-                      sites.enumerated, sites.hyper)
+    return replace(sites, plate_size=rows, locals=local_sites)
 
 
 def plate_and_locals(model: Callable, sites: ModelSites, args: tuple, kwargs: dict, who: str) -> tuple[int, tuple]:

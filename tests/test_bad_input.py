@@ -45,6 +45,12 @@ def test_non_finite_observations_name_the_client_and_site(linear_data, client):
     clients = pvi.ClientData([((X[p],), {"y": ys[m]}) for m, p in enumerate(parts)])
     with pytest.raises(ValueError, match=f"Client {client}'s data: observed site 'y' holds NaN or inf"):
         pvi_for(linear_model, clients).build()
+    if client > 0:  # a client that joins later is checked the same way
+        start = pvi.PVI(linear_model, pvi.MeanFieldGaussian(), pvi.ClientData(clients[:client]), UPDATE,
+                        pvi.Continual())
+        problem = start.build()
+        with pytest.raises(ValueError, match=f"Client {client}'s data: observed site 'y' holds NaN or inf"):
+            start.add_client(start.init(random.PRNGKey(0), problem), problem, *clients[client][0], **clients[client][1])
     pooled = np.concatenate(ys)
     with pytest.raises(ValueError, match="The pooled data: observed site 'y' holds NaN or inf"):
         pvi_for(linear_model, parts).build(X, y=jnp.asarray(pooled))
