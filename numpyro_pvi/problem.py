@@ -10,7 +10,7 @@ dtypes reuses an earlier problem's steps without recompiling.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -43,6 +43,8 @@ class Problem:
     :ivar steps: the compiled steps (:class:`~numpyro_pvi.steps.Steps`).
     :ivar signature: the data's structure; problems with equal signatures share ``steps``.
     :ivar source: the argument leaves it was built from (held, so that their identity stays meaningful).
+    :ivar configuration: the building ``PVI``'s configuration (:func:`configuration_of`); its steps hold them, so
+        only a ``PVI`` with the same objects may use this problem.
 
     **Example:** ``problem = inference.build(X, y=y)``; ``problem.num_clients``, ``problem.sites.dim``;
     ``inference.init(key, problem)`` and ``inference.update(state, problem)`` take it in place of the data.
@@ -57,6 +59,12 @@ class Problem:
     steps: Steps
     signature: tuple
     source: tuple = ()
+    configuration: dict = field(default_factory=dict)
+
+    def mismatch(self, inference: PVI) -> list[str]:
+        """The parts of ``inference``'s configuration that are not the objects this problem was built with."""
+        other = configuration_of(inference)
+        return [name for name, value in self.configuration.items() if other[name] is not value]
 
     @property
     def num_clients(self) -> int:
@@ -73,6 +81,12 @@ class Problem:
         """Each client's number of rows."""
         return np.asarray(self.split.sizes)
 
+
+
+def configuration_of(inference: PVI) -> dict:
+    """What a problem's compiled steps take from the ``PVI`` that builds it."""
+    names = ("model", "family", "partitions", "local_update", "server", "backend", "hyper_optimizer")
+    return {name: getattr(inference, name) for name in names}
 
 
 def build_problem(inference: PVI, args: tuple, kwargs: dict, reuse: Problem | None = None) -> Problem:
@@ -161,7 +175,8 @@ def _assemble(inference: PVI, sites: ModelSites, split: ClientColumns, rows: int
     else:
         client_problem = _client_problem(inference, sites, split)
         steps = compile_steps(inference, client_problem, split.layout, rest)
-    return Problem(sites, clients, split, client_problem, prior, rest, steps, signature, source)
+    return Problem(sites, clients, split, client_problem, prior, rest, steps, signature, source,
+                   configuration_of(inference))
 
 
 def _client_problem(inference: PVI, sites: ModelSites, split: ClientColumns) -> ClientProblem:

@@ -132,6 +132,10 @@ class PVI:
 
     def _problem(self, args: tuple, kwargs: dict) -> Problem:
         if len(args) == 1 and not kwargs and isinstance(args[0], Problem):
+            mismatch = args[0].mismatch(self)
+            if mismatch:
+                raise ValueError(f"This problem was built by another PVI: its {', '.join(mismatch)} are not this "
+                                 f"PVI's; its compiled steps would use theirs: build it with this PVI's build(...).")
             return args[0]
         for problem in reversed(self._memo):
             if _same_data(problem.source, (args, kwargs)):

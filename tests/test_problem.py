@@ -97,6 +97,18 @@ def test_a_problem_is_immutable_and_states_match_their_problem(logistic):
         too_few.update(state, X, y=y)
 
 
+def test_a_problem_is_used_only_by_the_pvi_that_built_it(logistic):
+    # a problem's compiled steps hold its builder's server and local update: another PVI (here adaptive damping
+    # instead of 0.5) given it would silently run the builder's configuration
+    inference, state, X, y = logistic
+    other = pvi.PVI(logistic_model, inference.family, inference.partitions, inference.local_update, pvi.Synchronous())
+    with pytest.raises(ValueError, match="built by another PVI: its server"):
+        other.update(state, inference.build(X, y=y))
+    same = pvi.PVI(inference.model, inference.family, inference.partitions, inference.local_update, inference.server,
+                   backend=inference.backend, hyper_optimizer=inference.hyper_optimizer)
+    assert same.build(X, y=y) is not None and inference.build(X, y=y).mismatch(same) == []
+
+
 def test_adding_ten_clients_compiles_the_round_about_log2_times(linear_data):
     X, y = linear_data
     parts = np.array_split(np.arange(300), 11)
