@@ -104,3 +104,54 @@ def test_strategy_refuses_what_it_cannot_run():
         PVIStrategy(pvi.MeanFieldGaussian(), 4, random.PRNGKey(0), pvi.Sequential())
     with pytest.raises(ValueError, match="num_clients"):
         PVIStrategy(pvi.MeanFieldGaussian(), 0, random.PRNGKey(0), pvi.Synchronous(0.5))
+
+
+def _replies(messages, deltas):
+    """Replies to ``messages`` (one per node): a delta and free energy, an error (``"error"``), or none (``None``)."""
+    from flwr.app import Error, Message, MetricRecord, RecordDict
+
+    out = []
+    for message in messages:
+        m = int(message.content.config_records["pvi"]["client"])
+        if deltas[m] is None:
+            continue
+        if isinstance(deltas[m], str):
+            out.append(Message(Error(code=0, reason="site failed"), reply_to=message))
+            continue
+        metrics = MetricRecord({"free-energy": 1.0, "clamped": 0, "failure": 0})
+        out.append(Message(RecordDict({"delta": tree_to_record(deltas[m]), "pvi": metrics}), reply_to=message))
+    return out
+
+
+def test_server_merges_good_deltas_and_rejects_the_rest(monkeypatch):
+    """Without Ray: the strategy's round on hand-made replies. A finite delta is merged at the damping; a NaN
+    delta, a site's error and a silent site are rejected (NON_FINITE, RAISED, TIMEOUT) and leave their factors."""
+    from flwr.supercore.task_identity import TaskIdentity
+
+    for name in ("_run_id", "_task_id", "_node_id"):  # Flower's messages need a run; set (and restored) for the test
+        monkeypatch.setattr(TaskIdentity, name, 1)
+    family, rho = pvi.MeanFieldGaussian(), 0.5
+    strategy = PVIStrategy(family, 4, random.PRNGKey(0), pvi.Synchronous(rho))
+    prior = family.from_mean_precision(jnp.zeros(2), jnp.ones(2))
+    factors = jax.tree.map(lambda x: jnp.zeros((4,) + x.shape), prior)
+    strategy.state = pvi.PVIState(prior, factors, family.zeros(2), (), None, random.PRNGKey(0))
+    strategy.nodes = {10 + m: m for m in range(4)}
+    good = family.from_mean_precision(jnp.array([1.0, -1.0]), jnp.full(2, 3.0)) - prior  # a valid q_new - q
+    nan = jax.tree.map(lambda x: jnp.full_like(x, jnp.nan), good)
+    messages = strategy.configure_train(1, None, flwr.app.ConfigRecord(), None)
+    arrays, metrics = strategy.aggregate_train(1, _replies(messages, [good, nan, "error", None]))
+    info = strategy.history
+    np.testing.assert_array_equal(info.accepted[0], [1, 0, 0, 0])
+    assert [pvi.Rejection(int(r)).name for r in info.rejection[0]] == ["NONE", "NON_FINITE", "RAISED", "TIMEOUT"]
+    np.testing.assert_allclose(info.damping[0], [rho, 0, 0, 0])
+    want_q = prior + rho * good
+    for got, want in zip(jax.tree.leaves(strategy.state.q), jax.tree.leaves(want_q)):
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+    for got, want in zip(jax.tree.leaves(strategy.state.factors), jax.tree.leaves(good)):
+        np.testing.assert_allclose(got[0], rho * want, rtol=1e-6)
+        np.testing.assert_array_equal(got[1:], 0.0)
+    assert int(metrics["accepted"]) == 1 and int(metrics["bytes-up"]) > 0
+    # the next round tells client 0 its update was merged (it commits its local state), the others not
+    sent = {int(m.content.config_records["pvi"]["client"]): int(m.content.config_records["pvi"]["accepted"])
+            for m in strategy.configure_train(2, None, flwr.app.ConfigRecord(), None)}
+    assert sent == {0: 1, 1: 0, 2: 0, 3: 0}

@@ -23,6 +23,7 @@ from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import Result, Strategy
 from flwr.supercore import log
 
+from numpyro_pvi.checkpoint import save
 from numpyro_pvi.damping import AdaptiveDamping
 from numpyro_pvi.families import Family, NatParams
 from numpyro_pvi.flower.wire import content_bytes, key_to_record, tree_from_record, tree_to_record
@@ -209,9 +210,15 @@ def _stack(trees: list) -> Any:
     return jax.tree.map(lambda *xs: jnp.stack(xs), *trees)
 
 
-def server_app(strategy: PVIStrategy, num_rounds: int | None = None, timeout: float = 3600) -> ServerApp:
+def server_app(strategy: PVIStrategy, num_rounds: int | None = None, timeout: float = 3600,
+               checkpoint: str | None = None) -> ServerApp:
     """A Flower ``ServerApp`` that runs ``strategy`` for ``num_rounds`` rounds (default: the run config's
     ``num-server-rounds``, as in Flower's app templates).
+
+    :param timeout: seconds to wait for the sites to connect and, each round, for their replies (a site that
+        has not answered by then is rejected for the round, ``Rejection.TIMEOUT``).
+    :param checkpoint: write the final :class:`~numpyro_pvi.PVIState` there (:func:`~numpyro_pvi.save`): in a
+        deployment the ``ServerApp`` runs in its own process, so this is how ``q`` leaves it.
 
     **Example:** ``app = server_app(PVIStrategy(pvi.MeanFieldGaussian(), 4, random.PRNGKey(0)), num_rounds=10)``
     """
@@ -221,5 +228,7 @@ def server_app(strategy: PVIStrategy, num_rounds: int | None = None, timeout: fl
     def main(grid: Grid, context: Context) -> None:
         rounds = int(context.run_config["num-server-rounds"]) if num_rounds is None else num_rounds
         strategy.start(grid, num_rounds=rounds, timeout=timeout)
+        if checkpoint is not None:
+            save(strategy.state, checkpoint)
 
     return app
