@@ -129,9 +129,9 @@ class Site:
         if accepted and PENDING in context.state:
             context.state[STATE] = context.state[PENDING]
         like = self.local_update.init_state(prep.problem.client_problem)
-        if STATE not in context.state:
-            return like
-        return tree_from_record(context.state.array_records[STATE], like, "site's local state")
+        # through a record even at first, so that every round passes the same (non-weak) types: no recompilation
+        record = context.state.array_records[STATE] if STATE in context.state else tree_to_record(like)
+        return tree_from_record(record, like, "site's local state")
 
 
 _PREPARED: dict[tuple, Prepared] = {}  # (run, node) -> the site's problem: one build per site and process
