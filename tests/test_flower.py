@@ -22,9 +22,10 @@ import numpyro_pvi as pvi
 flwr = pytest.importorskip("flwr")
 pytest.importorskip("ray")
 
+from flwr.serverapp import ServerApp  # noqa: E402
 from flwr.simulation import run_simulation  # noqa: E402
 
-from numpyro_pvi.flower import PVIStrategy, client_app, server_app, tree_from_record, tree_to_record  # noqa: E402
+from numpyro_pvi.flower import PVIStrategy, client_app, tree_from_record, tree_to_record  # noqa: E402
 
 NUM_CLIENTS, GROUPS, NUM_ROUNDS, DAMPING = 4, 3, 3, 0.5
 LOCAL = pvi.GradientUpdate(optax.adam(0.05), num_steps=30, num_particles=2)
@@ -63,7 +64,8 @@ def flower_run():
 
 
 def run_flower():
-    """One Flower simulation: 4 virtual sites, each loading only its own groups (Ray actors on this machine)."""
+    """One Flower simulation: 4 virtual sites, each loading only its own groups (Ray actors on this machine);
+    the ServerApp runs a synchronous strategy, then a sequential one, on the same sites."""
     X, y, parts = _data()
     site_data = [(np.asarray(X[p]), np.asarray(y[p])) for p in parts]
 
@@ -71,19 +73,27 @@ def run_flower():
         Xm, ym = site_data[int(context.node_config["partition-id"])]
         return (Xm,), {"y": ym}
 
-    strategy = PVIStrategy(pvi.MeanFieldGaussian(), NUM_CLIENTS, random.PRNGKey(2), pvi.Synchronous(DAMPING))
-    run_simulation(server_app(strategy, num_rounds=NUM_ROUNDS, timeout=600),
-                   client_app(intercept_model, pvi.MeanFieldGaussian(), LOCAL, load_data),
+    strategies = {"sync": PVIStrategy(pvi.MeanFieldGaussian(), NUM_CLIENTS, random.PRNGKey(2),
+                                      pvi.Synchronous(DAMPING)),
+                  "seq": PVIStrategy(pvi.MeanFieldGaussian(), NUM_CLIENTS, random.PRNGKey(4), pvi.Sequential())}
+    app = ServerApp()
+
+    @app.main()
+    def main(grid, context):
+        for strategy in strategies.values():
+            strategy.start(grid, num_rounds=NUM_ROUNDS, timeout=600)
+
+    run_simulation(app, client_app(intercept_model, pvi.MeanFieldGaussian(), LOCAL, load_data),
                    num_supernodes=NUM_CLIENTS,
                    backend_config={"init_args": {"num_cpus": 1}, "client_resources": {"num_cpus": 1}})
-    return strategy
+    return strategies
 
 
-def _in_process(*seeds):
+def _in_process(*seeds, server=None):
     """The in-process vmap runs with these seeds (one PVI: the compiled round is shared)."""
     X, y, parts = _data()
-    inference = pvi.PVI(intercept_model, pvi.MeanFieldGaussian(), parts, LOCAL, pvi.Synchronous(DAMPING),
-                        backend="vmap")
+    server = pvi.Synchronous(DAMPING) if server is None else server
+    inference = pvi.PVI(intercept_model, pvi.MeanFieldGaussian(), parts, LOCAL, server, backend="vmap")
     with warnings.catch_warnings():  # three rounds, far from converged on purpose (PVIWarning "far")
         warnings.simplefilter("ignore", pvi.PVIWarning)
         return [inference.run(random.PRNGKey(seed), NUM_ROUNDS, X, y=y, progress_bar=False) for seed in seeds]
@@ -98,16 +108,26 @@ def test_flower_matches_in_process_vmap_run(flower_run):
     Flower run whose sites never commit their local state (measured: 2.1), so the tolerance (1e-4 relative)
     separates "the same computation" from a different one by four orders of magnitude.
     """
-    state, (reference, other) = flower_run.state, _in_process(2, 3)
+    state, (reference, other) = flower_run["sync"].state, _in_process(2, 3)
     for got, want, off in zip(jax.tree.leaves((state.q, state.factors)),
                               jax.tree.leaves((reference.state.q, reference.state.factors)),
                               jax.tree.leaves((other.state.q, other.state.factors))):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
         assert np.max(np.abs(np.asarray(off) - np.asarray(want))) > 1e-2  # the seed matters: the test can fail
-    history = flower_run.history
+    history = flower_run["sync"].history
     assert history.accepted.shape == (NUM_ROUNDS, NUM_CLIENTS) and np.all(history.accepted == 1)
     np.testing.assert_allclose(history.free_energy, reference.history.free_energy, rtol=1e-4)
     np.testing.assert_allclose(history.damping, reference.history.damping)
+
+
+def test_flower_sequential_matches_in_process_sequential(flower_run):
+    """The sequential schedule (each site against the q its predecessor left) equals PVI(server=Sequential())
+    in process, with the same tolerance as above (measured: bitwise equal here too)."""
+    strategy, (reference,) = flower_run["seq"], _in_process(4, server=pvi.Sequential())
+    for got, want in zip(jax.tree.leaves((strategy.state.q, strategy.state.factors)),
+                         jax.tree.leaves((reference.state.q, reference.state.factors))):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(strategy.history.free_energy, reference.history.free_energy, rtol=1e-4)
 
 
 def test_natparams_round_trip_and_shape_check():
@@ -124,8 +144,8 @@ def test_natparams_round_trip_and_shape_check():
 def test_strategy_refuses_what_it_cannot_run():
     with pytest.raises(ValueError, match="fixed damping"):
         PVIStrategy(pvi.MeanFieldGaussian(), 4, random.PRNGKey(0), pvi.Synchronous())
-    with pytest.raises(NotImplementedError, match="Synchronous"):
-        PVIStrategy(pvi.MeanFieldGaussian(), 4, random.PRNGKey(0), pvi.Sequential())
+    with pytest.raises(NotImplementedError, match="Synchronous or pvi.Sequential"):
+        PVIStrategy(pvi.MeanFieldGaussian(), 4, random.PRNGKey(0), pvi.Asynchronous(0.5))
     with pytest.raises(ValueError, match="num_clients"):
         PVIStrategy(pvi.MeanFieldGaussian(), 0, random.PRNGKey(0), pvi.Synchronous(0.5))
 

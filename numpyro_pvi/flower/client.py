@@ -91,7 +91,7 @@ class Site:
         return _PREPARED[key]
 
     def hello(self, message: Message, context: Context) -> Message:
-        """Answer the server's first query: the site's client index and the prior's natural parameters.
+        """Answer the server's first query of a run: the site's client index and the prior's natural parameters.
 
         The prior is the model's (public, the same at every site): the server starts ``q`` from it and checks
         that every site agrees. The reply names the sites the server cannot handle (a prior not Gaussian in
@@ -99,6 +99,8 @@ class Site:
         """
         prep = self.prepare(context)
         problem = prep.problem
+        for key in (STATE, PENDING):  # a new run (of this or another strategy) starts from a fresh local state
+            context.state.pop(key, None)
         q0 = _INFERENCES[context.run_id].init(jax.random.PRNGKey(0), problem).q  # prior (and t_0): no randomness
         unsupported = {"fitted-prior-sites": ",".join(problem.rest),
                        "hyper-sites": ",".join(h.name for h in problem.sites.hyper)}

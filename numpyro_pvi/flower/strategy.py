@@ -29,21 +29,22 @@ from numpyro_pvi.families import Family, NatParams
 from numpyro_pvi.flower.wire import content_bytes, key_to_record, tree_from_record, tree_to_record
 from numpyro_pvi.merge import merge
 from numpyro_pvi.monitor import RunMonitor, q_change
-from numpyro_pvi.servers import Synchronous
+from numpyro_pvi.servers import Sequential, Synchronous
 from numpyro_pvi.state import PVIState, Rejection, RoundInfo
 
 CONNECT_POLL = 1.0  # seconds between checks for connected sites
 
 
 class PVIStrategy(Strategy):
-    """Synchronous PVI over Flower: every site updates against the same ``q`` each round (PVI-sync).
+    """PVI over Flower: synchronous rounds (every site against the same ``q``, PVI-sync) or sequential ones
+    (site after site, each against the ``q`` its predecessor left, PVI-seq).
 
     :param family: the family of ``q`` (the sites' must be the same).
     :param num_clients: the number of sites; each answers with a distinct client index ``0 .. M-1``.
-    :param rng_key: the run's random key: with the same key, data split and local update, the rounds give
-        the ``q`` of ``PVI(..., server=Synchronous(damping)).run(rng_key, ...)`` in process.
+    :param rng_key: the run's random key: with the same key, data split, local update and server, the rounds
+        give the ``q`` of ``PVI(..., server=server).run(rng_key, ...)`` in process.
     :param server: ``pvi.Synchronous(damping)`` with a fixed damping (an adaptive damping needs the global
-        ELBO, which needs all the data).
+        ELBO, which needs all the data; default ``Synchronous(1.0)``) or ``pvi.Sequential()``.
 
     After (or during) a run, ``strategy.state`` is a :class:`~numpyro_pvi.PVIState` (``q``, the factors; the
     sites' local states stay at the sites) and ``strategy.history`` the rounds' :class:`~numpyro_pvi.RoundInfo`
@@ -53,14 +54,18 @@ class PVIStrategy(Strategy):
     ``ServerApp`` from :func:`server_app`.
     """
 
-    def __init__(self, family: Family, num_clients: int, rng_key: jax.Array, server: Synchronous | None = None) -> None:
+    def __init__(self, family: Family, num_clients: int, rng_key: jax.Array,
+                 server: Synchronous | Sequential | None = None) -> None:
         server = Synchronous(1.0) if server is None else server
         if not isinstance(family, Family):
             raise TypeError(f"family must be a pvi family such as pvi.MeanFieldGaussian(), got {family!r}.")
         if not isinstance(num_clients, int) or isinstance(num_clients, bool) or num_clients < 1:
             raise ValueError(f"num_clients must be a positive integer, got {num_clients!r}.")
-        if type(server) is not Synchronous:
-            raise NotImplementedError(f"PVIStrategy runs synchronous rounds (pvi.Synchronous); got {server!r}.")
+        if type(server) not in (Synchronous, Sequential):
+            raise NotImplementedError(f"PVIStrategy runs pvi.Synchronous or pvi.Sequential rounds; got {server!r}.")
+        if getattr(server, "clients_per_round", None) is not None:  # client sampling (issue 14): not over Flower yet
+            raise NotImplementedError("PVIStrategy updates every site each round; client sampling "
+                                      "(clients_per_round) is not supported over Flower yet.")
         if isinstance(server.damping, AdaptiveDamping):
             raise ValueError("PVIStrategy needs a fixed damping, e.g. pvi.Synchronous(0.5): AdaptiveDamping follows "
                              "the global ELBO, which needs every site's data.")
@@ -93,6 +98,9 @@ class PVIStrategy(Strategy):
             raise ValueError("PVIStrategy starts q from the model's prior (reported by the sites): pass no "
                              "initial_arrays.")
         self.connect(grid, timeout)
+        if isinstance(self.server, Sequential):
+            return self._run_sequential(grid, num_rounds, timeout, ConfigRecord() if train_config is None else
+                                        train_config)
         return super().start(grid, tree_to_record(self.state.q), num_rounds, timeout, train_config, evaluate_config,
                              evaluate_fn)
 
@@ -125,72 +133,113 @@ class PVIStrategy(Strategy):
                    for p in priors):
             raise ValueError("The sites report different priors: do they run the same model and family?")
         factors = jax.tree.map(lambda x: jnp.zeros((self.num_clients,) + x.shape, x.dtype), like)
-        self.state = PVIState(priors[0], factors, like, (), None, self.rng_key)
+        self.state = PVIState(priors[0], factors, like, (), None, self.rng_key)  # a new run starts afresh
+        self.infos, self._accepted, self._monitor = [], np.zeros(self.num_clients, bool), RunMonitor(self.server)
 
-    # ------------------------------------------------------------------ Flower's Strategy interface
+    # ------------------------------------------------------------------ one round
 
-    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
-                        grid: Grid) -> Iterable[Message]:
-        """Site ``m`` gets its cavity ``q - t_m``, ``q``, its key and whether its last update was merged."""
-        state = self.state
-        round_key, _, next_key = jax.random.split(state.rng_key, 3)  # as PVI.update splits the state's key
-        self._round = {"start": time.perf_counter(), "next_key": next_key, "old_q": state.q, "down": 0}
-        q_record, messages = tree_to_record(state.q), []
-        for node, m in self.nodes.items():
+    def begin_round(self) -> None:
+        """Split the state's key as :meth:`PVI.update <numpyro_pvi.PVI.update>` does and open the round's record."""
+        round_key, _, next_key = jax.random.split(self.state.rng_key, 3)
+        m_total = self.num_clients
+        self._round = {"start": time.perf_counter(), "key": round_key, "next_key": next_key, "old_q": self.state.q,
+                       "down": 0, "up": 0, "free_energy": np.full(m_total, np.nan), "clamped": np.zeros(m_total, int),
+                       "accepted": np.zeros(m_total, int), "damping": np.zeros(m_total),
+                       "rejection": np.zeros(m_total, int), "moved": np.zeros(m_total, bool)}
+
+    def messages(self, ids: list, server_round: int, config: ConfigRecord) -> list[Message]:
+        """Site ``m`` of ``ids`` gets its cavity ``q - t_m``, ``q``, its key and whether its last update was merged."""
+        state, round_key = self.state, self._round["key"]
+        node_of = {m: node for node, m in self.nodes.items()}
+        q_record, out = tree_to_record(state.q), []
+        for m in ids:
             cavity = jax.tree.map(lambda a, f, m=m: a - f[m], state.q, state.factors)
             key, impl = key_to_record(jax.random.fold_in(round_key, m))  # as the compiled group step does
             settings = ConfigRecord({**dict(config), "server-round": server_round, "client": m, "key-impl": impl,
                                      "accepted": int(self._accepted[m])})
             content = RecordDict({"cavity": tree_to_record(cavity), "q": q_record, "key": key, "pvi": settings})
             self._round["down"] += content_bytes(content)
-            messages.append(Message(content, dst_node_id=node, message_type=MessageType.TRAIN))
-        return messages
+            out.append(Message(content, dst_node_id=node_of[m], message_type=MessageType.TRAIN))
+        return out
 
-    def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord, MetricRecord]:
-        """Merge the sites' deltas (damped, validity-backtracked; failed or silent sites rejected)."""
-        state, m_total = self.state, self.num_clients
-        like = jax.tree.map(lambda f: f[0], state.factors)
-        deltas = [jax.tree.map(lambda x: jnp.full(x.shape, jnp.nan, x.dtype), like)] * m_total
-        free_energy, clamped = np.full(m_total, np.nan), np.zeros(m_total, int)
-        failure, up = np.full(m_total, int(Rejection.TIMEOUT)), 0  # a site that does not answer timed out
+    def merge_replies(self, ids: list, replies: Iterable[Message]) -> None:
+        """Merge the replies of the sites ``ids`` (damped, validity-backtracked; failed or silent sites rejected)."""
+        like = jax.tree.map(lambda f: f[0], self.state.factors)
+        n, rec = len(ids), self._round
+        deltas = [jax.tree.map(lambda x: jnp.full(x.shape, jnp.nan, x.dtype), like)] * n
+        free_energy, failure = np.full(n, np.nan), np.full(n, int(Rejection.TIMEOUT))  # silent: timed out
+        position = {m: i for i, m in enumerate(ids)}
         for reply in replies:
             m = self.nodes[reply.metadata.src_node_id]
+            i = position[m]
             if reply.has_error():
-                failure[m] = Rejection.RAISED
+                failure[i] = Rejection.RAISED
                 continue
             metrics = reply.content.metric_records["pvi"]
-            deltas[m] = tree_from_record(reply.content.array_records["delta"], like, f"delta of client {m}")
-            free_energy[m], clamped[m], failure[m] = metrics["free-energy"], metrics["clamped"], metrics["failure"]
-            up += content_bytes(reply.content)
-        outcome = self._apply(_stack(deltas), free_energy, failure)
-        info = RoundInfo(np.nan, free_energy, np.ones(m_total, int), outcome["accepted"].astype(int),
-                         outcome["damping"], clamped, time.perf_counter() - self._round["start"],
-                         outcome["rejection"], outcome["moved"], q_change(self.family, self._round["old_q"],
-                                                                          self.state.q))
+            deltas[i] = tree_from_record(reply.content.array_records["delta"], like, f"delta of client {m}")
+            free_energy[i], failure[i] = metrics["free-energy"], metrics["failure"]
+            rec["clamped"][m] += int(metrics["clamped"])
+            rec["up"] += content_bytes(reply.content)
+        outcome = self._apply(ids, _stack(deltas), free_energy, failure)
+        rec["free_energy"][ids] = free_energy
+        for name in ("accepted", "damping", "rejection", "moved"):
+            rec[name][ids] = outcome[name]
+
+    def end_round(self) -> tuple[ArrayRecord, MetricRecord]:
+        """Record the round (:attr:`history`), warn as :meth:`PVI.run <numpyro_pvi.PVI.run>` does, move the key on."""
+        rec, m_total = self._round, self.num_clients
+        info = RoundInfo(np.nan, rec["free_energy"], np.ones(m_total, int), rec["accepted"], rec["damping"],
+                         rec["clamped"], time.perf_counter() - rec["start"], rec["rejection"], rec["moved"],
+                         q_change(self.family, rec["old_q"], self.state.q))
         self.infos.append(info)
         self._monitor.after_round(info, [])
-        self.state = self.state._replace(rng_key=self._round["next_key"])
+        self.state = self.state._replace(rng_key=rec["next_key"])
         metrics = MetricRecord({"accepted": int(info.accepted.sum()), "change": float(info.change),
-                                "bytes-down": int(self._round["down"]), "bytes-up": int(up)})
+                                "bytes-down": int(rec["down"]), "bytes-up": int(rec["up"])})
         return tree_to_record(self.state.q), metrics
 
-    def _apply(self, deltas: NatParams, free_energy: np.ndarray, failure: np.ndarray) -> dict:
-        """Merge ``deltas`` ``(M, ...)`` into the state; per client: accepted, damping, rejection, moved."""
+    def _apply(self, ids: list, deltas: NatParams, free_energy: np.ndarray, failure: np.ndarray) -> dict:
+        """Merge ``deltas`` (stacked over ``ids``) into the state; per client: accepted, damping, rejection, moved."""
         finite = np.isfinite(free_energy) & (failure == 0)
-        moved = np.zeros(self.num_clients, bool)
+        moved = np.zeros(len(ids), bool)
         for leaf in jax.tree.leaves(deltas):
-            flat = np.asarray(leaf).reshape(self.num_clients, -1)
+            flat = np.asarray(leaf).reshape(len(ids), -1)
             finite &= np.all(np.isfinite(flat), axis=1)
             moved |= np.any(flat != 0, axis=1)
         state = self.state
-        merged = self._merge(state.q, state.factors, jnp.arange(self.num_clients), deltas, jnp.asarray(finite))
+        merged = self._merge(state.q, state.factors, jnp.asarray(ids), deltas, jnp.asarray(finite))
         self.state = state._replace(q=merged.q, factors=merged.factors)
         accepted = finite & bool(merged.valid)
         rejection = np.select([failure > 0, ~finite, ~accepted], [failure, Rejection.NON_FINITE, Rejection.INVALID],
                               Rejection.NONE)
-        self._accepted = accepted
-        return {"accepted": accepted, "damping": float(merged.damping) * accepted, "rejection": rejection,
+        self._accepted[ids] = accepted
+        return {"accepted": accepted.astype(int), "damping": float(merged.damping) * accepted, "rejection": rejection,
                 "moved": moved & accepted}
+
+    def _run_sequential(self, grid: Grid, num_rounds: int, timeout: float, config: ConfigRecord) -> Result:
+        """Sequential rounds: site after site, each against the ``q`` its predecessor left (PVI-seq)."""
+        result = Result()
+        for server_round in range(1, num_rounds + 1):
+            self.begin_round()
+            for m in range(self.num_clients):
+                self.merge_replies([m], grid.send_and_receive(self.messages([m], server_round, config),
+                                                              timeout=timeout))
+            result.arrays, result.train_metrics_clientapp[server_round] = self.end_round()
+            log(INFO, "[ROUND %s/%s] %s", server_round, num_rounds, result.train_metrics_clientapp[server_round])
+        return result
+
+    # ------------------------------------------------------------------ Flower's Strategy interface
+
+    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                        grid: Grid) -> Iterable[Message]:
+        """A synchronous round: every site gets its cavity against the same ``q``."""
+        self.begin_round()
+        return self.messages(list(range(self.num_clients)), server_round, config)
+
+    def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord, MetricRecord]:
+        """Merge all the sites' deltas at once (see :meth:`merge_replies`)."""
+        self.merge_replies(list(range(self.num_clients)), replies)
+        return self.end_round()
 
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                            grid: Grid) -> Iterable[Message]:
