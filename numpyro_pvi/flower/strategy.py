@@ -13,7 +13,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable
 from logging import INFO
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +22,7 @@ from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import Result, Strategy
 from flwr.supercore import log
 
+from numpyro_pvi.backends import stack
 from numpyro_pvi.checkpoint import save
 from numpyro_pvi.damping import AdaptiveDamping
 from numpyro_pvi.families import Family, NatParams
@@ -97,6 +97,8 @@ class PVIStrategy(Strategy):
         if initial_arrays is not None:
             raise ValueError("PVIStrategy starts q from the model's prior (reported by the sites): pass no "
                              "initial_arrays.")
+        if not isinstance(num_rounds, int) or isinstance(num_rounds, bool) or num_rounds < 1:
+            raise ValueError(f"num_rounds must be a positive integer, got {num_rounds!r}.")
         self.connect(grid, timeout)
         if isinstance(self.server, Sequential):
             return self._run_sequential(grid, num_rounds, timeout, ConfigRecord() if train_config is None else
@@ -180,7 +182,7 @@ class PVIStrategy(Strategy):
             free_energy[i], failure[i] = metrics["free-energy"], metrics["failure"]
             rec["clamped"][m] += int(metrics["clamped"])
             rec["up"] += content_bytes(reply.content)
-        outcome = self._apply(ids, _stack(deltas), free_energy, failure)
+        outcome = self._apply(ids, stack(deltas), free_energy, failure)
         rec["free_energy"][ids] = free_energy
         for name in ("accepted", "damping", "rejection", "moved"):
             rec[name][ids] = outcome[name]
@@ -253,10 +255,6 @@ class PVIStrategy(Strategy):
     def summary(self) -> None:
         """Log the configuration (Flower calls this when the run starts)."""
         log(INFO, "\t└──> PVIStrategy: %s, %d sites, %r", type(self.family).__name__, self.num_clients, self.server)
-
-
-def _stack(trees: list) -> Any:
-    return jax.tree.map(lambda *xs: jnp.stack(xs), *trees)
 
 
 def server_app(strategy: PVIStrategy, num_rounds: int | None = None, timeout: float = 3600,
