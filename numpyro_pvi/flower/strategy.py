@@ -47,8 +47,9 @@ class PVIStrategy(Strategy):
         ELBO, which needs all the data; default ``Synchronous(1.0)``) or ``pvi.Sequential()``.
 
     After (or during) a run, ``strategy.state`` is a :class:`~numpyro_pvi.PVIState` (``q``, the factors; the
-    sites' local states stay at the sites) and ``strategy.history`` the rounds' :class:`~numpyro_pvi.RoundInfo`
-    (``elbo`` is NaN: the server cannot evaluate it without data).
+    sites' local states stay at the sites), ``strategy.history`` the rounds' :class:`~numpyro_pvi.RoundInfo`
+    (``elbo`` is NaN: the server cannot evaluate it without data) and ``strategy.traffic`` each round's
+    ``(bytes sent to the sites, bytes received)`` as Flower counts its records.
 
     **Example:** ``strategy = PVIStrategy(pvi.MeanFieldGaussian(), 4, random.PRNGKey(0), pvi.Synchronous(0.5))``;
     ``ServerApp`` from :func:`server_app`.
@@ -73,6 +74,7 @@ class PVIStrategy(Strategy):
         self.state: PVIState | None = None
         self.nodes: dict[int, int] = {}  # Flower node id -> client index
         self.infos: list[RoundInfo] = []
+        self.traffic: list[tuple[int, int]] = []  # per round: (bytes sent to the sites, bytes received)
         self._merge = jax.jit(lambda q, factors, ids, deltas, ok: merge(family, q, factors, ids, deltas, ok,
                                                                         server.damping, server.max_backtracks))
         self._accepted, self._monitor = np.zeros(num_clients, bool), RunMonitor(server)
@@ -137,6 +139,7 @@ class PVIStrategy(Strategy):
         factors = jax.tree.map(lambda x: jnp.zeros((self.num_clients,) + x.shape, x.dtype), like)
         self.state = PVIState(priors[0], factors, like, (), None, self.rng_key)  # a new run starts afresh
         self.infos, self._accepted, self._monitor = [], np.zeros(self.num_clients, bool), RunMonitor(self.server)
+        self.traffic = []
 
     # ------------------------------------------------------------------ one round
 
@@ -194,6 +197,7 @@ class PVIStrategy(Strategy):
                          rec["clamped"], time.perf_counter() - rec["start"], rec["rejection"], rec["moved"],
                          q_change(self.family, rec["old_q"], self.state.q))
         self.infos.append(info)
+        self.traffic.append((int(rec["down"]), int(rec["up"])))
         self._monitor.after_round(info, [])
         self.state = self.state._replace(rng_key=rec["next_key"])
         metrics = MetricRecord({"accepted": int(info.accepted.sum()), "change": float(info.change),
