@@ -142,3 +142,21 @@ def test_a_numpyro_optimiser_is_refused():
 
     with pytest.raises(TypeError, match="optax"):
         _update(optimizer=Adam(1e-2))
+
+
+def _local_latent_model(X, y=None):
+    import numpyro
+    import numpyro.distributions as dist
+
+    w = numpyro.sample("w", dist.Normal(0.0, 1.0).expand([X.shape[1]]).to_event(1))
+    with pvi.partition_plate("data", X.shape[0]):
+        z = numpyro.sample("z", dist.Normal(0.0, 1.0))
+        numpyro.sample("y", dist.Normal(X @ w + z, 0.5), obs=y)
+
+
+@pytest.mark.parametrize("update", [_update(), pvi.DPLocalAveraging(pvi.GradientUpdate(optax.adam(1e-2), 10), 2,
+                                                                    1.0, 1.0)])
+def test_models_with_local_latents_are_refused(linear_data, update):
+    X, y = linear_data
+    with pytest.raises(NotImplementedError, match="does not support local latent"):
+        pvi.PVI(_local_latent_model, pvi.MeanFieldGaussian(), PARTS, update, pvi.Sequential()).build(X, y=y)
