@@ -49,14 +49,23 @@ def check_dp_arguments(name: str, clip_norm: float, noise_multiplier: float) -> 
         raise ValueError(f"{name}: noise_multiplier must be non-negative and finite, got {noise_multiplier!r}.")
 
 
+def clip_factors(grads: Any, clip_norm: float) -> jax.Array:
+    """``(rows,)`` the factors ``min(1, clip_norm / ||row||)`` that clip each row (leading axis) of the pytree
+    ``grads`` (its norm taken over all leaves) to Euclidean norm at most ``clip_norm``.
+
+    **Example:** ``clip_factors((jnp.ones((3, 4)),), 1.0)`` is ``[0.5, 0.5, 0.5]``.
+    """
+    leaves = jax.tree.leaves(grads)
+    norms = jnp.sqrt(sum(jnp.sum(leaf.reshape(leaf.shape[0], -1) ** 2, axis=1) for leaf in leaves))
+    return jnp.minimum(1.0, clip_norm / jnp.maximum(norms, 1e-30))
+
+
 def clip_rows(grads: Any, clip_norm: float) -> Any:
     """Scale each row (leading axis) of the pytree ``grads`` to Euclidean norm at most ``clip_norm``.
 
     **Example:** ``clip_rows((jnp.ones((3, 4)),), 1.0)`` gives rows of norm 1.
     """
-    leaves = jax.tree.leaves(grads)
-    norms = jnp.sqrt(sum(jnp.sum(leaf.reshape(leaf.shape[0], -1) ** 2, axis=1) for leaf in leaves))
-    factor = jnp.minimum(1.0, clip_norm / jnp.maximum(norms, 1e-30))
+    factor = clip_factors(grads, clip_norm)
     return jax.tree.map(lambda g: g * factor.reshape((-1,) + (1,) * (g.ndim - 1)), grads)
 
 
@@ -243,8 +252,9 @@ class DPGradientUpdate:
             sample_key, draw_key, noise_key = jax.random.split(rng_key, 3)
             chosen = client.mask & (jax.random.uniform(sample_key, client.mask.shape) < rate)
             eps = jax.random.normal(draw_key, (self.num_particles, dim))
-            clipped = clip_rows(row_gradients(problem, params, eps, client), clip_norm)
-            summed = jax.tree.map(lambda g: jnp.tensordot(chosen.astype(g.dtype), g, axes=1), clipped)
+            grads = row_gradients(problem, params, eps, client)
+            weights = jnp.where(chosen, clip_factors(grads, clip_norm), 0.0)  # clip and sum in one contraction
+            summed = jax.tree.map(lambda g: jnp.tensordot(weights.astype(g.dtype), g, axes=1), grads)
             noise = gaussian_noise(noise_key, summed, sd)
             return jax.tree.map(lambda s, n: (s + n) / rate, summed, noise)
 
