@@ -8,6 +8,8 @@ from numpyro_pvi.local_updates import (
     Client,
     ClientProblem,
     ClientResult,
+    DPGradientUpdate,
+    DPLocalAveraging,
     GradientUpdate,
     LocalUpdate,
     MomentMatchingUpdate,
@@ -16,6 +18,7 @@ from numpyro_pvi.local_updates import (
 )
 from numpyro_pvi.monitor import PVIWarning
 from numpyro_pvi.partition import ClientData, partition_plate, split_by_label, split_iid
+from numpyro_pvi.privacy import calibrate_noise_multiplier
 from numpyro_pvi.problem import Problem, build_problem
 from numpyro_pvi.pvi import PVI
 from numpyro_pvi.ray_backend import RayBackend
@@ -33,11 +36,14 @@ __all__ = [
     "ConcurrentRunner",
     "Problem",
     "build_problem",
+    "calibrate_noise_multiplier",
     "Continual",
     "Client",
     "ClientData",
     "ClientProblem",
     "ClientResult",
+    "DPGradientUpdate",
+    "DPLocalAveraging",
     "Family",
     "FullRankGaussian",
     "GradientUpdate",

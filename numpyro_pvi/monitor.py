@@ -7,6 +7,7 @@ round's :class:`~numpyro_pvi.RoundInfo` and issues a :class:`PVIWarning` (once p
   staleness seen and the value that would admit the updates);
 * ``q`` has not moved for :data:`STALL_ROUNDS` rounds while updates were rejected or clamped;
 * a client timed out in each of the last :data:`STALL_ROUNDS` rounds (Ray);
+* a client's next update would exceed its privacy budget (once per client: it sends nothing from then on);
 * the run ends without converging (``tol`` given) or far from it (after two rounds or more, the last
   round still moved ``q`` by more than :data:`FAR` posterior sds).
 """
@@ -58,7 +59,11 @@ class RunMonitor:
         rejection, clamped = np.asarray(info.rejection), np.asarray(info.clamped)
         # rejected, or merged as nothing because every step was clamped (a converged exact update also sends 0)
         lost = (rejection > 0) | (~np.asarray(info.moved) & (clamped > 0))
-        if attempts.any() and np.all(lost[attempts]):
+        budget = np.flatnonzero(rejection == Rejection.BUDGET)
+        for client in budget.tolist():
+            self.warn(f"budget {client}", f"Client {client} has spent its privacy budget: its next update would exceed "
+                                          "privacy_budget, so it sends nothing from now on (Rejection.BUDGET).")
+        if attempts.any() and np.all(lost[attempts]) and not np.all(rejection[attempts] == Rejection.BUDGET):
             self._nothing_merged(info, staleness)
         timed_out = rejection == Rejection.TIMEOUT
         self.timeouts = np.where(timed_out, (0 if self.timeouts is None else self.timeouts) + 1, 0)

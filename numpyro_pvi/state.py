@@ -59,6 +59,7 @@ class Rejection(IntEnum):
     INVALID = 3  # every damping tried would have left q or a cavity invalid
     TIMEOUT = 4  # the client did not answer in time, or its actor died (Ray)
     RAISED = 5  # the client's update raised an exception
+    BUDGET = 6  # the client's next release would have exceeded its privacy budget (a zero delta, nothing released)
 
 
 class RoundInfo(NamedTuple):

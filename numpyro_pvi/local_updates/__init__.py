@@ -1,6 +1,8 @@
 """How a client improves its factor ``t_m`` against its cavity: one local update per module."""
 
 from numpyro_pvi.local_updates.base import Client, ClientProblem, ClientResult, LocalUpdate
+from numpyro_pvi.local_updates.dp_averaging import DPLocalAveraging
+from numpyro_pvi.local_updates.dp_gradient import DPGradientUpdate, DPState
 from numpyro_pvi.local_updates.gradient import GradientUpdate
 from numpyro_pvi.local_updates.moment_matching import MomentMatchingUpdate
 from numpyro_pvi.local_updates.natural_gradient import NaturalGradientUpdate
@@ -10,6 +12,9 @@ __all__ = [
     "Client",
     "ClientProblem",
     "ClientResult",
+    "DPGradientUpdate",
+    "DPLocalAveraging",
+    "DPState",
     "GradientUpdate",
     "LocalUpdate",
     "MomentMatchingUpdate",

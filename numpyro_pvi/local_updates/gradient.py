@@ -56,17 +56,12 @@ class GradientUpdate:
 
     def __init__(self, optimizer: Any, num_steps: int, num_particles: int = 1, batch_size: int | None = None,
                  elbo: ELBO | None = None, average_fraction: float = 0.5) -> None:
-        if not isinstance(num_steps, int) or num_steps < 1:
-            raise ValueError(f"GradientUpdate: num_steps must be a positive integer, got {num_steps!r}.")
-        if not isinstance(num_particles, int) or isinstance(num_particles, bool) or num_particles < 1:
-            raise ValueError(f"GradientUpdate: num_particles must be a positive integer, got {num_particles!r}.")
+        check_step_arguments("GradientUpdate", num_steps, num_particles, average_fraction)
         if not isinstance(optimizer, (optax.GradientTransformation, _NumPyroOptim)):
             raise TypeError("GradientUpdate: optimizer must be an optax.GradientTransformation (e.g. "
                             f"optax.adam(1e-2)) or a numpyro.optim optimiser, got {optimizer!r}.")
         if batch_size is not None and (not isinstance(batch_size, int) or batch_size < 1):
             raise ValueError(f"GradientUpdate: batch_size must be a positive integer or None, got {batch_size!r}.")
-        if not 0.0 <= average_fraction < 1.0:
-            raise ValueError(f"GradientUpdate: average_fraction must be in [0, 1), got {average_fraction!r}.")
         self.optimizer = optimizer
         self.num_steps = num_steps
         self.batch_size = batch_size
@@ -108,11 +103,7 @@ class GradientUpdate:
                 i, key = xs
                 data, scale = (client, 1.0) if batch_size is None else problem.minibatch(key, client, batch_size)
                 svi_state, loss = svi.update(svi_state, data, scale, cavity_params, q_params, *extra)
-                # running mean of the unconstrained parameters over the last `num_average` steps
-                seen = i - (num_steps - num_average) + 1
-                weight = jnp.where(seen >= 1, 1.0 / jnp.maximum(seen, 1), 0.0)
-                params = get(svi_state.optim_state)
-                average = jax.tree.map(lambda a, p: a + weight * (p - a), average, params)
+                average = running_average(average, get(svi_state.optim_state), i, num_steps, num_average)
                 return (svi_state, average), loss
 
             xs = (jnp.arange(num_steps), jax.random.split(batch_key, num_steps))
@@ -130,6 +121,31 @@ class GradientUpdate:
             return ClientResult(q_new - q, -jnp.mean(losses[num_steps - num_average:]), new_state, 0, hyper_grad)
 
         return client_update
+
+
+def check_step_arguments(name: str, num_steps: int, num_particles: int, average_fraction: float) -> None:
+    """Name a bad ``num_steps``, ``num_particles`` or ``average_fraction`` of a gradient-based update.
+
+    **Example:** ``check_step_arguments("GradientUpdate", 0, 1, 0.5)`` raises a ``ValueError``.
+    """
+    if not isinstance(num_steps, int) or isinstance(num_steps, bool) or num_steps < 1:
+        raise ValueError(f"{name}: num_steps must be a positive integer, got {num_steps!r}.")
+    if not isinstance(num_particles, int) or isinstance(num_particles, bool) or num_particles < 1:
+        raise ValueError(f"{name}: num_particles must be a positive integer, got {num_particles!r}.")
+    if not 0.0 <= average_fraction < 1.0:
+        raise ValueError(f"{name}: average_fraction must be in [0, 1), got {average_fraction!r}.")
+
+
+def running_average(average: Any, params: Any, step: jax.Array, num_steps: int, num_average: int) -> Any:
+    """Polyak averaging: the running mean of ``params`` over the last ``num_average`` of ``num_steps`` steps.
+
+    ``average`` is returned unchanged before the averaging window (step ``i`` counts from 0).
+
+    **Example:** inside a ``lax.scan`` over steps, ``average = running_average(average, params, i, 200, 100)``.
+    """
+    seen = step - (num_steps - num_average) + 1
+    weight = jnp.where(seen >= 1, 1.0 / jnp.maximum(seen, 1), 0.0)
+    return jax.tree.map(lambda a, p: a + weight * (p - a), average, params)
 
 
 def _tilted_model_and_guide(problem: ClientProblem) -> tuple[Callable, Callable]:

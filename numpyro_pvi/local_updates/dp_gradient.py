@@ -1,0 +1,261 @@
+"""``DPGradientUpdate``: the client's local free energy optimised by DP-SGD (Heikkilä et al. 2023, ``dpsgd``).
+
+Each step Poisson-subsamples the client's real rows at rate ``q = batch_size / n_m`` (a mask over the
+padded rows, so the shapes are fixed and the update ``jit``\\ s and ``vmap``\\ s over clients), takes the
+per-row gradients of the data term ``E_q[log p(y_i | zeta)]`` with ``jax.vmap``, clips each to
+``clip_norm``, sums them and adds Gaussian noise of sd ``noise_multiplier * clip_norm``; the sum is
+scaled by ``1 / q`` (the DP-SGD average times ``n_m``) to estimate the data term's gradient. The KL to
+the cavity touches no data and is added without noise. Its privacy accounting is in
+:mod:`numpyro_pvi.privacy`.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from numpyro.distributions import kl_divergence
+from numpyro.distributions.transforms import biject_to
+
+from numpyro_pvi import privacy
+from numpyro_pvi.families import NatParams
+from numpyro_pvi.local_updates.base import Client, ClientProblem, ClientResult
+from numpyro_pvi.local_updates.gradient import check_step_arguments, running_average
+from numpyro_pvi.state import Rejection
+
+
+class DPState(NamedTuple):
+    """A DP client's persistent state: ``releases``, how many updates it has released (merged) so far.
+
+    **Example:** ``int(result.state.client_states.releases[m])``.
+    """
+
+    releases: jax.Array
+    inner: Any = ()
+
+
+def check_dp_arguments(name: str, clip_norm: float, noise_multiplier: float) -> None:
+    """Name a non-positive ``clip_norm`` or a negative ``noise_multiplier``.
+
+    **Example:** ``check_dp_arguments("DPGradientUpdate", 1.0, -1.0)`` raises a ``ValueError``.
+    """
+    if not (isinstance(clip_norm, (int, float)) and 0 < clip_norm < float("inf")):
+        raise ValueError(f"{name}: clip_norm must be positive and finite, got {clip_norm!r}.")
+    if not (isinstance(noise_multiplier, (int, float)) and 0 <= noise_multiplier < float("inf")):
+        raise ValueError(f"{name}: noise_multiplier must be non-negative and finite, got {noise_multiplier!r}.")
+
+
+def clip_factors(grads: Any, clip_norm: float) -> jax.Array:
+    """``(rows,)`` the factors ``min(1, clip_norm / ||row||)`` that clip each row (leading axis) of the pytree
+    ``grads`` (its norm taken over all leaves) to Euclidean norm at most ``clip_norm``.
+
+    **Example:** ``clip_factors((jnp.ones((3, 4)),), 1.0)`` is ``[0.5, 0.5, 0.5]``.
+    """
+    leaves = jax.tree.leaves(grads)
+    norms = jnp.sqrt(sum(jnp.sum(leaf.reshape(leaf.shape[0], -1) ** 2, axis=1) for leaf in leaves))
+    return jnp.minimum(1.0, clip_norm / jnp.maximum(norms, 1e-30))
+
+
+def clip_rows(grads: Any, clip_norm: float) -> Any:
+    """Scale each row (leading axis) of the pytree ``grads`` to Euclidean norm at most ``clip_norm``.
+
+    **Example:** ``clip_rows((jnp.ones((3, 4)),), 1.0)`` gives rows of norm 1.
+    """
+    factor = clip_factors(grads, clip_norm)
+    return jax.tree.map(lambda g: g * factor.reshape((-1,) + (1,) * (g.ndim - 1)), grads)
+
+
+def gaussian_noise(rng_key: jax.Array, like: Any, sd: float) -> Any:
+    """Independent ``Normal(0, sd)`` noise shaped like the pytree ``like``.
+
+    **Example:** ``gaussian_noise(key, (loc, u), 0.5)``.
+    """
+    leaves, tree = jax.tree.flatten(like)
+    keys = jax.random.split(rng_key, len(leaves))
+    noise = [sd * jax.random.normal(key, leaf.shape, leaf.dtype) for key, leaf in zip(keys, leaves)]
+    return jax.tree.unflatten(tree, noise)
+
+
+def budget_gate(update: privacy.PrivateUpdate, budget: tuple[float, float] | None) -> Callable:
+    """``allowed(size, releases) -> bool``: whether one more release keeps the client within ``budget``.
+
+    A host callback to the accountant (under ``jit`` and ``vmap``); always true without a budget.
+
+    **Example:** ``allowed = budget_gate(update, (1.0, 1e-5))``; ``allowed(client.size, state.releases)``.
+    """
+    if budget is None:
+        return lambda size, releases: jnp.asarray(True)
+
+    @functools.cache
+    def fits(num_rows: int, num_releases: int) -> bool:
+        return privacy.within_budget(update, budget, num_rows, num_releases)
+
+    def host(size: Any, releases: Any) -> Any:
+        size, releases = np.broadcast_arrays(np.asarray(size), np.asarray(releases))
+        flat = [fits(int(n), int(r) + 1) for n, r in zip(size.ravel().tolist(), releases.ravel().tolist())]
+        return np.asarray(flat, bool).reshape(size.shape)
+
+    def allowed(size: jax.Array, releases: jax.Array) -> jax.Array:
+        return jax.pure_callback(host, jax.ShapeDtypeStruct(jnp.shape(size), bool), size, releases,
+                                 vmap_method="expand_dims")
+
+    return allowed
+
+
+def gated_result(allowed: jax.Array, delta: NatParams, free_energy: jax.Array, state: DPState,
+                 clamped: Any = 0) -> ClientResult:
+    """The client's result if ``allowed``; otherwise a zero delta with ``Rejection.BUDGET`` and no release counted.
+
+    **Example:** ``return gated_result(allowed, q_new - q, -kl, state)``.
+    """
+    delta = jax.tree.map(lambda d: jnp.where(allowed, d, jnp.zeros_like(d)), delta)
+    failure = jnp.where(allowed, 0, int(Rejection.BUDGET))
+    return ClientResult(delta, free_energy, state._replace(releases=state.releases + allowed.astype(jnp.int32)),
+                        clamped, (), failure)
+
+
+def row_gradients(problem: ClientProblem, params: tuple, eps: jax.Array, client: Client) -> tuple:
+    """Per-row gradients (``jax.vmap``) of the data term ``E_q[log p(y_i | zeta)]`` with respect to ``params``.
+
+    ``params = (loc, u)`` are the guide's unconstrained parameters (``scale = biject_to(constraint)(u)``), the
+    expectation is over ``zeta = loc + scale @ eps`` for the standard-normal draws ``eps`` ``(S, D)``, shared
+    by all rows. Each leaf gains a leading axis of the client's (padded) rows.
+
+    **Example:** ``grads = row_gradients(problem, (loc, u), eps, client)``; ``grads[0]`` is ``(rows, D)``.
+    """
+    family, is_row = problem.family, problem.is_row
+    constrain = biject_to(family.scale_constraint)
+
+    def row_term(params: tuple, arrays: list, mask: jax.Array) -> jax.Array:
+        loc, scale = params[0], constrain(params[1])
+        zeta = jax.vmap(lambda u: family.unwhiten(loc, scale, u))(eps)
+        row = Client(arrays, mask, client.size)
+        return jnp.mean(jax.vmap(lambda z: problem.log_likelihood(z, row))(zeta))
+
+    rows = [a[:, None] if row else a for a, row in zip(client.arrays, is_row)]
+    axes = [0 if row else None for row in is_row]
+    return jax.vmap(jax.grad(row_term), in_axes=(None, axes, 0))(params, rows, client.mask[:, None])
+
+
+class DPGradientUpdate:
+    """Optimise the local free energy by DP-SGD: per-row clipped, noised gradients of the data term.
+
+    Like :class:`~numpyro_pvi.GradientUpdate` (same guide parameterisation, optax optimiser, Polyak
+    averaging over the last ``average_fraction`` of the steps), but every step's data gradient is the
+    DP-SGD estimate: rows Poisson-sampled at rate ``q = min(1, batch_size / n_m)``, each row's gradient
+    (``jax.vmap``) clipped to ``clip_norm``, summed, ``Normal(0, (noise_multiplier * clip_norm)^2)``
+    added per coordinate, divided by ``q``. The KL to the cavity (no data) is exact. One release per
+    client visit: ``num_steps`` subsampled Gaussian mechanisms (:func:`numpyro_pvi.privacy.dp_sgd_event`).
+
+    The cost of a step is one per-row gradient for every padded row (Poisson sampling under fixed
+    shapes), whatever ``batch_size``. The reported ``free_energy`` is ``-KL(q_new || cavity)`` only: the
+    data term would leak, and is not released. With ``privacy_budget=(epsilon, delta)``, a client whose
+    next release would spend more returns a zero delta and :attr:`Rejection.BUDGET
+    <numpyro_pvi.Rejection>`. Models with local latent variables or hyperparameters are not supported.
+
+    :param optimizer: an ``optax.GradientTransformation``.
+    :param int num_steps: DP-SGD steps per client visit.
+    :param int batch_size: expected rows per step (sampling rate ``batch_size / n_m``).
+    :param float clip_norm: ``C``, the bound on each row's gradient norm.
+    :param float noise_multiplier: ``sigma``: the noise sd is ``sigma * C``.
+    :param int num_particles: draws of ``zeta`` per step (shared by the rows).
+    :param float average_fraction: Polyak-average the parameters over this last fraction of the steps.
+    :param privacy_budget: ``(epsilon, delta)`` each client may spend over the run, or ``None``.
+
+    **Example:**
+
+    .. doctest::
+
+        >>> import optax, numpyro_pvi as pvi
+        >>> update = pvi.DPGradientUpdate(optax.adam(1e-2), num_steps=100, batch_size=20, clip_norm=5.0,
+        ...                               noise_multiplier=1.0, privacy_budget=(2.0, 1e-5))
+    """
+
+    supports_local_latents = False
+    supports_hyperparameters = False
+
+    def __init__(self, optimizer: optax.GradientTransformation, num_steps: int, batch_size: int, clip_norm: float,
+                 noise_multiplier: float, num_particles: int = 1, average_fraction: float = 0.5,
+                 privacy_budget: tuple[float, float] | None = None) -> None:
+        check_step_arguments("DPGradientUpdate", num_steps, num_particles, average_fraction)
+        if not isinstance(optimizer, optax.GradientTransformation):
+            raise TypeError(f"DPGradientUpdate: optimizer must be an optax.GradientTransformation, got {optimizer!r}.")
+        if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+            raise ValueError(f"DPGradientUpdate: batch_size must be a positive integer, got {batch_size!r}.")
+        check_dp_arguments("DPGradientUpdate", clip_norm, noise_multiplier)
+        self.privacy_budget = privacy.check_budget(privacy_budget, "DPGradientUpdate")
+        if self.privacy_budget is not None and noise_multiplier == 0:
+            raise ValueError("DPGradientUpdate: a privacy_budget needs noise_multiplier > 0 (no noise spends "
+                             "an infinite epsilon).")
+        self.optimizer, self.num_steps, self.batch_size = optimizer, num_steps, batch_size
+        self.clip_norm, self.noise_multiplier = float(clip_norm), float(noise_multiplier)
+        self.num_particles = num_particles
+        self.num_average = max(1, int(round(average_fraction * num_steps)))
+
+    def sampling_rate(self, num_rows: int) -> float:
+        """``min(1, batch_size / num_rows)``: the Poisson sampling rate for a client of ``num_rows`` rows."""
+        return min(1.0, self.batch_size / max(int(num_rows), 1))
+
+    def dp_event(self, num_rows: int, num_releases: int) -> Any:
+        """The ``DpEvent`` of ``num_releases`` releases of a client of ``num_rows`` rows."""
+        return privacy.dp_sgd_event(self.sampling_rate(num_rows), self.noise_multiplier,
+                                    self.num_steps * num_releases)
+
+    def init_state(self, problem: ClientProblem) -> DPState:
+        """No release yet."""
+        return DPState(jnp.zeros((), jnp.int32))
+
+    def bind(self, problem: ClientProblem) -> Callable:
+        """Return the pure ``client_update(rng_key, client, cavity, q, state, hyper=()) -> ClientResult``."""
+        family, optimizer = problem.family, self.optimizer
+        constrain = biject_to(family.scale_constraint)
+        num_steps, num_average, allowed = self.num_steps, self.num_average, budget_gate(self, self.privacy_budget)
+        data_gradient = self.data_gradient(problem)
+
+        def client_update(rng_key: jax.Array, client: Client, cavity: NatParams, q: NatParams,
+                          state: DPState, hyper: Any = ()) -> ClientResult:
+            cavity_dist = family.distribution(*family.loc_scale(cavity))
+            loc, scale = family.loc_scale(q)
+            params = (loc, constrain.inv(scale))
+            rate = jnp.minimum(1.0, self.batch_size / jnp.maximum(client.size, 1))
+
+            def kl(params: tuple) -> jax.Array:
+                return kl_divergence(family.distribution(params[0], constrain(params[1])), cavity_dist)
+
+            def step(carry: tuple, xs: tuple) -> tuple:
+                params, opt_state, average = carry
+                i, key = xs
+                grad = jax.tree.map(jnp.subtract, jax.grad(kl)(params), data_gradient(key, params, client, rate))
+                updates, opt_state = optimizer.update(grad, opt_state, params)
+                params = optax.apply_updates(params, updates)
+                return (params, opt_state, running_average(average, params, i, num_steps, num_average)), None
+
+            xs = (jnp.arange(num_steps), jax.random.split(rng_key, num_steps))
+            (_, _, average), _ = jax.lax.scan(step, (params, optimizer.init(params), params), xs)
+            q_new = family.from_loc_scale(average[0], constrain(average[1]))
+            return gated_result(allowed(client.size, state.releases), q_new - q, -kl(average), state)
+
+        return client_update
+
+    def data_gradient(self, problem: ClientProblem) -> Callable:
+        """``(key, params, client, rate) -> gradient``: one DP-SGD estimate of the data term's gradient.
+
+        **Example:** ``grad = update.data_gradient(problem)(key, (loc, u), client, 0.1)``.
+        """
+        dim, clip_norm, sd = problem.dim, self.clip_norm, self.noise_multiplier * self.clip_norm
+
+        def gradient(rng_key: jax.Array, params: tuple, client: Client, rate: jax.Array) -> tuple:
+            sample_key, draw_key, noise_key = jax.random.split(rng_key, 3)
+            chosen = client.mask & (jax.random.uniform(sample_key, client.mask.shape) < rate)
+            eps = jax.random.normal(draw_key, (self.num_particles, dim))
+            grads = row_gradients(problem, params, eps, client)
+            weights = jnp.where(chosen, clip_factors(grads, clip_norm), 0.0)  # clip and sum in one contraction
+            summed = jax.tree.map(lambda g: jnp.tensordot(weights.astype(g.dtype), g, axes=1), grads)
+            noise = gaussian_noise(noise_key, summed, sd)
+            return jax.tree.map(lambda s, n: (s + n) / rate, summed, noise)
+
+        return gradient
