@@ -23,8 +23,8 @@ NOTEBOOKS = sorted(p.stem for p in (ROOT / "notebooks").glob("*.ipynb"))
 
 def _newest_source() -> float:
     sources = [ROOT / "mkdocs.yml", *(ROOT / "docs").rglob("*"), *(ROOT / "notebooks").glob("*.ipynb"),
-               *(ROOT / "numpyro_pvi").rglob("*.py")]
-    return max(p.stat().st_mtime for p in sources if p.is_file())
+               *(ROOT / "numpyro_pvi").rglob("*.py"), *(ROOT / "examples").glob("*.py")]
+    return max(p.stat().st_mtime for p in sources if p.is_file() and "__pycache__" not in p.parts)
 
 
 @pytest.fixture(scope="module")

@@ -2,8 +2,8 @@
 
 Every notebook is executed (``nbclient``, in its fast setting unless ``PVI_FULL=1``) into
 ``.cache/notebooks/``; a notebook that raises fails the build, so the site never shows stale or broken
-output. An executed notebook is reused while neither it nor the library's sources (``numpyro_pvi/``)
-nor ``PVI_FULL`` changed. The executed notebooks become the pages ``notebooks/<name>.ipynb`` (rendered by
+output. An executed notebook is reused while neither it nor the library's sources (``numpyro_pvi/``,
+``examples/``) nor ``PVI_FULL`` changed. The executed notebooks become the pages ``notebooks/<name>.ipynb`` (rendered by
 ``mkdocs-jupyter``, which does not execute them again), and the first figure of every cell tagged
 ``gallery-<slug>`` becomes ``gallery/<slug>.png`` for ``gallery.md``.
 
@@ -40,7 +40,7 @@ _figures: dict[str, Path] = {}  # gallery slug -> png
 def _key(path: Path) -> str:
     """A hash of the notebook, the library's sources and the setting: an executed copy is valid while it holds."""
     digest = hashlib.sha256(path.read_bytes())
-    for source in sorted((ROOT / "numpyro_pvi").rglob("*.py")):
+    for source in sorted([*(ROOT / "numpyro_pvi").rglob("*.py"), *(ROOT / "examples").glob("*.py")]):
         digest.update(source.read_bytes())
     digest.update(os.environ.get("PVI_FULL", "0").encode())
     return digest.hexdigest()[:16]
