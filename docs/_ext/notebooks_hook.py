@@ -97,6 +97,8 @@ def on_pre_build(config: dict) -> None:
     if os.environ.get("PVI_DOCS_EXECUTE", "1") == "0":
         _executed.update({p.stem: _newest_copy(p) for p in notebooks})
     else:
+        # the kernels import this checkout's numpyro_pvi, whatever version is installed
+        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
         with ThreadPoolExecutor(max_workers=2) as pool:  # one kernel per notebook: two run at once
             _executed.update(zip((p.stem for p in notebooks), pool.map(_execute, notebooks)))
     for name, path in _executed.items():
