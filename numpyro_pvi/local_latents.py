@@ -121,6 +121,8 @@ def pooled_order(sizes: Any, partitions: Any) -> np.ndarray:
 
     ``partitions`` are the index arrays of ``PVI(partitions=...)`` (``None`` for one client); with
     ``ClientData`` the pooled order is client 0's rows, then client 1's, ...
+
+    **Example:** ``pooled_order([2, 1], [np.array([2, 0]), np.array([1])])`` is ``array([2, 0, 1])``.
     """
     if partitions is None or isinstance(partitions, ClientData):
         return np.arange(int(np.sum(sizes)))
@@ -128,7 +130,10 @@ def pooled_order(sizes: Any, partitions: Any) -> np.ndarray:
 
 
 def pooled_local(sites: ModelSites, client_states: dict, sizes: Any, order: np.ndarray) -> dict:
-    """Every client's guide parameters gathered in pooled row order: site -> ``(loc, scale)`` over all rows."""
+    """Every client's guide parameters gathered in pooled row order: site -> ``(loc, scale)`` over all rows.
+
+    **Example:** ``pooled_local(sites, state.client_states, problem.sizes, pooled_order(problem.sizes, parts))``.
+    """
     rows = np.argsort(order, kind="stable")
     out = {}
     for site in sites.locals:

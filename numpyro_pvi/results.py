@@ -49,6 +49,9 @@ def make_guide(problem: Problem, family: Any, state: PVIState, client: int | Non
     every client's rows in the pooled data's order (``partitions``: the index arrays of
     ``PVI(partitions=...)``; with ``ClientData``, client 0's rows then client 1's, ...). Given ``model``,
     a call whose partition plate does not have those rows raises ``ValueError``.
+
+    **Example:** ``Predictive(model, guide=make_guide(problem, family, state, model=model), num_samples=100)``
+    (what ``result.guide()`` returns).
     """
     sites, q_dist = problem.sites, family.to_dist(state.q)
     local, rows = {}, 0
@@ -79,8 +82,9 @@ def _check_rows(model: Callable, plate: str, rows: int, who: str, args: tuple, k
     if size != rows:
         raise ValueError(f"This guide draws the local latent sites of {who}: {rows} rows of partition plate "
                          f"'{plate}', but it was called on data with {size} rows. Call Predictive with those data "
-                         "(result.guide(client=m) for client m's rows); local latents of new rows have no "
-                         "posterior: draw them from the prior with a model call without this guide's local sites.")
+                         "(result.guide(client=m) for client m's rows). New rows have no posterior guide: "
+                         "Predictive(model, posterior_samples=result.sample_posterior(key, n)) draws their local "
+                         "latents from the prior.")
 
 
 def hyperparameters(problem: Problem, state: PVIState) -> dict:

@@ -102,3 +102,24 @@ def test_to_arviz_has_the_deterministic_sites(result):
         summary = az.summary(idata, var_names=["tau_sq", "theta"])
     assert list(summary.index) == ["tau_sq"] + [f"theta[{i}]" for i in range(8)]
     assert np.all(np.abs(summary["r_hat"] - 1) < 0.02)  # independent draws: r_hat 1 up to MC noise
+
+
+def test_federated_clients_pooled_order_is_client_by_client():
+    """With ``ClientData`` there are no pooled data: the guide's rows and ``to_arviz``'s are client 0's, then
+    client 1's, ... (here the schools in the order PARTS lists them)."""
+    order = np.concatenate(PARTS)
+    clients = pvi.ClientData([((SIGMA[p],), {"y": Y[p]}) for p in PARTS])
+    update = pvi.GradientUpdate(optax.adam(5e-2), num_steps=100, num_particles=2)
+    result = pvi.PVI(schools, pvi.MeanFieldGaussian(), clients, update, pvi.Sequential()).run(
+        random.PRNGKey(0), 2, progress_bar=False)
+    drawn = Predictive(schools, guide=result.guide(), num_samples=NUM_DRAWS, return_sites=["theta_raw"])(
+        random.PRNGKey(1), SIGMA[order])["theta_raw"]
+    for m in range(len(PARTS)):
+        own = result.sample_posterior(random.PRNGKey(10 + m), NUM_DRAWS, client=m)["theta_raw"]
+        ok, se = within_mc_error(np.asarray(drawn[:, 2 * m:2 * m + 2]), np.asarray(own))
+        assert ok.all(), (m, se)
+    idata = result.to_arviz(num_samples=400)
+    np.testing.assert_array_equal(idata.constant_data["client"], [0, 0, 1, 1, 2, 2, 3, 3])
+    np.testing.assert_allclose(idata.posterior["theta"],
+                               idata.posterior["mu"] + idata.posterior["tau"] * idata.posterior["theta_raw"],
+                               rtol=1e-4, atol=1e-4)
