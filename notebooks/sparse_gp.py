@@ -17,7 +17,7 @@
 # # Streaming sparse GP regression
 #
 # Bui et al. (2018, section 6) fit a sparse Gaussian process to data that arrive in batches. This
-# notebook runs `examples/sparse_gp.py` (explained on the [sparse GP page](../examples/sparse_gp.md)):
+# notebook runs `examples/sparse_gp.py` (explained on the docs' [sparse GP page](../../examples/sparse_gp/)):
 # a 1-D regression problem whose sorted inputs are split into contiguous client batches, the
 # whitened inducing outputs $v$ as the global site, and the RBF kernel's hyperparameters as
 # `numpyro.param` sites learned by PVI's server. PVI's predictive is compared with the exact GP's at
@@ -31,6 +31,9 @@ import importlib.util
 import os
 import pathlib
 import tempfile
+import warnings
+
+warnings.filterwarnings("ignore", message="IProgress not found")  # tqdm.auto without ipywidgets
 
 from IPython.display import Image, display
 
