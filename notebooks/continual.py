@@ -196,7 +196,7 @@ for k in range(len(TASKS)):
 # The average test accuracy over the tasks seen so far, after each task, and the accuracy on each
 # task at the end.
 
-# %%
+# %% tags=["gallery-continual"]
 fig, (ax_avg, ax_final) = plt.subplots(1, 2, figsize=(10, 3.6), constrained_layout=True)
 seen = np.arange(1, len(TASKS) + 1)
 ax_avg.plot(seen, np.nanmean(pvi_accuracy, 1), "o-", label="VCL: pvi.Continual()")

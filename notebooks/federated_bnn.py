@@ -298,7 +298,7 @@ table = pd.DataFrame([{"method": name, "test accuracy": accuracy, "test log-lik"
                       for name, (accuracy, log_lik) in scores.items()]).set_index("method")
 table.round(3)
 
-# %%
+# %% tags=["gallery-federated-bnn"]
 fig, ax = plt.subplots(figsize=(8, 3.6), constrained_layout=True)
 order = [name for name in ["global VI", "PVI sequential, iid", "PVI synchronous, iid", "local-only, iid",
                            "PVI sequential, non-iid", "PVI synchronous, non-iid", "local-only, non-iid"]

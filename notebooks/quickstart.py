@@ -119,7 +119,7 @@ print(f"rejected client updates: {int(result.history.num_rejected.sum())}")
 # `result.history` records every round: the global ELBO and each client's local free energy
 # $F_m(q) = \mathbb{E}_q[\log p(y_m\mid\theta)] - \mathrm{KL}(q\,\|\,q_{\setminus m})$.
 
-# %%
+# %% tags=["gallery-history"]
 fig = plot_history(result)
 
 # %% [markdown]
@@ -178,7 +178,7 @@ table.round(3)
 # strongly correlated and a mean-field Gaussian cannot represent the resulting posterior correlations;
 # their predictions are as good as NUTS's.
 
-# %%
+# %% tags=["gallery-posterior-comparison"]
 fig = plot_compare(samples, sites={"w": range(7), "b": [0]}, max_panels=8)
 
 # %% [markdown]
@@ -205,7 +205,7 @@ axes = az.plot_forest([idata, az.from_numpyro(mcmc)], model_names=["PVI", "NUTS"
 # bars split q's precision into the prior's share and each client's: with an iid split every client
 # holds about a tenth.
 
-# %%
+# %% tags=["gallery-clients"]
 fig = plot_clients(result, sites={"w": [0, 1, 2], "b": [0]})
 
 # %% [markdown]

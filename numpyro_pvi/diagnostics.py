@@ -13,7 +13,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from numpyro_pvi.partition import ClientData
+from numpyro_pvi.local_latents import pooled_order
 
 #: ``RoundInfo`` fields stored in ``sample_stats``, with their per-round dimensions.
 HISTORY_DIMS = {
@@ -118,52 +118,86 @@ def _inference_groups(result: Any, num_samples: int, num_chains: int, rng_key: j
 
 def _posterior_groups(result: Any, num_samples: int, num_chains: int, rng_key: jax.Array | None,
                       coords: dict | None, dims: dict | None, attrs: dict) -> dict:
-    """The ``posterior`` group (global and local draws) and, with local sites, ``constant_data``."""
+    """The ``posterior`` group (global, local and deterministic draws) and, with per-row sites, ``constant_data``."""
     import arviz as az
     import xarray as xr
 
     rng_key = jax.random.PRNGKey(0) if rng_key is None else rng_key
     # in model order (a pytree operation such as jax.device_get would sort the dict's keys)
     samples = {name: np.asarray(value) for name, value in result.sample_posterior(rng_key, num_samples).items()}
-    local, local_dims, client_of_row, row_index = _local_draws(result, jax.random.fold_in(rng_key, 1), num_samples)
-    samples.update(local)
-    dims = {**local_dims, **(dims or {})}
-    if local:
-        coords = {result.sites.plate: row_index, **(coords or {})}
+    per_client = _client_draws(result, jax.random.fold_in(rng_key, 1), num_samples)
+    order = pooled_order(result.problem.sizes, result.inference.partitions)
+    rows = np.argsort(order, kind="stable")
+    row_axes = {site.name: site.row_axis for site in result.sites.locals}
+    deterministic, det_axes = _deterministic_draws(result, samples, per_client, jax.random.fold_in(rng_key, 2))
+    row_axes.update(det_axes)
+    per_row = {}
+    for name, axis in row_axes.items():
+        clients = deterministic[name] if name in det_axes else [c[name] for c in per_client]
+        per_row[name] = np.take(np.concatenate([np.asarray(c) for c in clients], axis=axis), rows, axis=axis)
+    samples.update({name: value for name, value in deterministic.items() if name not in row_axes})
+    samples.update(per_row)
+    plate = result.sites.plate
+    dims = {**{name: [plate if k - np.ndim(per_row[name]) == axis else f"{name}_dim_{k - 1}"
+                      for k in range(1, np.ndim(per_row[name]))] for name, axis in row_axes.items()}, **(dims or {})}
+    if per_row:
+        coords = {plate: order[rows], **(coords or {})}
     draws = num_samples // num_chains
     posterior = {name: np.asarray(value).reshape((num_chains, draws) + np.shape(value)[1:])
                  for name, value in samples.items()}
     groups = {"posterior": az.dict_to_dataset(posterior, library=None, coords=coords, dims=dims, attrs=attrs)}
-    if local:
-        plate = result.sites.plate
-        groups["constant_data"] = xr.Dataset({"client": ((plate,), client_of_row)}, coords={plate: row_index},
+    if per_row:
+        client_of_row = np.repeat(np.arange(result.num_clients), result.problem.sizes)[rows]
+        groups["constant_data"] = xr.Dataset({"client": ((plate,), client_of_row)}, coords={plate: order[rows]},
                                              attrs=attrs)
     return groups
 
 
-def _local_draws(result: Any, rng_key: jax.Array, num_samples: int) -> tuple[dict, dict, np.ndarray, np.ndarray]:
-    """Every client's local latent draws in pooled row order: ``(samples, dims, client_of_row, row_index)``."""
-    sites = result.sites
-    if not sites.locals:
-        return {}, {}, np.zeros(0, int), np.zeros(0, int)
-    inference = result.inference
-    num_clients = int(result.num_clients)
-    per_client = [jax.device_get(result.sample_posterior(jax.random.fold_in(rng_key, m), num_samples, client=m))
-                  for m in range(num_clients)]
-    client_of_row = np.concatenate([np.full(np.shape(per_client[m][sites.locals[0].name])[
-        sites.locals[0].row_axis], m) for m in range(num_clients)])
-    partitions = inference.partitions
-    index = np.arange(len(client_of_row))  # each gathered row's index in the pooled data
-    if partitions is not None and not isinstance(partitions, ClientData):
-        index = np.concatenate([np.asarray(p) for p in partitions])
-    rows = np.argsort(index, kind="stable")
-    samples, dims = {}, {}
-    for site in sites.locals:
-        gathered = np.concatenate([np.asarray(c[site.name]) for c in per_client], axis=site.row_axis)
-        samples[site.name] = np.take(gathered, rows, axis=site.row_axis)
-        ndim = len(site.shape)
-        dims[site.name] = [sites.plate if k - ndim == site.row_axis else f"{site.name}_dim_{k}" for k in range(ndim)]
-    return samples, dims, client_of_row[rows], index[rows]
+def _client_draws(result: Any, rng_key: jax.Array, num_samples: int) -> list:
+    """Every client's draws of its local latent sites (its own rows), or ``[]`` without local sites."""
+    if not result.sites.locals:
+        return []
+    return [jax.device_get(result.sample_posterior(jax.random.fold_in(rng_key, m), num_samples, client=m))
+            for m in range(int(result.num_clients))]
+
+
+def _deterministic_draws(result: Any, samples: dict, per_client: list, rng_key: jax.Array) -> tuple[dict, dict]:
+    """The ``numpyro.deterministic`` sites computed from the posterior group's draws.
+
+    Each client's model call, with the global draws and its own local draws substituted, gives every site:
+    global ones from client 0's call, per-row ones (in the partition plate) from every client's.
+
+    :return: ``(site -> draws, or a list of each client's draws for a per-row site; site -> row axis)``.
+    """
+    from numpyro import handlers
+    from numpyro.infer import Predictive
+
+    problem, model = result.problem, result.inference.model
+    client_args = [problem.split.layout.build([column[m] for column in problem.split.columns])
+                   for m in range(int(result.num_clients))]
+    params = result.hyperparameters
+    trace = handlers.trace(handlers.seed(handlers.substitute(model, params), 0)).get_trace(*client_args[0][0],
+                                                                                          **client_args[0][1])
+    sites = {name: site for name, site in trace.items() if site["type"] == "deterministic"}
+    if not sites:
+        return {}, {}
+    row_axes = {}
+    for name, site in sites.items():
+        frames = [f for f in site["cond_indep_stack"] if f.name == problem.sites.plate]
+        if frames:
+            row_axes[name] = frames[0].dim  # of the value; the draws' leading axis does not count from the right
+    out: dict = {name: [] for name in row_axes}
+    for m, (args, kwargs) in enumerate(client_args if row_axes else client_args[:1]):
+        own = {site.name: per_client[m][site.name] for site in problem.sites.locals} if per_client else {}
+        drawn = {**samples, **own}  # the posterior group's global draws, the client's own local draws
+        predictive = Predictive(model, posterior_samples=drawn, params=params, return_sites=list(sites))
+        values = predictive(jax.random.fold_in(rng_key, m), *args, **kwargs)
+        for name in sites:
+            if name in row_axes:
+                out[name].append(np.asarray(values[name]))
+            elif m == 0:
+                out[name] = np.asarray(values[name])
+    return out, row_axes
 
 
 def _history_dataset(history: Any, attrs: dict) -> Any:

@@ -22,11 +22,13 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import numpyro
 import numpyro.distributions as dist
 from numpyro.distributions import constraints
 from numpyro.distributions.transforms import IdentityTransform
 
+from numpyro_pvi.partition import ClientData
 from numpyro_pvi.sites import LocalSite, ModelSites
 
 PREFIX = "_pvi_local_"
@@ -112,3 +114,31 @@ def expected_local_elbo(elbo: Any, family: Any, local_model: Callable, sites: Mo
         return -elbo.loss(rng_key, {}, model, guide, client, family.loc_scale(q), state, hyper)
 
     return expected
+
+
+def pooled_order(sizes: Any, partitions: Any) -> np.ndarray:
+    """Where the clients' rows, concatenated in client order, sit in the pooled data.
+
+    ``partitions`` are the index arrays of ``PVI(partitions=...)`` (``None`` for one client); with
+    ``ClientData`` the pooled order is client 0's rows, then client 1's, ...
+
+    **Example:** ``pooled_order([2, 1], [np.array([2, 0]), np.array([1])])`` is ``array([2, 0, 1])``.
+    """
+    if partitions is None or isinstance(partitions, ClientData):
+        return np.arange(int(np.sum(sizes)))
+    return np.concatenate([np.asarray(p) for p in partitions])
+
+
+def pooled_local(sites: ModelSites, client_states: dict, sizes: Any, order: np.ndarray) -> dict:
+    """Every client's guide parameters gathered in pooled row order: site -> ``(loc, scale)`` over all rows.
+
+    **Example:** ``pooled_local(sites, state.client_states, problem.sizes, pooled_order(problem.sizes, parts))``.
+    """
+    rows = np.argsort(order, kind="stable")
+    out = {}
+    for site in sites.locals:
+        per_client = [own_rows(site, jax.tree.map(lambda s, m=m: s[m], client_states), int(n))
+                      for m, n in enumerate(sizes)]
+        out[site.name] = tuple(jnp.take(jnp.concatenate([c[k] for c in per_client], axis=site.row_axis), rows,
+                                        axis=site.row_axis) for k in range(2))
+    return out

@@ -221,8 +221,15 @@ class PVI:
         return state._replace(rng_key=next_key), info
 
     def run(self, rng_key: jax.Array, num_rounds: int, *args: Any, progress_bar: bool = True,
-            init_state: PVIState | None = None, tol: float | None = None, **kwargs: Any) -> PVIRunResult:
+            init_state: PVIState | PVIRunResult | None = None, tol: float | None = None,
+            init_history: RoundInfo | None = None, **kwargs: Any) -> PVIRunResult:
         """Run ``num_rounds`` rounds from ``init(rng_key, ...)`` (or ``init_state``) with a tqdm bar.
+
+        Like ``SVI.run(..., init_state=...)``, ``init_state`` continues a run (``rng_key`` is then unused:
+        the state carries its key). Given a previous :class:`PVIRunResult`, the run also continues its
+        history: ``result.history`` holds the old rounds, then the new ones. From a bare state (e.g.
+        :func:`~numpyro_pvi.load`), pass the old rounds as ``init_history``; a run resumed from a checkpoint
+        then has the uninterrupted run's history (up to the rounds' ``time``).
 
         Background work of a concurrent backend carries over between the run's rounds and is cancelled
         when the run ends: a later run never merges it. A :class:`~numpyro_pvi.PVIWarning` says when the run
@@ -239,6 +246,11 @@ class PVI:
         if not isinstance(num_rounds, (int, np.integer)) or isinstance(num_rounds, bool) or num_rounds < 1:
             raise ValueError(f"num_rounds must be a positive integer, got {num_rounds!r}.")
         problem = self._problem(args, kwargs)
+        if isinstance(init_state, PVIRunResult):
+            init_state, init_history = init_state.state, init_state.history if init_history is None else init_history
+        if init_history is not None and not isinstance(init_history, RoundInfo):
+            raise TypeError(f"init_history must be a RoundInfo (a result's history), got "
+                            f"{type(init_history).__name__}.")
         state = self.init(rng_key, problem) if init_state is None else init_state
         infos, in_flight, monitor = [], InFlight(), RunMonitor(self.server)
         try:
@@ -253,6 +265,8 @@ class PVI:
         finally:
             cancel_in_flight(problem.steps.runner, in_flight)
         history = RoundInfo(*(np.stack([np.asarray(x) for x in field]) for field in zip(*infos)))
+        if init_history is not None:
+            history = RoundInfo(*(np.concatenate([np.asarray(old), new]) for old, new in zip(init_history, history)))
         converged = monitor.at_end(infos[-1], tol, len(infos))
         return PVIRunResult(state, history, self, problem, converged)
 
@@ -317,14 +331,24 @@ class PVI:
         """The learned hyperparameters (``numpyro.param`` sites), constrained: site -> value."""
         return hyperparameters(self._latest(problem), state)
 
+    def get_params(self, state: PVIState, problem: Problem | None = None) -> dict:
+        """The model's ``numpyro.param`` values, constrained, like ``SVI.get_params`` (``{}`` if it has none).
+
+        PVI's posterior is not in params (as ``SVI``'s guide parameters are): it is :meth:`get_posterior`.
+
+        **Example:** ``Predictive(model, guide=inference.guide(state), params=inference.get_params(state))``.
+        """
+        return hyperparameters(self._latest(problem), state)
+
     def guide(self, state: PVIState, client: int | None = None, problem: Problem | None = None) -> Callable:
         """A NumPyro guide drawing the global sites from ``q``, for ``Predictive(model, guide=...)``.
 
         Pass the learned hyperparameters to the model with ``Predictive(..., params=hyperparameters)``.
-        With ``client``, the guide also draws that client's local latent sites from its private guide:
-        call ``Predictive`` with the client's own data (its rows in the order it holds them).
+        Local latent sites are drawn from the guide of the client that holds each row: call ``Predictive``
+        with the pooled data; with ``client``, only that client's rows (call it with the client's own data,
+        its rows in the order it holds them). Data with another number of rows raise ``ValueError``.
         """
-        return make_guide(self._latest(problem), self.family, state, client)
+        return make_guide(self._latest(problem), self.family, state, client, self.model, self.partitions)
 
     def _latest(self, problem: Problem | None) -> Problem:
         if problem is not None:

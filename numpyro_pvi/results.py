@@ -8,8 +8,10 @@ import jax
 import jax.numpy as jnp
 import numpyro
 import numpyro.distributions as dist
+from numpyro import handlers
 
-from numpyro_pvi.local_latents import local_distribution, own_rows, sample_local
+from numpyro_pvi.local_latents import local_distribution, own_rows, pooled_local, pooled_order, sample_local
+from numpyro_pvi.model_trace import read_shapes
 from numpyro_pvi.problem import Problem
 from numpyro_pvi.sites import ModelSites
 from numpyro_pvi.state import PVIState, RoundInfo
@@ -39,19 +41,50 @@ def sample_posterior(problem: Problem, family: Any, state: PVIState, rng_key: ja
     return samples
 
 
-def make_guide(problem: Problem, family: Any, state: PVIState, client: int | None = None) -> Callable:
-    """A NumPyro guide drawing the global sites from ``q`` (and client ``client``'s local sites)."""
+def make_guide(problem: Problem, family: Any, state: PVIState, client: int | None = None,
+               model: Callable | None = None, partitions: Any = None) -> Callable:
+    """A NumPyro guide drawing the global sites from ``q`` and every local site from its client's guide.
+
+    With ``client``, the local sites of that client's rows (call the guide with its data); without, of
+    every client's rows in the pooled data's order (``partitions``: the index arrays of
+    ``PVI(partitions=...)``; with ``ClientData``, client 0's rows then client 1's, ...). Given ``model``,
+    a call whose partition plate does not have those rows raises ``ValueError``.
+
+    **Example:** ``Predictive(model, guide=make_guide(problem, family, state, model=model), num_samples=100)``
+    (what ``result.guide()`` returns).
+    """
     sites, q_dist = problem.sites, family.to_dist(state.q)
-    local, rows = client_local(problem, state, client) if client is not None and sites.locals else (None, None)
+    local, rows = {}, 0
+    if sites.locals and client is not None:
+        own, rows = client_local(problem, state, client)
+        local = {site.name: own_rows(site, own, rows) for site in sites.locals}
+    elif sites.locals:
+        order = pooled_order(problem.sizes, partitions)
+        local, rows = pooled_local(sites, state.client_states, problem.sizes, order), len(order)
+    who = f"client {client}'s data" if client is not None else "the pooled data"
 
     def guide(*args: Any, **kwargs: Any) -> None:
+        if local and model is not None:
+            _check_rows(model, sites.plate, rows, who, args, kwargs)
         zeta = numpyro.sample("_pvi_latent", q_dist, infer={"is_auxiliary": True})
         for name, value in sites.unflatten(zeta).items():
             numpyro.sample(name, dist.Delta(value, event_dim=jnp.ndim(value)))
-        for site in sites.locals if local is not None else ():
-            numpyro.sample(site.name, local_distribution(site, *own_rows(site, local, rows)))
+        for site in sites.locals if local else ():
+            numpyro.sample(site.name, local_distribution(site, *local[site.name]))
 
     return guide
+
+
+def _check_rows(model: Callable, plate: str, rows: int, who: str, args: tuple, kwargs: dict) -> None:
+    """Raise ``ValueError`` unless ``model(*args, **kwargs)``'s partition plate has the guide's ``rows`` rows."""
+    with handlers.block():  # an abstract trace of the model, hidden from the handlers the guide runs under
+        size = int(read_shapes(model, args, kwargs, "The guide's data")[plate]["args"][0])
+    if size != rows:
+        raise ValueError(f"This guide draws the local latent sites of {who}: {rows} rows of partition plate "
+                         f"'{plate}', but it was called on data with {size} rows. Call Predictive with those data "
+                         "(result.guide(client=m) for client m's rows). New rows have no posterior guide: "
+                         "Predictive(model, posterior_samples=result.sample_posterior(key, n)) draws their local "
+                         "latents from the prior.")
 
 
 def hyperparameters(problem: Problem, state: PVIState) -> dict:
@@ -100,9 +133,13 @@ class PVIRunResult(NamedTuple):
     def guide(self, client: int | None = None) -> Callable:
         """A guide for ``numpyro.infer.Predictive(model, guide=result.guide(), num_samples=...)``.
 
-        With ``client``, it also draws that client's local latents (call ``Predictive`` with its data).
+        It draws the global sites from ``q`` and each row's local latent sites from the guide of the client
+        that holds the row: call ``Predictive`` with the pooled data (rows in the pooled order; with
+        ``ClientData``, client 0's rows then client 1's, ...). With ``client``, only that client's rows: call
+        it with the client's data. Data with another number of rows raise ``ValueError``.
         """
-        return make_guide(self.problem, self.family, self.state, client)
+        return make_guide(self.problem, self.family, self.state, client, self.inference.model,
+                          self.inference.partitions)
 
     @property
     def hyperparameters(self) -> dict:

@@ -101,3 +101,27 @@ def test_a_checkpoint_knows_what_it_was_made_for(linear_data, tmp_path):
     wider = pvi.PVI(linear_model, pvi.MeanFieldGaussian(), PARTS, update, pvi.Sequential())
     with pytest.raises(ValueError, match="was it made for another model or family"):
         wider.update(pvi.load(path), jnp.concatenate([X, X], axis=1), y=y)  # 6 coordinates, the state has 3
+
+
+def test_a_resumed_run_continues_the_history(linear_data, tmp_path):
+    """``run(init_state=state, init_history=...)`` after ``pvi.load`` (the history saved next to the checkpoint), and
+    ``run(init_state=result)``, give the uninterrupted run's history: every field but the rounds' wall ``time``."""
+    X, y = linear_data
+    update = pvi.GradientUpdate(optax.adam(1e-2), num_steps=50, num_particles=2)
+    inference = pvi.PVI(linear_model, pvi.MeanFieldGaussian(), PARTS, update, pvi.Synchronous(0.5))
+    straight = inference.run(random.PRNGKey(0), 4, X, y=y, progress_bar=False)
+    first = inference.run(random.PRNGKey(0), 2, X, y=y, progress_bar=False)
+    pvi.save(first, tmp_path / "state.npz")
+    np.savez(tmp_path / "history.npz", **first.history._asdict())
+    history = pvi.RoundInfo(**np.load(tmp_path / "history.npz"))
+    from_checkpoint = inference.run(random.PRNGKey(1), 2, X, y=y, progress_bar=False,
+                                    init_state=pvi.load(tmp_path / "state.npz"), init_history=history)
+    from_result = inference.run(random.PRNGKey(1), 2, X, y=y, progress_bar=False, init_state=first)
+    for resumed in (from_checkpoint, from_result):
+        for field in pvi.RoundInfo._fields:
+            if field != "time":
+                np.testing.assert_array_equal(getattr(resumed.history, field), getattr(straight.history, field),
+                                              err_msg=field)
+        assert resumed.history.time.shape == (4,)
+    with pytest.raises(TypeError, match="init_history must be a RoundInfo"):
+        inference.run(random.PRNGKey(1), 1, X, y=y, progress_bar=False, init_state=first.state, init_history=[1.0])

@@ -116,6 +116,12 @@ def test_hyperparameters_reach_predictive_and_checkpoints(data, tmp_path):
                         hyper_optimizer=optax.sgd(1e-3))
     result = inference.run(random.PRNGKey(0), 3, X, y=y, progress_bar=False)
     assert float(result.hyperparameters["sigma"]) < 1.0  # the data pull the noise down from its initial 1
+    # SVI.get_params' counterpart: constrained values by site (the state holds log sigma, constraints.positive)
+    params = inference.get_params(result.state)
+    assert list(params) == ["sigma"]
+    np.testing.assert_allclose(params["sigma"], jnp.exp(result.state.hyper["sigma"]), rtol=1e-6)
+    posterior = inference.get_posterior(result.state)
+    np.testing.assert_allclose(posterior.mean, result.get_posterior().mean)
     pvi.save(result.state, tmp_path / "state.npz")
     loaded = pvi.load(tmp_path / "state.npz")
     np.testing.assert_allclose(loaded.hyper["sigma"], result.state.hyper["sigma"])

@@ -1,12 +1,14 @@
 window.MathJax = {
   tex: {
-    inlineMath: [["\\(", "\\)"]],
-    displayMath: [["\\[", "\\]"]],
+    // \( \) and \[ \] from pymdownx.arithmatex; $ $ and $$ $$ in the notebooks' markdown cells
+    inlineMath: [["\\(", "\\)"], ["$", "$"]],
+    displayMath: [["\\[", "\\]"], ["$$", "$$"]],
     processEscapes: true,
     processEnvironments: true
   },
   options: {
-    ignoreHtmlClass: ".*|",
+    // the whole page (code and pre are skipped): the notebooks' markdown cells hold bare $ ... $
+    ignoreHtmlClass: "tex2jax_ignore",
     processHtmlClass: "arithmatex"
   }
 };
