@@ -20,7 +20,7 @@ from numpyro_pvi.damping import current as current_damping
 from numpyro_pvi.densities import log_prior
 from numpyro_pvi.families import NatParams
 from numpyro_pvi.local_latents import expected_local_elbo
-from numpyro_pvi.local_updates.base import Client, ClientProblem, ClientResult
+from numpyro_pvi.local_updates.base import Client, ClientProblem, ClientResult, CountsRejectedUpdates
 from numpyro_pvi.merge import is_valid_state, merge
 from numpyro_pvi.partition import ArgsLayout
 from numpyro_pvi.prior import PriorFactor
@@ -55,7 +55,7 @@ def compile_steps(inference: Any, problem: ClientProblem, layout: ArgsLayout, re
     :param rest: the global sites whose prior is not Gaussian in unconstrained space (fitted by ``t_0``).
     """
     runner = inference.backend.prepare(inference.local_update, problem)
-    apply = jax.jit(_apply_fn(inference.family, inference.server))
+    apply = jax.jit(_apply_fn(inference.family, inference.server, inference.local_update))
 
     def group_step(state: PVIState, ids: jax.Array, key: jax.Array, clients: Client, pulled: NatParams,
                    allow: jax.Array) -> tuple[PVIState, ClientOutcome]:
@@ -71,7 +71,7 @@ def compile_steps(inference: Any, problem: ClientProblem, layout: ArgsLayout, re
                  _hyper_step(inference.hyper_optimizer) if problem.has_hyper else None)
 
 
-def _apply_fn(family: Any, server: Any) -> Callable:
+def _apply_fn(family: Any, server: Any, local_update: Any) -> Callable:
     def apply(state: PVIState, ids: jax.Array, result: ClientResult, allow: jax.Array) -> tuple:
         """Merge the clients' ``result`` (stacked over ``ids``) into the state."""
         finite, moved = jnp.isfinite(result.free_energy), jnp.zeros(ids.shape, bool)
@@ -82,11 +82,12 @@ def _apply_fn(family: Any, server: Any) -> Callable:
                        current_damping(server.damping, state.damping), server.max_backtracks)
         accepted = finite & allow & merged.valid
         failure = jnp.broadcast_to(result.failure, ids.shape)
-        rejection = jnp.select([~allow, failure > 0, ~finite, ~merged.valid],
-                               [Rejection.STALE, failure, Rejection.NON_FINITE, Rejection.INVALID], Rejection.NONE)
-        client_states = jax.tree.map(
-            lambda s, new: s.at[ids].set(jnp.where(accepted.reshape((-1,) + (1,) * (new.ndim - 1)), new, s[ids])),
-            state.client_states, result.state)
+        # a client that sent nothing (timed out, raised, out of budget) says so before staleness does
+        rejection = jnp.select([failure > 0, ~allow, ~finite, ~merged.valid],
+                               [failure, Rejection.STALE, Rejection.NON_FINITE, Rejection.INVALID], Rejection.NONE)
+        kept = _kept_states(local_update, jax.tree.map(lambda s: s[ids], state.client_states), result.state,
+                            accepted, failure == 0)
+        client_states = jax.tree.map(lambda s, new: s.at[ids].set(new), state.client_states, kept)
         state = state._replace(q=merged.q, factors=merged.factors, client_states=client_states)
         damping = jnp.broadcast_to(merged.damping, ids.shape) * accepted
         clamped = jnp.broadcast_to(result.clamped, ids.shape)
@@ -94,6 +95,18 @@ def _apply_fn(family: Any, server: Any) -> Callable:
                                     moved & accepted)
 
     return apply
+
+
+def _kept_states(local_update: Any, old: Any, new: Any, accepted: jax.Array, sent: jax.Array) -> Any:
+    """The clients' states after a merge: the new state if merged, else the old one (or, for an update that
+    counts rejected updates, its ``rejected_state`` when the client did send one)."""
+    def choose(mask: jax.Array, a: jax.Array, b: jax.Array) -> jax.Array:
+        return jnp.where(mask.reshape((-1,) + (1,) * (a.ndim - 1)), a, b)
+
+    if isinstance(local_update, CountsRejectedUpdates):
+        rejected = jax.vmap(local_update.rejected_state)(old, new)
+        old = jax.tree.map(lambda r, o: choose(sent, r, o), rejected, old)
+    return jax.tree.map(lambda n, o: choose(accepted, n, o), new, old)
 
 
 def _prior_logdensity(model: Callable, sites: Any, layout: ArgsLayout) -> Callable:

@@ -66,6 +66,25 @@ def test_a_client_over_budget_sends_nothing_and_is_named_once(budget_run):
     assert not any("Every client update" in m for m in messages)  # not mistaken for a failure
 
 
+def test_updates_the_server_rejects_still_count_towards_the_budget(linear_data):
+    # max_staleness=0 with three equally fast clients: the server rejects most updates as stale, though they
+    # were sent; the budget must count them (before the fix the client's count missed them and it overspent)
+    X, y = linear_data
+    update = pvi.DPGradientUpdate(optax.adam(1e-2), num_steps=STEPS, batch_size=BATCH, clip_norm=1.0,
+                                  noise_multiplier=SIGMA, privacy_budget=(2.0, DELTA))
+    inference = pvi.PVI(linear_model, pvi.MeanFieldGaussian(), PARTS, update,
+                        pvi.Asynchronous(0.5, max_staleness=0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", pvi.PVIWarning)
+        result = inference.run(random.PRNGKey(0), ROUNDS, X, y=y, progress_bar=False)
+    codes = np.asarray(result.history.rejection)
+    assert np.sum(codes == int(pvi.Rejection.STALE)) > 0  # the server did reject sent updates
+    released = privacy.releases(result)
+    np.testing.assert_array_equal(np.asarray(result.state.client_states.releases), released)
+    assert list(released) == [0, 2, 4]  # what the budget allows (test_privacy_spent_equals_dp_accountings_epsilon)
+    assert np.all(result.privacy_spent(DELTA) <= 2.0)
+
+
 def _gaussian_exact_epsilon(sigma, delta):
     """Balle & Wang (2018): the exact epsilon of the Gaussian mechanism of noise sigma (sensitivity 1)."""
     def excess(eps):

@@ -44,6 +44,19 @@ class LocalUpdate(Protocol):
     def bind(self, problem: ClientProblem) -> Callable: ...
 
 
+@runtime_checkable
+class CountsRejectedUpdates(Protocol):
+    """A local update whose state must learn of updates the server rejected, e.g. to count what it released.
+
+    The server keeps a client's new state only when its update is merged; for a rejected update that the client
+    did send, it keeps ``rejected_state(old, new)`` instead (e.g. the old guides with the new release count).
+
+    **Example:** ``pvi.DPGradientUpdate`` counts every release towards its privacy budget, merged or not.
+    """
+
+    def rejected_state(self, old: Any, new: Any) -> Any: ...
+
+
 class Client(NamedTuple):
     """One client's data as a backend passes it: padded ``arrays``, ``(rows,)`` ``mask`` and ``size``.
 

@@ -89,6 +89,10 @@ class DPLocalAveraging:
         """The ``DpEvent`` of ``num_releases`` releases (one Gaussian mechanism each, whatever ``num_rows``)."""
         return privacy.gaussian_event(self.noise_multiplier, num_releases)
 
+    def rejected_state(self, old: DPState, new: DPState) -> DPState:
+        """A release the server rejected still counts towards the budget (it was sent)."""
+        return old._replace(releases=new.releases)
+
     def init_state(self, problem: ClientProblem) -> DPState:
         """No release yet; the wrapped update's state (which must hold no arrays)."""
         inner = self.local_update.init_state(problem)

@@ -29,7 +29,7 @@ from numpyro_pvi.state import Rejection
 
 
 class DPState(NamedTuple):
-    """A DP client's persistent state: ``releases``, how many updates it has released (merged) so far.
+    """A DP client's persistent state: ``releases``, how many updates it has released so far (merged or not).
 
     **Example:** ``int(result.state.client_states.releases[m])``.
     """
@@ -204,6 +204,10 @@ class DPGradientUpdate:
         """The ``DpEvent`` of ``num_releases`` releases of a client of ``num_rows`` rows."""
         return privacy.dp_sgd_event(self.sampling_rate(num_rows), self.noise_multiplier,
                                     self.num_steps * num_releases)
+
+    def rejected_state(self, old: DPState, new: DPState) -> DPState:
+        """A release the server rejected still counts towards the budget (it was sent)."""
+        return old._replace(releases=new.releases)
 
     def init_state(self, problem: ClientProblem) -> DPState:
         """No release yet."""
