@@ -83,6 +83,7 @@ def build_problem(inference: PVI, args: tuple, kwargs: dict, reuse: Problem | No
     **Example:** ``problem = pvi.build_problem(inference, (X,), {"y": y})`` (what ``inference.build(X, y=y)`` does).
     """
     sites, split = _read(inference, args, kwargs)
+    inference.server.check_clients(len(split.sizes))
     return _assemble(inference, sites, split, max(split.sizes), len(split.sizes), (args, kwargs), reuse)
 
 

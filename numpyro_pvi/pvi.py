@@ -194,11 +194,11 @@ class PVI:
                monitor: RunMonitor) -> tuple[PVIState, RoundInfo]:
         self._check_state(state, problem)
         start, steps, old_q = time.perf_counter(), problem.steps, state.q
-        round_key, _, next_key = jax.random.split(state.rng_key, 3)
+        round_key, sample_key, next_key = jax.random.split(state.rng_key, 3)
         rho = float(damping.current(self.server.damping, state.damping))
         if steps.prior_step is not None:
             state = steps.prior_step(state, problem.clients)
-        round = Round(steps, problem.clients, round_key, problem.num_clients, problem.capacity, in_flight)
+        round = Round(steps, problem.clients, round_key, problem.num_clients, problem.capacity, in_flight, sample_key)
         state = self.server.run_round(state, round, problem.num_clients)
         if steps.hyper_step is not None and round.hyper_grad:
             grads = state.hyper_grads

@@ -56,11 +56,13 @@ class Round:
     :param round_key: the round's random key (client ``m`` of a group gets ``fold_in(key, m)``).
     :param num_clients: the number of (real) clients; ``capacity`` the client slots of the state.
     :param in_flight: the run's background updates (a fresh one if ``None``: nothing carries over).
+    :param sample_key: the key a server draws the round's clients from (``clients_per_round``).
     """
 
     def __init__(self, steps: Steps, clients: Client, round_key: jax.Array, num_clients: int, capacity: int,
-                 in_flight: InFlight | None = None) -> None:
+                 in_flight: InFlight | None = None, sample_key: jax.Array | None = None) -> None:
         self.steps, self.clients, self.round_key = steps, clients, round_key
+        self.sample_key = jax.random.fold_in(round_key, 2**31 - 1) if sample_key is None else sample_key
         self.num_clients, self.capacity = num_clients, capacity
         self.concurrent = isinstance(steps.runner, ConcurrentRunner)
         self.in_flight = InFlight() if in_flight is None else in_flight
