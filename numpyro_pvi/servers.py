@@ -218,7 +218,8 @@ class Asynchronous(Server):
         events = self.events(int(server.round), num_clients)
         if self.sampling.active(num_clients):  # the drawn clients come online: they pull the current q
             online = self.sampling.draw(round.sample_key, num_clients)
-            events = [(t, m) for t, m in events if m in set(online.tolist())]
+            chosen = set(online.tolist())
+            events = [(t, m) for t, m in events if m in chosen]
             server = server._replace(
                 pulled=jax.tree.map(lambda p, q: p.at[online].set(q), server.pulled, state.q),
                 pulled_at=server.pulled_at.at[online].set(server.merges))

@@ -58,8 +58,12 @@ def test_k_equal_to_m_is_bitwise_no_sampling(linear_data, make):
 
 def test_client_weights_draw_only_weighted_clients(linear_data):
     server = pvi.Synchronous(0.5, clients_per_round=2, client_weights=[0.0, 1.0, 3.0, 0.0])
-    attempts = _run(server, linear_data, 4)[1].history.attempts
-    np.testing.assert_array_equal(attempts, [[0, 1, 1, 0]] * 4)
+    history = _run(server, linear_data, 4)[1].history
+    np.testing.assert_array_equal(history.attempts, [[0, 1, 1, 0]] * 4)
+    # RoundInfo counts the messages: q and the cavity down (3 + 3x3 float32 each), the delta and the free
+    # energy up; a client that did not run sent and received nothing
+    np.testing.assert_array_equal(history.bytes_received, [[0, 96, 96, 0]] * 4)
+    np.testing.assert_array_equal(history.bytes_sent, [[0, 52, 52, 0]] * 4)
 
 
 @pytest.mark.parametrize("bad, match", [(0, "at least 1"), (-2, "at least 1"), (1.5, r"\(0, 1\]"),
