@@ -126,6 +126,71 @@ def stack(split: ClientColumns, rows: int | None = None, capacity: int | None = 
     return Client(arrays, jnp.arange(rows)[None, :] < jnp.asarray(sizes)[:, None], jnp.asarray(sizes))
 
 
+class Bucket(NamedTuple):
+    """Clients of similar size stacked together: their data padded to the bucket's largest client.
+
+    :ivar clients: the bucket's clients as one :class:`Client` (a leading axis of ``len(ids)`` clients).
+    :ivar ids: ``(n,)`` the bucket's clients' ids (their slots in the state); ``-1`` for a placeholder (a
+        masked copy of a client that holds no rows, kept so that shapes grow geometrically).
+    """
+
+    clients: Client
+    ids: np.ndarray
+
+
+BUCKET_OVERHEAD = 0.1  # a bucket (a compiled shape, a vmapped call) must save this share of all rows of padding
+
+
+def buckets(split: ClientColumns, by_size: bool, rows: int | None = None, capacity: int | None = None,
+            grow: bool = False) -> tuple:
+    """The clients in :class:`Bucket` s, so that a round's work follows the rows each client holds.
+
+    With ``by_size``, clients of ``n`` rows start in the bucket of the power of two ``>= n`` and neighbouring
+    buckets are merged while a separate bucket saves less than ``BUCKET_OVERHEAD`` of all rows of padding (the
+    fewest compiled shapes for the padded rows, :func:`bucket_ranges`); each bucket is padded to its largest
+    client. One client of 9,901 rows and 99 of one row make two buckets, 9,901 rows and 99 rows, instead of
+    100 clients of 9,901 rows. Otherwise one bucket holds every client slot (``capacity``), padded to ``rows``
+    (default: the largest client), as :func:`stack` does. With ``grow`` (clients joining one by one), a
+    bucket's rows and clients are padded to powers of two, so that its shapes, and the compiled steps, change
+    only when it doubles.
+    """
+    if not by_size:
+        capacity = len(split.sizes) if capacity is None else capacity
+        return (Bucket(stack(split, rows, capacity), np.arange(capacity)),)
+    sizes = np.asarray(split.sizes)
+    bound = np.asarray([1 << (int(n) - 1).bit_length() for n in sizes])
+    units = np.unique(bound)
+    counts, largest = [int(np.sum(bound == b)) for b in units], [int(sizes[bound == b].max()) for b in units]
+    out = []
+    for lo, hi in bucket_ranges(counts, largest, BUCKET_OVERHEAD * sizes.sum()):
+        ids = np.flatnonzero((bound >= units[lo]) & (bound <= units[hi - 1]))
+        part = ClientColumns([[col[m] for m in ids] for col in split.columns], split.is_row,
+                             tuple(int(n) for n in sizes[ids]), split.layout)
+        slots = 1 << (len(ids) - 1).bit_length() if grow else len(ids)
+        out.append(Bucket(stack(part, int(units[hi - 1]) if grow else None, slots),  # placeholders: size 0, no row
+                          np.concatenate([ids, -np.ones(slots - len(ids), int)])))
+    return tuple(out)
+
+
+def bucket_ranges(counts: list, largest: list, overhead: float) -> list:
+    """Ranges ``[lo, hi)`` of the size units (ascending; ``counts[i]`` clients, the largest of ``largest[i]``
+    rows) that minimise the padded rows plus ``overhead`` per bucket (dynamic programming over the units).
+
+    **Example:** ``bucket_ranges([99, 1], [1, 9901], 1000.0)`` is ``[(0, 1), (1, 2)]``.
+    """
+    best, cut = [0.0] + [np.inf] * len(counts), [0] * (len(counts) + 1)
+    for hi in range(1, len(counts) + 1):
+        for lo in range(hi):
+            cost = best[lo] + sum(counts[lo:hi]) * largest[hi - 1] + overhead
+            if cost < best[hi]:
+                best[hi], cut[hi] = cost, lo
+    ranges, hi = [], len(counts)
+    while hi > 0:
+        ranges.append((cut[hi], hi))
+        hi = cut[hi]
+    return ranges[::-1]
+
+
 def append_client(split: ClientColumns, args: tuple, kwargs: dict, plate: str) -> ClientColumns:
     """``split`` with one more client holding ``model(*args, **kwargs)``'s data, checked like the others."""
     clients = [split.layout.build([col[m] for col in split.columns]) for m in range(len(split.sizes))]

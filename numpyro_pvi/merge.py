@@ -1,9 +1,16 @@
 """The server's merge: damped client deltas added to ``q`` and the factors, never leaving them invalid.
 
 ``q += rho * sum_m delta_m`` and ``t_m += rho * delta_m`` over the clients that sent a finite delta.
-A merge that would leave ``q`` or any cavity ``q - t_m`` invalid is retried with ``rho`` halved
+A merge that would leave ``q`` or a checked cavity ``q - t_m`` invalid is retried with ``rho`` halved
 (:func:`~numpyro_pvi.backtracking.backtrack`) and, if no halving helps, rejected as a whole: the
 server's state is never corrupted.
+
+Which cavities a merge checks depends on what checking costs. Diagonal precisions (mean-field) are
+checked elementwise, so every client's cavity is checked. Dense precisions (full rank) need one Cholesky
+per cavity, so a merge checks ``q`` and the cavities of the clients whose deltas it merges (which they use next);
+any other client's cavity is checked when that client is next visited (:mod:`numpyro_pvi.steps`), and an
+update from an invalid cavity is rejected as ``Rejection.INVALID`` without being merged. A round that
+samples 10 of 1,000 full-rank clients thus checks 10 cavities, not 1,000.
 """
 
 from __future__ import annotations
@@ -26,13 +33,22 @@ class Merged(NamedTuple):
     valid: jax.Array
 
 
-def is_valid_state(family: Family, q: NatParams, factors: NatParams) -> jax.Array:
-    """Whether ``q`` and every cavity ``q - t_m`` (``factors`` stacked ``(M, ...)``) are valid.
+def is_valid_state(family: Family, q: NatParams, factors: NatParams, ids: jax.Array | None = None,
+                   where: jax.Array | None = None) -> jax.Array:
+    """Whether ``q`` and the cavities ``q - t_m`` of the clients ``ids`` (default: every client; ``factors``
+    stacked ``(M, ...)``) are valid; with ``where`` (one flag per id), only those cavities count.
 
     **Example:** ``is_valid_state(pvi.MeanFieldGaussian(), state.q, state.factors)``
     """
-    cavities = jax.tree.map(lambda a, f: a[None] - f, q, factors)
-    return family.is_valid(q) & jnp.all(jax.vmap(family.is_valid)(cavities))
+    chosen = factors if ids is None else jax.tree.map(lambda f: f[ids], factors)
+    cavities = jax.tree.map(lambda a, f: a[None] - f, q, chosen)
+    valid = jax.vmap(family.is_valid)(cavities)
+    return family.is_valid(q) & jnp.all(valid if where is None else valid | ~where)
+
+
+def checks_every_cavity(factors: NatParams) -> bool:
+    """Whether a merge checks every client's cavity: when the precisions are diagonal (elementwise checks)."""
+    return factors.eta2.ndim == factors.eta1.ndim
 
 
 def merge(family: Family, q: NatParams, factors: NatParams, ids: jax.Array, deltas: NatParams,
@@ -43,15 +59,19 @@ def merge(family: Family, q: NatParams, factors: NatParams, ids: jax.Array, delt
     :param finite: ``(G,)`` which deltas to merge (finite and allowed); the others are dropped.
     :param damping: the largest ``rho`` tried; it is halved up to ``max_backtracks`` times.
 
+    Checks ``q`` and every cavity when the precisions are diagonal, else ``q`` and the cavities of ``ids``
+    (see the module docstring).
+
     **Example:** ``merged = merge(family, state.q, state.factors, jnp.array([0, 1]), deltas, ok, 0.5, 5)``
     """
     deltas = jax.tree.map(lambda d: jnp.where(_expand(finite, d), d, 0.0), deltas)
     total = jax.tree.map(lambda d: jnp.sum(d, axis=0), deltas)
+    checked, where = (None, None) if checks_every_cavity(factors) else (ids, finite)
 
     def propose(rho: jax.Array) -> tuple:
         q_new = q + rho * total
         f_new = jax.tree.map(lambda f, d: f.at[ids].add(rho * d), factors, deltas)
-        return (q_new, f_new), is_valid_state(family, q_new, f_new)
+        return (q_new, f_new), is_valid_state(family, q_new, f_new, checked, where)
 
     out = backtrack(propose, damping, max_backtracks)
     q_new, f_new = out.value

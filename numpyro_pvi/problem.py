@@ -11,13 +11,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from numpyro_pvi.clients import ClientColumns, append_client, split_client_data, split_pooled, stack
+from numpyro_pvi.backends import VmapBackend
+from numpyro_pvi.clients import ClientColumns, append_client, buckets, split_client_data, split_pooled, stack
 from numpyro_pvi.densities import local_model, log_likelihood
 from numpyro_pvi.families import NatParams
 from numpyro_pvi.local_updates.base import Client, ClientProblem
@@ -34,8 +36,10 @@ class Problem:
     """A model and its data, read, split over clients, stacked and compiled (immutable).
 
     :ivar sites: the model's sites (local sites with a padded client's shapes).
-    :ivar clients: every client's data as one :class:`~numpyro_pvi.Client` with a leading axis of
-        ``capacity`` client slots; rows padded to the largest client (copies of a real row, masked).
+    :ivar buckets: the clients' data in :class:`~numpyro_pvi.clients.Bucket` s of similar sizes (each a stacked
+        :class:`~numpyro_pvi.Client`, rows padded with copies of a real row and masked): by size with the
+        ``"vmap"`` backend and no local latent sites, so a round costs what the clients' rows cost; else one
+        bucket of every client slot, padded to the largest client.
     :ivar split: the clients' unpadded data (:class:`~numpyro_pvi.clients.ClientColumns`).
     :ivar client_problem: what a local update needs (:class:`~numpyro_pvi.ClientProblem`).
     :ivar prior: natural parameters of the exact Gaussian part of the prior.
@@ -51,13 +55,14 @@ class Problem:
     """
 
     sites: ModelSites
-    clients: Client
+    buckets: tuple
     split: ClientColumns
     client_problem: ClientProblem
     prior: NatParams
     rest: tuple
     steps: Steps
     signature: tuple
+    slots: int
     source: tuple = ()
     configuration: dict = field(default_factory=dict)
 
@@ -73,8 +78,21 @@ class Problem:
 
     @property
     def capacity(self) -> int:
-        """Client slots in ``clients`` and in the state (at least ``num_clients``)."""
-        return int(self.clients.mask.shape[0])
+        """Client slots in the state (at least ``num_clients``)."""
+        return self.slots
+
+    @property
+    def rows(self) -> int:
+        """The padded rows of the largest bucket."""
+        return max(int(b.clients.mask.shape[1]) for b in self.buckets)
+
+    @cached_property
+    def clients(self) -> Client:
+        """Every client's data as one :class:`~numpyro_pvi.Client` with a leading axis of ``capacity`` client
+        slots, rows padded to the largest client (built on first use when the clients are bucketed by size)."""
+        if len(self.buckets) == 1 and np.array_equal(self.buckets[0].ids, np.arange(self.capacity)):
+            return self.buckets[0].clients
+        return stack(self.split, self.rows, self.capacity)
 
     @property
     def sizes(self) -> np.ndarray:
@@ -97,6 +115,7 @@ def build_problem(inference: PVI, args: tuple, kwargs: dict, reuse: Problem | No
     **Example:** ``problem = pvi.build_problem(inference, (X,), {"y": y})`` (what ``inference.build(X, y=y)`` does).
     """
     sites, split = _read(inference, args, kwargs)
+    inference.server.check_clients(len(split.sizes))
     return _assemble(inference, sites, split, max(split.sizes), len(split.sizes), (args, kwargs), reuse)
 
 
@@ -110,12 +129,13 @@ def add_client(inference: PVI, problem: Problem, args: tuple, kwargs: dict) -> P
     new = [len(split.sizes) - 1]  # the other clients were checked when they joined
     _check_unsure(inference.model, problem.sites, split, new)
     _check_observations(problem.sites, split, new)
-    rows, capacity = problem.clients.mask.shape[1], problem.capacity
+    rows, capacity = problem.rows, problem.capacity
     if split.sizes[-1] > rows:
         rows = max(split.sizes[-1], 2 * rows)
     if len(split.sizes) > capacity:
         capacity = 2 * capacity
-    return _assemble(inference, problem.sites, split, rows, capacity, problem.source + ((args, kwargs),), problem)
+    return _assemble(inference, problem.sites, split, rows, capacity, problem.source + ((args, kwargs),), problem,
+                     grow=True)
 
 
 def _read(inference: PVI, args: tuple, kwargs: dict) -> tuple[ModelSites, ClientColumns]:
@@ -164,18 +184,20 @@ def _check_unsure(model: Any, sites: ModelSites, split: ClientColumns, clients: 
 
 
 def _assemble(inference: PVI, sites: ModelSites, split: ClientColumns, rows: int, capacity: int, source: tuple,
-              reuse: Problem | None) -> Problem:
-    clients = stack(split, rows, capacity)
-    first = split.layout.build([a[0] for a in clients.arrays])
-    sites = read_padded(inference.model, sites, *first, rows)
+              reuse: Problem | None, grow: bool = False) -> Problem:
+    by_size = isinstance(inference.backend, VmapBackend) and not sites.has_local
+    bucketed = buckets(split, by_size, rows, capacity, grow)
+    first = bucketed[0].clients
+    sites = read_padded(inference.model, sites, *split.layout.build([a[0] for a in first.arrays]),
+                        int(first.mask.shape[1]))
     prior, rest = exact_prior(inference.family, sites)
-    signature = _signature(sites, split, clients, rest)
+    signature = _signature(sites, split, bucketed, rest)
     if reuse is not None and _same(reuse.signature, signature):
         client_problem, steps = reuse.client_problem, reuse.steps
     else:
         client_problem = _client_problem(inference, sites, split)
         steps = compile_steps(inference, client_problem, split.layout, rest)
-    return Problem(sites, clients, split, client_problem, prior, rest, steps, signature, source,
+    return Problem(sites, bucketed, split, client_problem, prior, rest, steps, signature, capacity, source,
                    configuration_of(inference))
 
 
@@ -208,13 +230,13 @@ def _check_support(local_update: Any, sites: ModelSites) -> None:
                                   f"{[h.name for h in sites.hyper]}); use pvi.GradientUpdate.")
 
 
-def _signature(sites: ModelSites, split: ClientColumns, clients: Client, rest: tuple) -> tuple:
+def _signature(sites: ModelSites, split: ClientColumns, bucketed: tuple, rest: tuple) -> tuple:
     """What the compiled steps depend on: the sites' structure, the layout, the stacked shapes and dtypes."""
     site_structure = (sites.plate, sites.plate_size, tuple((s.name, s.shape, s.flat_shape, s.transform)
                                                           for s in sites.globals),
                       sites.likelihoods, tuple((s.name, s.flat_shape, s.row_axis) for s in sites.locals),
                       sites.enumerated, tuple(h.name for h in sites.hyper))
-    shapes = tuple((a.shape, a.dtype) for a in clients.arrays)
+    shapes = tuple((a.shape, a.dtype) for b in bucketed for a in b.clients.arrays)
     return site_structure, split.layout.treedef, split.layout.static, split.is_row, shapes, rest
 
 

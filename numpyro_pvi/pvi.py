@@ -161,7 +161,7 @@ class PVI:
         steps, capacity = problem.steps, problem.capacity
         zeros = self.family.zeros(problem.sites.dim)
         factors = _broadcast(zeros, capacity, zero=True)
-        t0 = zeros if steps.prior_init is None else steps.prior_init(problem.prior, problem.clients)
+        t0 = zeros if steps.prior_init is None else steps.prior_init(problem.prior, _data(problem))
         q = problem.prior + t0
         if not bool(self.family.is_valid(q)):
             raise ValueError("The prior of the global sites could not be approximated by a proper member of the "
@@ -198,11 +198,11 @@ class PVI:
                monitor: RunMonitor) -> tuple[PVIState, RoundInfo]:
         self._check_state(state, problem)
         start, steps, old_q = time.perf_counter(), problem.steps, state.q
-        round_key, _, next_key = jax.random.split(state.rng_key, 3)
+        round_key, sample_key, next_key = jax.random.split(state.rng_key, 3)
         rho = float(damping.current(self.server.damping, state.damping))
         if steps.prior_step is not None:
-            state = steps.prior_step(state, problem.clients)
-        round = Round(steps, problem.clients, round_key, problem.num_clients, problem.capacity, in_flight)
+            state = steps.prior_step(state, _data(problem))
+        round = Round(steps, problem.buckets, round_key, problem.num_clients, problem.capacity, in_flight, sample_key)
         state = self.server.run_round(state, round, problem.num_clients)
         if steps.hyper_step is not None and round.hyper_grad:
             grads = state.hyper_grads
@@ -210,13 +210,13 @@ class PVI:
                 grads = jax.tree.map(lambda stack, g, m=m: stack.at[m].set(g), grads, grad)
             state = steps.hyper_step(state._replace(hyper_grads=grads), jax.tree.map(lambda g: g.sum(0), grads))
         # the same draws every round (common random numbers): rounds' ELBOs compare without sampling noise
-        elbo = float(steps.elbo(state.q, ELBO_KEY, problem.clients, self.num_elbo_particles, state.client_states,
+        elbo = float(steps.elbo(state.q, ELBO_KEY, _data(problem), self.num_elbo_particles, state.client_states,
                                 state.hyper))
         backtracked = bool(np.any(round.rejection == Rejection.INVALID) or
                            np.any((round.accepted > 0) & (round.damping < rho * (1 - 1e-6))))
         state = state._replace(damping=damping.after_round(self.server.damping, state.damping, elbo, backtracked))
         info = RoundInfo(elbo, *round.record(), time.perf_counter() - start, round.rejection, round.moved,
-                         q_change(self.family, old_q, state.q))
+                         q_change(self.family, old_q, state.q), round.bytes_received, round.bytes_sent)
         monitor.after_round(info, round.staleness)
         return state._replace(rng_key=next_key), info
 
@@ -304,7 +304,7 @@ class PVI:
     def evaluate(self, state: PVIState, *args: Any, num_particles: int | None = None, **kwargs: Any) -> jax.Array:
         """Monte Carlo estimate of the global ELBO ``E_q[log p(y, theta)] + H[q]`` (all clients' data)."""
         problem = self._problem(args, kwargs)
-        return problem.steps.elbo(state.q, state.rng_key, problem.clients, num_particles or self.num_elbo_particles,
+        return problem.steps.elbo(state.q, state.rng_key, _data(problem), num_particles or self.num_elbo_particles,
                                   state.client_states, state.hyper)
 
     # ------------------------------------------------------------------ the posterior
@@ -363,6 +363,11 @@ def _same_data(source: tuple, data: tuple) -> bool:
     """Whether ``data`` are the very objects ``source`` holds (identity; ``source`` keeps them alive)."""
     a, b = jax.tree_util.tree_flatten(source), jax.tree_util.tree_flatten(data)
     return a[1] == b[1] and all(x is y if is_array(x) or is_array(y) else same_static(x, y) for x, y in zip(a[0], b[0]))
+
+
+def _data(problem: Problem) -> tuple:
+    """The clients' data as the compiled steps take them: one stacked ``Client`` per bucket."""
+    return tuple(bucket.clients for bucket in problem.buckets)
 
 
 def _broadcast(tree: Any, capacity: int, zero: bool = False) -> Any:

@@ -22,10 +22,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from numpyro_pvi.backends import ConcurrentRunner, take
+from numpyro_pvi.clients import Bucket
 from numpyro_pvi.families import NatParams
 from numpyro_pvi.local_updates.base import Client
 from numpyro_pvi.state import ClientOutcome, PVIState
-from numpyro_pvi.steps import Steps
+from numpyro_pvi.steps import Group, Steps
 
 
 class Pending(NamedTuple):
@@ -52,21 +53,34 @@ class Round:
     """What a server calls to run clients in one round, recording what each client did.
 
     :param steps: the problem's compiled steps.
-    :param clients: the problem's stacked client data.
+    :param clients: the problem's client data: its buckets (``problem.buckets``), or one stacked
+        :class:`~numpyro_pvi.Client` of every client slot.
     :param round_key: the round's random key (client ``m`` of a group gets ``fold_in(key, m)``).
     :param num_clients: the number of (real) clients; ``capacity`` the client slots of the state.
     :param in_flight: the run's background updates (a fresh one if ``None``: nothing carries over).
+    :param sample_key: the key a server draws the round's clients from (``clients_per_round``).
     """
 
-    def __init__(self, steps: Steps, clients: Client, round_key: jax.Array, num_clients: int, capacity: int,
-                 in_flight: InFlight | None = None) -> None:
-        self.steps, self.clients, self.round_key = steps, clients, round_key
+    def __init__(self, steps: Steps, clients: Client | tuple, round_key: jax.Array, num_clients: int, capacity: int,
+                 in_flight: InFlight | None = None, sample_key: jax.Array | None = None) -> None:
+        if isinstance(clients, Client):
+            clients = (Bucket(clients, np.arange(capacity)),)
+        self.buckets = tuple(clients)
+        self.clients = self.buckets[0].clients  # all client slots when there is one bucket (concurrent runners)
+        self.bucket_of = np.zeros(capacity, int)  # the bucket of each client slot, and its row there
+        self.row_of = np.zeros(capacity, int)
+        for b, bucket in enumerate(self.buckets):
+            real = np.flatnonzero(bucket.ids >= 0)
+            self.bucket_of[bucket.ids[real]], self.row_of[bucket.ids[real]] = b, real
+        self.steps, self.round_key = steps, round_key
+        self.sample_key = jax.random.fold_in(round_key, 2**31 - 1) if sample_key is None else sample_key
         self.num_clients, self.capacity = num_clients, capacity
         self.concurrent = isinstance(steps.runner, ConcurrentRunner)
         self.in_flight = InFlight() if in_flight is None else in_flight
         self.free_energy, self.damping = np.full(num_clients, np.nan), np.zeros(num_clients)
         self.attempts, self.accepted, self.clamped = (np.zeros(num_clients, int) for _ in range(3))
         self.rejection, self.moved = np.zeros(num_clients, int), np.zeros(num_clients, bool)
+        self.bytes_received, self.bytes_sent = np.zeros(num_clients, np.int64), np.zeros(num_clients, np.int64)
         self.staleness: list[int] = []  # how stale each update the server rejected as stale was (in merges)
         self.hyper_grad: dict = {}  # client -> its last accepted hyperparameter gradient this round
 
@@ -82,6 +96,13 @@ class Round:
         """The round key for the ``salt``-th group of the round (salt 0: the round key itself)."""
         return self.round_key if salt == 0 else jax.random.fold_in(self.round_key, salt)
 
+    def _count(self, ids: list, q: NatParams, hyper: Any, out: ClientOutcome) -> None:
+        """The messages of one update of each client ``ids``: ``q`` and the cavity down, the delta up."""
+        down, up = 2 * nbytes(q) + nbytes(hyper), nbytes(q) + jnp.dtype(out.free_energy.dtype).itemsize
+        up += nbytes(hyper) if out.hyper_grad else 0
+        self.bytes_received[ids] += down
+        self.bytes_sent[ids] += up
+
     def _note(self, ids: list, out: ClientOutcome) -> np.ndarray:
         n = len(ids)  # the group may be padded with unused slots (not allowed, not recorded)
         accepted = np.asarray(out.accepted)[:n]
@@ -96,24 +117,42 @@ class Round:
                     self.hyper_grad[int(m)] = take(out.hyper_grad, i)
         return accepted
 
-    def _padded(self, ids: list, allow: bool) -> tuple[jax.Array, jax.Array]:
-        """``ids`` padded with unused client slots to a power of two (at most the capacity), and ``allow``.
+    def _groups(self, ids: list, allow: bool) -> tuple[tuple[Group, ...], list]:
+        """One :class:`~numpyro_pvi.steps.Group` per bucket holding some of ``ids``, and ``ids`` in group order.
 
-        Groups then come in a few sizes only, so adding clients or sampling them recompiles rarely.
+        Each bucket's clients are padded with its other rows (its other clients first, then placeholders, which
+        stand in for their bucket's first client; none may merge) to a power of two (at most the bucket's size):
+        groups come in a few sizes only, so sampling clients recompiles rarely.
         """
-        size = len(ids)
-        target = min(self.capacity, 1 << (size - 1).bit_length()) if size < self.capacity else size
-        taken = set(ids)
-        spare = [m for m in range(self.capacity) if m not in taken][:target - size]
-        allowed = np.concatenate([np.full(size, allow, bool), np.zeros(len(spare), bool)])
-        return jnp.asarray(list(ids) + spare), jnp.asarray(allowed)
+        groups, order, ids = [], [], np.asarray(ids, int)
+        for b, bucket in enumerate(self.buckets):
+            mine = ids[self.bucket_of[ids] == b].tolist()
+            if not mine:
+                continue
+            size, slots = len(mine), len(bucket.ids)
+            target = min(slots, 1 << (size - 1).bit_length()) if size < slots else size
+            taken = set(mine)
+            spare = [r for r in np.argsort(bucket.ids < 0, kind="stable") if bucket.ids[r] not in taken][:target - size]
+            allowed = np.concatenate([np.full(size, allow, bool), np.zeros(len(spare), bool)])
+            rows = np.concatenate([self.row_of[mine], np.asarray(spare, int)])
+            members = np.concatenate([mine, np.where(bucket.ids[spare] >= 0, bucket.ids[spare], bucket.ids[0])])
+            real = np.arange(len(rows)) < size
+            groups.append(Group(bucket.clients, jnp.asarray(rows), jnp.asarray(members), jnp.asarray(allowed),
+                                jnp.asarray(real)))
+            order += mine + [-1] * len(spare)
+        return tuple(groups), order
 
     def __call__(self, state: PVIState, ids: list, pulled: NatParams | None = None, salt: int = 0,
                  allow: bool = True) -> tuple[PVIState, np.ndarray]:
         pulled = state.q if pulled is None else pulled
-        group, allowed = self._padded([int(m) for m in ids], allow)
-        state, out = self.steps.group_step(state, group, self.key(salt), self.clients, pulled, allowed)
-        return state, self._note(list(ids), out)
+        groups, order = self._groups([int(m) for m in ids], allow)
+        state, out = self.steps.group_step(state, groups, self.key(salt), pulled)
+        real = np.flatnonzero(np.asarray(order) >= 0)
+        out = jax.tree.map(lambda x: np.asarray(x)[real], out)
+        accepted = self._note([order[i] for i in real], out)
+        self._count([order[i] for i in real], pulled, state.hyper, out)
+        position = {m: i for i, m in enumerate(order[i] for i in real)}
+        return state, accepted[[position[int(m)] for m in ids]]
 
     def start(self, state: PVIState, m: int, salt: int) -> Pending:
         """Start client ``m`` against the current q in the background, for :meth:`finish`."""
@@ -132,7 +171,13 @@ class Round:
         out = self.steps.runner.result(m, pending.handle, pending.cavity, pending.state, pending.hyper)
         result = jax.tree.map(lambda x: jnp.asarray(x)[None], out)
         state, out = self.steps.apply(state, jnp.asarray([m]), result, jnp.asarray([allow]))
+        self._count([m], state.q, pending.hyper, out)
         return state, self._note([m], out)
+
+
+def nbytes(tree: Any) -> int:
+    """Bytes of the arrays of ``tree`` (what sending it costs)."""
+    return int(sum(np.size(x) * jnp.dtype(jnp.result_type(x)).itemsize for x in jax.tree.leaves(tree)))
 
 
 def cancel_in_flight(runner: Any, in_flight: InFlight) -> None:

@@ -17,6 +17,7 @@ import numpy as np
 from numpyro_pvi.damping import AdaptiveDamping, checked_damping
 from numpyro_pvi.families import NatParams
 from numpyro_pvi.rounds import InFlightUpdate, Round
+from numpyro_pvi.sampling import ClientSampling
 
 
 class Server:
@@ -44,6 +45,11 @@ class Server:
                              f"got {max_backtracks!r}.")
         self.damping = checked_damping(damping, type(self).__name__)
         self.max_backtracks = max_backtracks
+        self.sampling = ClientSampling(None, owner=type(self).__name__)
+
+    def check_clients(self, num_clients: int) -> None:
+        """Refuse a configuration that does not fit ``num_clients`` clients (called when a problem is built)."""
+        self.sampling.check(num_clients)
 
     def init(self, q: NatParams, num_clients: int) -> Any:
         """The server's own state for ``num_clients`` client slots, kept in ``PVIState.server_state`` (none by
@@ -59,7 +65,7 @@ class Server:
         raise NotImplementedError
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(damping={self.damping})"
+        return f"{type(self).__name__}(damping={self.damping}{self.sampling.suffix()})"
 
 
 class Sequential(Server):
@@ -75,21 +81,37 @@ class Sequential(Server):
 
 
 class Synchronous(Server):
-    """All clients update against the same ``q``; the server adds their damped deltas (PVI-sync).
+    """All clients (or ``clients_per_round`` of them) update against the same ``q``; the server adds their
+    damped deltas (PVI-sync).
 
     With many clients undamped synchronous rounds can overshoot (a factor is counted once by each
     client's cavity). The default damping adapts (:class:`~numpyro_pvi.AdaptiveDamping`): it grows while
     the ELBO improves and halves when it falls; a float fixes it (``1 / num_clients`` to ``0.5`` is safe).
 
-    **Example:** ``pvi.PVI(..., server=pvi.Synchronous())`` or ``pvi.Synchronous(damping=0.5)``
+    :param clients_per_round: ``K`` clients drawn per round (an int, or a float fraction of the clients;
+        ``None``: all), without replacement, from the state's key (:mod:`numpyro_pvi.sampling`); the others
+        keep their factors. ``RoundInfo.attempts`` shows who ran.
+    :param client_weights: the clients' relative probabilities of being drawn (default uniform).
+
+    **Example:** ``pvi.PVI(..., server=pvi.Synchronous())``, ``pvi.Synchronous(damping=0.5)`` or
+    ``pvi.Synchronous(clients_per_round=10)``
     """
 
-    def __init__(self, damping: float | AdaptiveDamping | None = None, max_backtracks: int = 5) -> None:
+    def __init__(self, damping: float | AdaptiveDamping | None = None, max_backtracks: int = 5,
+                 clients_per_round: int | float | None = None, client_weights: Any = None) -> None:
         super().__init__(damping, max_backtracks)
+        self.sampling = ClientSampling(clients_per_round, client_weights, "Synchronous")
 
     def run_round(self, state: Any, round: Round, num_clients: int) -> Any:
-        state, _ = round(state, list(range(num_clients)))
+        if self.sampling.active(num_clients):
+            ids = [int(m) for m in self.sampling.draw(round.sample_key, num_clients)]
+        else:
+            ids = list(range(num_clients))
+        state, _ = round(state, ids)
         return state
+
+    def __repr__(self) -> str:
+        return f"Synchronous(damping={self.damping}{self.sampling.suffix()})"
 
 
 class Continual(Server):
@@ -141,13 +163,21 @@ class Asynchronous(Server):
     client pulls the result. Updates older than ``max_staleness`` merges are rejected.
 
     :param speeds: relative speeds of the clients (default all 1: each updates once per round).
+    :param clients_per_round: at most ``K`` clients online (in flight) at a time (an int, or a float
+        fraction of the clients; ``None``: all). In process, each round draws ``K`` clients from the state's
+        key; they pull the current ``q`` as they come online and only their updates finish that round. With a
+        concurrent backend (Ray) at most ``K`` updates run at once, each finished one replaced by a client
+        drawn from the idle ones, and a round is ``K`` merges.
+    :param client_weights: the clients' relative probabilities of being drawn (default uniform).
 
     **Example:** ``pvi.PVI(..., server=pvi.Asynchronous(damping=0.5, speeds=[1, 1, 0.2]))``
     """
 
     def __init__(self, damping: float | AdaptiveDamping | None = None, max_staleness: int | None = None,
-                 speeds: Any = None, seed: int = 0, max_backtracks: int = 5) -> None:
+                 speeds: Any = None, seed: int = 0, max_backtracks: int = 5,
+                 clients_per_round: int | float | None = None, client_weights: Any = None) -> None:
         super().__init__(damping, max_backtracks)
+        self.sampling = ClientSampling(clients_per_round, client_weights, "Asynchronous")
         if max_staleness is not None and (not isinstance(max_staleness, int) or max_staleness < 0):
             raise ValueError(f"Asynchronous: max_staleness must be a non-negative integer or None, "
                              f"got {max_staleness!r}.")
@@ -185,7 +215,15 @@ class Asynchronous(Server):
         if round.concurrent:
             return self._run_concurrent(state, round, num_clients)
         server = state.server_state
-        for salt, (_, m) in enumerate(self.events(int(server.round), num_clients)):
+        events = self.events(int(server.round), num_clients)
+        if self.sampling.active(num_clients):  # the drawn clients come online: they pull the current q
+            online = self.sampling.draw(round.sample_key, num_clients)
+            chosen = set(online.tolist())
+            events = [(t, m) for t, m in events if m in chosen]
+            server = server._replace(
+                pulled=jax.tree.map(lambda p, q: p.at[online].set(q), server.pulled, state.q),
+                pulled_at=server.pulled_at.at[online].set(server.merges))
+        for salt, (_, m) in enumerate(events):
             pulled = jax.tree.map(lambda x, m=m: x[m], server.pulled)
             stale = int(server.merges - server.pulled_at[m])
             fresh = self.max_staleness is None or stale <= self.max_staleness
@@ -207,10 +245,20 @@ class Asynchronous(Server):
         new run never sees them.
         """
         server, in_flight = state.server_state, round.in_flight
-        for m in range(num_clients):
-            if m not in in_flight:
-                in_flight[m] = InFlightUpdate(round.start(state, m, salt=int(server.merges) + 1), int(server.merges))
-        for _ in range(num_clients):
+        limit = self.sampling.num_sampled(num_clients)
+        queue = [int(m) for m in self.sampling.order(round.sample_key, num_clients)] \
+            if self.sampling.active(num_clients) else list(range(num_clients))
+
+        def refill(state: Any, server: AsyncState) -> None:
+            """Start the next idle clients of the queue until ``limit`` are in flight."""
+            while len(in_flight) < limit and queue:
+                m = queue.pop(0)
+                if m not in in_flight:
+                    in_flight[m] = InFlightUpdate(round.start(state, m, salt=int(server.merges) + 1),
+                                                  int(server.merges))
+
+        refill(state, server)
+        for _ in range(limit):
             m = round.wait({k: update.pending for k, update in in_flight.items()})
             update = in_flight.pop(m)
             stale = int(server.merges) - update.pulled_at
@@ -219,8 +267,12 @@ class Asynchronous(Server):
                 round.note_stale(stale)
             state, _ = round.finish(state, m, update.pending, allow=fresh)
             server = server._replace(merges=server.merges + 1, pulled_at=server.pulled_at.at[m].set(server.merges + 1))
-            in_flight[m] = InFlightUpdate(round.start(state, m, salt=int(server.merges) + 1), int(server.merges))
+            if self.sampling.active(num_clients):
+                queue.append(m)  # it goes offline: the next idle client of the queue starts
+            else:
+                queue.insert(0, m)  # every client works all the time: it restarts from the new q
+            refill(state, server)
         return state._replace(server_state=server._replace(round=server.round + 1))
 
     def __repr__(self) -> str:
-        return f"Asynchronous(damping={self.damping}, max_staleness={self.max_staleness})"
+        return f"Asynchronous(damping={self.damping}, max_staleness={self.max_staleness}{self.sampling.suffix()})"

@@ -78,6 +78,10 @@ class RoundInfo(NamedTuple):
         step was clamped away changes nothing).
     :ivar change: how far the round moved ``q``: the largest change of a marginal mean, in posterior sds,
         or of a marginal log sd (0 when nothing was merged).
+    :ivar bytes_received: ``(M,)`` bytes each client received this round: per update, the natural parameters
+        of ``q`` and of its cavity (and the hyperparameters, if any), counted from the arrays sent.
+    :ivar bytes_sent: ``(M,)`` bytes each client sent this round: per update, its natural-parameter delta and
+        its free energy (and its hyperparameter gradient, if any).
 
     **Example:** ``state, info = inference.update(state, X, y=y)``; ``info.elbo``, ``info.num_rejected``;
     over a run, ``result.history.free_energy`` is ``(rounds, M)``.
@@ -93,6 +97,8 @@ class RoundInfo(NamedTuple):
     rejection: Any = None
     moved: Any = None
     change: Any = None
+    bytes_received: Any = None
+    bytes_sent: Any = None
 
     @property
     def num_rejected(self) -> Any:

@@ -21,17 +21,30 @@ from numpyro_pvi.densities import log_prior
 from numpyro_pvi.families import NatParams
 from numpyro_pvi.local_latents import expected_local_elbo
 from numpyro_pvi.local_updates.base import Client, ClientProblem, ClientResult, CountsRejectedUpdates
-from numpyro_pvi.merge import is_valid_state, merge
+from numpyro_pvi.merge import checks_every_cavity, is_valid_state, merge
 from numpyro_pvi.partition import ArgsLayout
 from numpyro_pvi.prior import PriorFactor
 from numpyro_pvi.state import ClientOutcome, PVIState, Rejection
 
 
+class Group(NamedTuple):
+    """Clients of one bucket that run together: ``local`` rows of the bucket's stacked ``clients``, whose ids
+    (state slots) are ``ids``; ``allow`` says which may be merged (padding and stale updates may not), ``real``
+    which ran for this round (the others pad the group to a compiled size)."""
+
+    clients: Client
+    local: jax.Array
+    ids: jax.Array
+    allow: jax.Array
+    real: jax.Array
+
+
 class Steps(NamedTuple):
     """The jitted functions of a problem (see the module docstring).
 
-    :ivar group_step: ``(state, ids, key, clients, pulled, allow) -> (state, ClientOutcome)``: clients ``ids``
-        update against ``pulled`` (their copy of ``q``) and their deltas merge into ``state.q``.
+    :ivar group_step: ``(state, groups, key, pulled) -> (state, ClientOutcome)``: the clients of ``groups`` (one
+        :class:`Group` per bucket) update against ``pulled`` (their copy of ``q``) and their deltas merge into
+        ``state.q`` together; the outcome is stacked over the groups' clients in order.
     :ivar apply: ``(state, ids, result, allow) -> (state, ClientOutcome)``: merge the clients' results.
     :ivar runner: the backend's ``run(ids, keys, cavities, q, states, clients, hyper) -> ClientResult``.
     :ivar prior_init: ``(prior, clients) -> t_0`` fitted to the prior alone, or ``None`` (Gaussian prior).
@@ -56,38 +69,78 @@ def compile_steps(inference: Any, problem: ClientProblem, layout: ArgsLayout, re
     """
     runner = inference.backend.prepare(inference.local_update, problem)
     apply = jax.jit(_apply_fn(inference.family, inference.server, inference.local_update))
+    family = inference.family
 
-    def group_step(state: PVIState, ids: jax.Array, key: jax.Array, clients: Client, pulled: NatParams,
-                   allow: jax.Array) -> tuple[PVIState, ClientOutcome]:
+    def run_group(state: PVIState, group: Group, key: jax.Array, pulled: NatParams) -> tuple[ClientResult, jax.Array]:
+        """One bucket's clients in one vmapped call, and whether each one's cavity was valid."""
+        ids = group.ids
         keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(ids)
         cavities = jax.tree.map(lambda a, f: a[None] - f[ids], pulled, state.factors)
         local = jax.tree.map(lambda s: s[ids], state.client_states)
-        return apply(state, ids, runner(ids, keys, cavities, pulled, local, clients, state.hyper), allow)
+        result = runner(group.local, keys, cavities, pulled, local, group.clients, state.hyper)
+        # a dense family's merges check only the merging clients' cavities: check the others' on their visit
+        cavity_ok = jnp.ones(ids.shape, bool) if checks_every_cavity(state.factors) \
+            else jax.vmap(family.is_valid)(cavities)
+        return result, cavity_ok
 
+    def merge_groups(state: PVIState, groups: tuple, outs: list) -> tuple[PVIState, ClientOutcome]:
+        joined = lambda *xs: jnp.concatenate(xs) if len(xs) > 1 else xs[0]  # noqa: E731
+        ids, allow, real = (joined(*(getattr(g, name) for g in groups)) for name in ("ids", "allow", "real"))
+        results, cavity_ok = zip(*outs)
+        return apply(state, ids, jax.tree.map(joined, *results), allow, joined(*cavity_ok), real)
+
+    def group_step(state: PVIState, groups: tuple, key: jax.Array, pulled: NatParams) -> tuple[PVIState, ClientOutcome]:
+        return merge_groups(state, groups, [run_group(state, g, key, pulled) for g in groups])
+
+    if not inference.backend.jit_group:
+        return _steps(inference, problem, layout, rest, group_step, apply, runner)
+    fused, run_one = jax.jit(group_step), jax.jit(run_group)
+
+    def jitted_group_step(state: PVIState, groups: tuple, key: jax.Array,
+                          pulled: NatParams) -> tuple[PVIState, ClientOutcome]:
+        """One compiled call for one bucket; for several, one per bucket (smaller programs to compile, and
+        each bucket compiled once whichever buckets a sampled round touches), then the merge."""
+        if len(groups) == 1:
+            return fused(state, groups, key, pulled)
+        return merge_groups(state, groups, [run_one(state, g, key, pulled) for g in groups])
+
+    return _steps(inference, problem, layout, rest, jitted_group_step, apply, runner)
+
+
+def _steps(inference: Any, problem: ClientProblem, layout: ArgsLayout, rest: tuple, group_step: Callable,
+           apply: Callable, runner: Callable) -> Steps:
+    """The :class:`Steps` around ``group_step``: the prior factor's steps, the ELBO and the hyperparameters' step."""
     prior_logdensity = _prior_logdensity(inference.model, problem.sites, layout)
     prior_init, prior_step = _prior_steps(inference, problem, prior_logdensity, rest)
-    return Steps(jax.jit(group_step) if inference.backend.jit_group else group_step, apply, runner,
-                 prior_init, prior_step, _elbo_fn(inference.family, problem, prior_logdensity),
+    elbo = _elbo_fn(inference.family, problem, prior_logdensity)
+    return Steps(group_step, apply, runner, prior_init, prior_step, elbo,
                  _hyper_step(inference.hyper_optimizer) if problem.has_hyper else None)
 
 
 def _apply_fn(family: Any, server: Any, local_update: Any) -> Callable:
-    def apply(state: PVIState, ids: jax.Array, result: ClientResult, allow: jax.Array) -> tuple:
-        """Merge the clients' ``result`` (stacked over ``ids``) into the state."""
+    def apply(state: PVIState, ids: jax.Array, result: ClientResult, allow: jax.Array,
+              cavity_ok: jax.Array | None = None, real: jax.Array | None = None) -> tuple:
+        """Merge the clients' ``result`` (stacked over ``ids``) into the state; ``cavity_ok`` says whose cavity
+        was valid when they started (default: all), the others' updates are rejected as ``INVALID``; ``real``
+        which entries ran for this round (default: all; the others pad the group and never write)."""
+        cavity_ok = jnp.ones(ids.shape, bool) if cavity_ok is None else cavity_ok
+        real = jnp.ones(ids.shape, bool) if real is None else real
         finite, moved = jnp.isfinite(result.free_energy), jnp.zeros(ids.shape, bool)
         for leaf in jax.tree.leaves(result.delta):
             finite &= jnp.all(jnp.isfinite(leaf.reshape(leaf.shape[0], -1)), axis=1)
             moved |= jnp.any(leaf.reshape(leaf.shape[0], -1) != 0, axis=1)
-        merged = merge(family, state.q, state.factors, ids, result.delta, finite & allow,
+        merged = merge(family, state.q, state.factors, ids, result.delta, finite & allow & cavity_ok,
                        current_damping(server.damping, state.damping), server.max_backtracks)
-        accepted = finite & allow & merged.valid
+        accepted = finite & allow & cavity_ok & merged.valid
         failure = jnp.broadcast_to(result.failure, ids.shape)
         # a client that sent nothing (timed out, raised, out of budget) says so before staleness does
-        rejection = jnp.select([failure > 0, ~allow, ~finite, ~merged.valid],
-                               [failure, Rejection.STALE, Rejection.NON_FINITE, Rejection.INVALID], Rejection.NONE)
-        kept = _kept_states(local_update, jax.tree.map(lambda s: s[ids], state.client_states), result.state,
-                            accepted, failure == 0)
-        client_states = jax.tree.map(lambda s, new: s.at[ids].set(new), state.client_states, kept)
+        rejection = jnp.select([failure > 0, ~allow, ~cavity_ok, ~finite, ~merged.valid],
+                               [failure, Rejection.STALE, Rejection.INVALID, Rejection.NON_FINITE, Rejection.INVALID],
+                               Rejection.NONE)
+        kept, write = _kept_states(local_update, jax.tree.map(lambda s: s[ids], state.client_states), result.state,
+                                   accepted, real & (failure == 0))
+        slots = jnp.where(write, ids, state.factors.eta1.shape[0])  # other entries (and padding) write nowhere
+        client_states = jax.tree.map(lambda s, new: s.at[slots].set(new, mode="drop"), state.client_states, kept)
         state = state._replace(q=merged.q, factors=merged.factors, client_states=client_states)
         damping = jnp.broadcast_to(merged.damping, ids.shape) * accepted
         clamped = jnp.broadcast_to(result.clamped, ids.shape)
@@ -97,22 +150,22 @@ def _apply_fn(family: Any, server: Any, local_update: Any) -> Callable:
     return apply
 
 
-def _kept_states(local_update: Any, old: Any, new: Any, accepted: jax.Array, sent: jax.Array) -> Any:
-    """The clients' states after a merge: the new state if merged, else the old one (or, for an update that
-    counts rejected updates, its ``rejected_state`` when the client did send one)."""
-    def choose(mask: jax.Array, a: jax.Array, b: jax.Array) -> jax.Array:
-        return jnp.where(mask.reshape((-1,) + (1,) * (a.ndim - 1)), a, b)
-
-    if isinstance(local_update, CountsRejectedUpdates):
-        rejected = jax.vmap(local_update.rejected_state)(old, new)
-        old = jax.tree.map(lambda r, o: choose(sent, r, o), rejected, old)
-    return jax.tree.map(lambda n, o: choose(accepted, n, o), new, old)
+def _kept_states(local_update: Any, old: Any, new: Any, accepted: jax.Array, sent: jax.Array) -> tuple[Any, jax.Array]:
+    """The clients' states to write after a merge, and which to write: the new state of a merged update; for an
+    update that counts rejected updates, its ``rejected_state`` for one the client sent but the server rejected."""
+    if not isinstance(local_update, CountsRejectedUpdates):
+        return new, accepted
+    rejected = jax.vmap(local_update.rejected_state)(old, new)
+    choose = lambda a, b: jnp.where(accepted.reshape((-1,) + (1,) * (a.ndim - 1)), a, b)  # noqa: E731
+    return jax.tree.map(choose, new, rejected), accepted | sent
 
 
 def _prior_logdensity(model: Callable, sites: Any, layout: ArgsLayout) -> Callable:
-    def prior_logdensity(zeta: jax.Array, clients: Client, names: Any = None) -> jax.Array:
-        """The prior's log density in ``zeta``, from client 0's model call (the prior is the same in every call)."""
-        c_args, c_kwargs = layout.build([a[0] for a in clients.arrays])
+    def prior_logdensity(zeta: jax.Array, clients: Client | tuple, names: Any = None) -> jax.Array:
+        """The prior's log density in ``zeta``, from the first client's model call (the prior is the same in every
+        call); ``clients`` is a stacked :class:`Client` or a tuple of them (one per bucket)."""
+        first = clients if isinstance(clients, Client) else clients[0]
+        c_args, c_kwargs = layout.build([a[0] for a in first.arrays])
         return log_prior(model, sites, zeta, c_args, c_kwargs, names=names)
 
     return prior_logdensity
@@ -152,9 +205,11 @@ def _prior_steps(inference: Any, problem: ClientProblem, prior_logdensity: Calla
 def _elbo_fn(family: Any, problem: ClientProblem, prior_logdensity: Callable) -> Callable:
     sites = problem.sites
 
-    def elbo(q: NatParams, rng_key: jax.Array, clients: Client, num_particles: int, client_states: Any = (),
+    def elbo(q: NatParams, rng_key: jax.Array, clients: Client | tuple, num_particles: int, client_states: Any = (),
              hyper: Any = ()) -> jax.Array:
-        """``E_q[log p(y, theta)] + H[q]`` over every client's data (empty client slots count 0)."""
+        """``E_q[log p(y, theta)] + H[q]`` over every client's data (empty client slots count 0); ``clients`` is a
+        stacked :class:`Client` or a tuple of them (one per bucket; local latent sites need a single one)."""
+        buckets = (clients,) if isinstance(clients, Client) else tuple(clients)
         q_dist = family.to_dist(q)
         zeta_key, local_key = jax.random.split(rng_key)
         zeta = q_dist.sample(zeta_key, (num_particles,))
@@ -162,14 +217,14 @@ def _elbo_fn(family: Any, problem: ClientProblem, prior_logdensity: Callable) ->
         if problem.has_local:  # E_q[log p(y_m, z_m | theta) - log q_m(z_m)] with each client's local guides
             ensemble = TraceEnum_ELBO(num_particles) if sites.enumerated else Trace_ELBO(num_particles)
             expected = expected_local_elbo(ensemble, family, problem.local_model, sites)
-            keys = jax.random.split(local_key, clients.mask.shape[0])
-            terms = jax.vmap(lambda k, c, st: expected(k, c, q, st, hyper))(keys, clients, client_states)
+            keys = jax.random.split(local_key, buckets[0].mask.shape[0])
+            terms = jax.vmap(lambda k, c, st: expected(k, c, q, st, hyper))(keys, buckets[0], client_states)
             return jnp.sum(terms) + jnp.mean(logprior) + q_dist.entropy()
 
         def client_loglik(client: Client) -> jax.Array:
             return jax.vmap(lambda z: problem.log_likelihood(z, client, hyper))(zeta)
 
-        loglik = jnp.sum(jax.vmap(client_loglik)(clients), axis=0)
+        loglik = sum(jnp.sum(jax.vmap(client_loglik)(bucket), axis=0) for bucket in buckets)
         return jnp.mean(loglik + logprior) + q_dist.entropy()
 
     return jax.jit(elbo, static_argnums=3)

@@ -143,3 +143,16 @@ def test_asynchronous_rejects_updates_staler_than_max_staleness(linear_data):
 def test_asynchronous_arguments_are_checked(bad):
     with pytest.raises(ValueError, match="Asynchronous"):
         pvi.Asynchronous(**bad)
+
+
+def test_a_full_rank_client_whose_cavity_is_improper_is_rejected_when_visited(linear_data):
+    # full-rank merges check q and the merging clients' cavities only (tests/test_merge.py); a cavity made
+    # improper otherwise is caught on the client's next visit: its update is rejected as INVALID, not merged
+    X, y = linear_data
+    inference = pvi.PVI(linear_model, pvi.FullRankGaussian(), UNEQUAL, ExactLinearUpdate(), pvi.Synchronous(0.5))
+    state = inference.init(random.PRNGKey(0), X, y=y)
+    factors = state.factors._replace(eta2=state.factors.eta2.at[1].set(-2.0 * jnp.eye(3)))  # t_1 > q: q - t_1 improper
+    state, info = inference.update(state._replace(factors=factors), X, y=y)
+    np.testing.assert_array_equal(info.rejection, [0, pvi.Rejection.INVALID, 0, 0])
+    np.testing.assert_array_equal(info.accepted, [1, 0, 1, 1])
+    np.testing.assert_array_equal(state.factors.eta2[1], -2.0 * np.eye(3))  # its factor is untouched
