@@ -148,6 +148,8 @@ def test_strategy_refuses_what_it_cannot_run():
         PVIStrategy(pvi.MeanFieldGaussian(), 4, random.PRNGKey(0), pvi.Asynchronous(0.5))
     with pytest.raises(ValueError, match="num_clients"):
         PVIStrategy(pvi.MeanFieldGaussian(), 0, random.PRNGKey(0), pvi.Synchronous(0.5))
+    with pytest.raises(NotImplementedError, match="clients_per_round"):
+        PVIStrategy(pvi.MeanFieldGaussian(), 4, random.PRNGKey(0), pvi.Synchronous(0.5, clients_per_round=2))
 
 
 def _replies(messages, deltas):

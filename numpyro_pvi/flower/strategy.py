@@ -64,7 +64,7 @@ class PVIStrategy(Strategy):
             raise ValueError(f"num_clients must be a positive integer, got {num_clients!r}.")
         if type(server) not in (Synchronous, Sequential):
             raise NotImplementedError(f"PVIStrategy runs pvi.Synchronous or pvi.Sequential rounds; got {server!r}.")
-        if getattr(server, "clients_per_round", None) is not None:  # client sampling (issue 14): not over Flower yet
+        if server.sampling.clients_per_round is not None:  # client sampling: not over Flower yet
             raise NotImplementedError("PVIStrategy updates every site each round; client sampling "
                                       "(clients_per_round) is not supported over Flower yet.")
         if isinstance(server.damping, AdaptiveDamping):
