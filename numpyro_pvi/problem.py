@@ -18,8 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from numpyro_pvi.clients import ClientColumns, append_client, split_client_data, split_pooled, stack
-from numpyro_pvi.densities import local_model, log_likelihood
-from numpyro_pvi.families import NatParams
+from numpyro_pvi.densities import local_model, log_likelihood, log_prior
+from numpyro_pvi.families import Family, NatParams
 from numpyro_pvi.local_updates.base import Client, ClientProblem
 from numpyro_pvi.partition import ClientData
 from numpyro_pvi.prior import exact_prior
@@ -112,14 +112,14 @@ def _read(inference: PVI, args: tuple, kwargs: dict) -> tuple[ModelSites, Client
             raise TypeError("partitions=ClientData: each client holds its own data, so pass no data arguments "
                             "to init/update/run.")
         first_args, first_kwargs = partitions[0]
-        sites = read_model(model, first_args, first_kwargs, who="Client 0's data")
+        sites = inference.family.prepare_sites(read_model(model, first_args, first_kwargs, who="Client 0's data"))
         split = split_client_data(partitions, sites.plate_size, sites.plate)
         _check_unsure(model, sites, split, range(len(split.sizes)))
         _check_observations(sites, split, range(1, len(split.sizes)))  # client 0's: checked by read_model
         return sites, split
     if not args and not kwargs:
         raise TypeError("Pass the pooled data to init/update/run (or give partitions=pvi.ClientData(...)).")
-    sites = read_model(model, args, kwargs, who="The pooled data")
+    sites = inference.family.prepare_sites(read_model(model, args, kwargs, who="The pooled data"))
     parts = [np.arange(sites.plate_size)] if partitions is None else list(partitions)
     return sites, split_pooled(args, kwargs, parts, sites.plate_size, sites.plate)
 
@@ -154,7 +154,8 @@ def _assemble(inference: PVI, sites: ModelSites, split: ClientColumns, rows: int
     clients = stack(split, rows, capacity)
     first = split.layout.build([a[0] for a in clients.arrays])
     sites = read_padded(inference.model, sites, *first, rows)
-    prior, rest = exact_prior(inference.family, sites)
+    prior, rest = exact_prior(inference.family, sites,
+                              lambda zeta, names: log_prior(inference.model, sites, zeta, *first, names=names))
     signature = _signature(sites, split, clients, rest)
     if reuse is not None and _same(reuse.signature, signature):
         client_problem, steps = reuse.client_problem, reuse.steps
@@ -176,14 +177,17 @@ def _client_problem(inference: PVI, sites: ModelSites, split: ClientColumns) -> 
         c_args, c_kwargs = layout.build(client.arrays)
         local_model(model, sites, zeta, c_args, c_kwargs, client.mask, hyper)
 
-    _check_support(inference.local_update, sites)
+    _check_support(inference.local_update, sites, inference.family)
     return ClientProblem(inference.family, sites.dim, client_loglik, split.is_row, sites,
                          client_local_model if sites.has_local else None)
 
 
-def _check_support(local_update: Any, sites: ModelSites) -> None:
-    """Refuse a model whose local latents or hyperparameters the local update cannot handle."""
+def _check_support(local_update: Any, sites: ModelSites, family: Any) -> None:
+    """Refuse a model whose local latents, hyperparameters or family the local update cannot handle."""
     name = type(local_update).__name__
+    if not isinstance(family, Family) and not getattr(local_update, "supports_factor_families", False):
+        raise NotImplementedError(f"{name} needs a Gaussian family (MeanFieldGaussian or FullRankGaussian), not "
+                                  f"{family!r}; use pvi.GradientUpdate or pvi.NaturalGradientUpdate.")
     if sites.has_local and not getattr(local_update, "supports_local_latents", False):
         names = [s.name for s in sites.locals] + list(sites.enumerated)
         raise NotImplementedError(f"{name} does not support local latent variables (sites {names} inside "
