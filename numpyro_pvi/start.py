@@ -28,7 +28,7 @@ def initial_loc(model: Callable, problem: Any, rng_key: jax.Array, init_loc_fn: 
     **Example:** ``initial_loc(model, problem, key, numpyro.infer.init_to_median)``
     """
     args, kwargs = problem.split.layout.build([a[0] for a in problem.clients.arrays])
-    seeded = handlers.seed(handlers.substitute(model, substitute_fn=init_loc_fn), rng_key)
+    seeded = handlers.substitute(handlers.seed(model, rng_key), substitute_fn=init_loc_fn)
     with handlers.block():
         trace = handlers.trace(seeded).get_trace(*args, **kwargs)
     return problem.sites.flatten({s.name: trace[s.name]["value"] for s in problem.sites.globals})

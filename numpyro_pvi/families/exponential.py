@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 import numpyro
 import numpyro.distributions as dist
+from jax.scipy.special import digamma
 from numpyro.distributions import constraints
 from numpyro.distributions.transforms import (
     ExpTransform,
@@ -104,6 +105,10 @@ class ExponentialFamily:
 
     def mean_var(self, params: tuple) -> tuple[np.ndarray, np.ndarray]:
         """Marginal means and variances (float64 numpy) of valid parameters."""
+        raise NotImplementedError
+
+    def mean_stats(self, params: tuple) -> jax.Array:
+        """``E[T]`` ``(P,)`` of the member with these parameters, ordered as :meth:`stats`."""
         raise NotImplementedError
 
     def check_sizes(self, sizes: list) -> None:
@@ -183,6 +188,27 @@ class ExponentialFamily:
         dim = zeta.shape[-1]
         return NatParams(coef[:dim], coef[dim:])
 
+    # ------------------------------------------------------------------ moment matching
+    def match_moments(self, proposal: NatParams, zeta: jax.Array, weights: jax.Array) -> NatParams:
+        """The member with ``E[T]`` = the weighted mean of ``T`` (control variate: the proposal's exact ``E[T]``)."""
+        stats = self.stats(zeta)
+        target = self.mean_stats(self.to_params(proposal)) + (weights - 1.0 / weights.shape[0]) @ stats
+        return self.from_mean_stats(target, proposal)
+
+    def from_mean_stats(self, target: jax.Array, start: NatParams, num_newton: int = 30) -> NatParams:
+        """The member with ``E[T] = target``, by Newton steps in the log parameters from ``start``."""
+        count = len(self.param_names)
+
+        def residual(x: jax.Array) -> jax.Array:
+            return self.mean_stats(tuple(jnp.split(jnp.exp(x), count))) - target
+
+        def newton(x: jax.Array, _: None) -> tuple[jax.Array, None]:
+            step = jnp.linalg.solve(jax.jacfwd(residual)(x), residual(x))
+            return x - jnp.clip(step, -1.0, 1.0), None
+
+        x, _ = jax.lax.scan(newton, jnp.log(jnp.concatenate(self.to_params(start))), None, length=num_newton)
+        return self.from_params(*jnp.split(jnp.exp(x), count))
+
 
 class Gamma(ExponentialFamily):
     """Gamma factors over positive sites, elementwise: ``eta1 = shape - 1``, ``eta2 = -rate``.
@@ -215,6 +241,11 @@ class Gamma(ExponentialFamily):
     def stats(self, theta: jax.Array) -> jax.Array:
         """``(log theta, theta)``."""
         return jnp.concatenate([jnp.log(theta), theta], axis=-1)
+
+    def mean_stats(self, params: tuple) -> jax.Array:
+        """``(digamma(a) - log b, a / b)``."""
+        a, b = params
+        return jnp.concatenate([digamma(a) - jnp.log(b), a / b])
 
     def base(self, concentration: jax.Array, rate: jax.Array) -> dist.Distribution:
         """``Gamma(shape, rate)`` over ``(D,)``."""
@@ -255,6 +286,11 @@ class Beta(ExponentialFamily):
     def stats(self, theta: jax.Array) -> jax.Array:
         """``(log theta, log(1 - theta))``."""
         return jnp.concatenate([jnp.log(theta), jnp.log1p(-theta)], axis=-1)
+
+    def mean_stats(self, params: tuple) -> jax.Array:
+        """``(digamma(a) - digamma(a + b), digamma(b) - digamma(a + b))``."""
+        a, b = params
+        return jnp.concatenate([digamma(a) - digamma(a + b), digamma(b) - digamma(a + b)])
 
     def base(self, concentration1: jax.Array, concentration0: jax.Array) -> dist.Distribution:
         """``Beta(a, b)`` over ``(D,)``."""
@@ -304,6 +340,11 @@ class Dirichlet(ExponentialFamily):
     def stats(self, theta: jax.Array) -> jax.Array:
         """``log theta``."""
         return jnp.log(theta)
+
+    def mean_stats(self, params: tuple) -> jax.Array:
+        """``digamma(alpha) - digamma(sum alpha)``."""
+        (alpha,) = params
+        return digamma(alpha) - digamma(jnp.sum(alpha))
 
     def base(self, concentration: jax.Array) -> dist.Distribution:
         """``Dirichlet(alpha)`` over ``(K,)``."""

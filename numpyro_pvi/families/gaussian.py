@@ -69,6 +69,15 @@ class GaussianFamily:
             hess = self.from_dense(jnp.mean(hessians, axis=0))
         return self.site_update(jnp.mean(grads, axis=0), hess, loc)
 
+    def match_moments(self, proposal: NatParams, zeta: jax.Array, weights: jax.Array) -> NatParams:
+        """Weighted mean and covariance, with the proposal's exact moments as control variate."""
+        loc, cov = self.moments(proposal)
+        extra = weights - 1.0 / weights.shape[0]
+        d = zeta - loc
+        shift = extra @ d
+        cov = cov + self.outer_sum(d * extra[:, None], d) - self.outer(shift, shift)
+        return self.from_moments(loc + shift, self.sym(cov))
+
 
 def expected_site(family: Family, q: NatParams, eps: jax.Array, grad: Callable,
                   hessian: Callable | None = None) -> NatParams:

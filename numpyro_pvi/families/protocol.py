@@ -86,6 +86,7 @@ class FactorFamily(Protocol):
     * **Guide** (``GradientUpdate``): :meth:`guide_params`, :meth:`params_distribution`, :meth:`guide`,
       :meth:`from_guide`.
     * **Natural-gradient site** (CVI): :meth:`draw`, :meth:`site_from_draws`.
+    * **Moment matching** (EP): :meth:`match_moments`.
 
     **Example:**
 
@@ -144,6 +145,13 @@ class FactorFamily(Protocol):
                         hessians: jax.Array | None) -> NatParams:
         """``grad_mu E_q[f]`` (natural parameters) from draws ``zeta`` of ``q``, ``f``'s values ``(S,)``, its
         gradients ``(S, D)`` and, if computed, Hessians ``(S, D, D)``."""
+        ...
+
+    def match_moments(self, proposal: NatParams, zeta: jax.Array, weights: jax.Array) -> NatParams:
+        """The member whose sufficient statistics' means match the weighted draws ``zeta`` ``(S, D)`` of
+        ``proposal`` (self-normalised ``weights`` ``(S,)``), with ``proposal``'s exact moments as control
+        variate: uniform weights give ``proposal`` itself (EP is exact when the tilted distribution is in
+        the family)."""
         ...
 
 

@@ -247,6 +247,11 @@ class SiteFamilies:
             parts.append(family.site_from_draws(part, zeta[:, a:b], values, grads[:, a:b], hess))
         return self.join(parts)
 
+    def match_moments(self, proposal: NatParams, zeta: jax.Array, weights: jax.Array) -> NatParams:
+        """Each block matched to its marginal weighted moments."""
+        return self.join([family.match_moments(part, zeta[:, a:b], weights)
+                          for (family, a, b, _), part in zip(self._laid_out(), self.split(proposal))])
+
 
 def _name(family: Any) -> str:
     return repr(family) if isinstance(family, SiteFamilies) or type(family).__repr__ is not object.__repr__ \
