@@ -187,3 +187,13 @@ def test_asynchronous_server_reaches_the_same_fixed_point(data):
     result = cvi(family, server).run(random.PRNGKey(2), 48, data[0], y=data[1], progress_bar=False)
     np.testing.assert_allclose(family.marginals(result.state.q).mean, mean, rtol=1e-3, atol=1e-3)
     np.testing.assert_allclose(block_precisions(family, result.state.q)[0], precision[:2, :2], rtol=1e-3)
+
+
+def test_plot_clients_draws_every_block(gradient_result):
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg")
+    from numpyro_pvi.plot import plot_clients
+
+    fig = plot_clients(gradient_result, sites=["w", "tau"])
+    assert len(fig.axes) >= 3  # a column per coordinate: w[0], w[1], tau
+    matplotlib.pyplot.close(fig)
