@@ -17,10 +17,12 @@ new class.
 """
 
 from numpyro_pvi.families.exponential import Beta, Dirichlet, ExponentialFamily, Gamma
+from numpyro_pvi.families.factor import FactorFamily
 from numpyro_pvi.families.full_rank import FullRankGaussian
 from numpyro_pvi.families.gaussian import expected_site
 from numpyro_pvi.families.mean_field import MeanFieldGaussian
-from numpyro_pvi.families.protocol import FactorFamily, Family, Marginals, NatParams
+from numpyro_pvi.families.params import Marginals, NatParams
+from numpyro_pvi.families.protocol import Family
 from numpyro_pvi.families.site_families import BlockDistribution, SiteFamilies
 
 __all__ = ["Beta", "BlockDistribution", "Dirichlet", "ExponentialFamily", "FactorFamily", "Family",

@@ -40,7 +40,7 @@ from numpyro.distributions.transforms import (
     StickBreakingTransform,
 )
 
-from numpyro_pvi.families.protocol import Marginals, NatParams
+from numpyro_pvi.families.params import Marginals, NatParams
 
 
 def regression_site(stats: jax.Array, values: jax.Array) -> jax.Array:

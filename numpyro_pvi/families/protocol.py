@@ -3,156 +3,23 @@
 Every family stores its second-order quantities (``eta2``, a precision, a covariance, an expected
 Hessian) in its own **form**: ``MeanFieldGaussian`` a ``(D,)`` diagonal, ``FullRankGaussian`` a
 ``(D, D)`` matrix. The local updates, the prior and the plots never look at that form: they only pass
-it between the family's methods, which is why adding a family is adding one class.
+it between the family's methods, which is why adding a family is adding one class. :class:`NatParams` and
+:class:`Marginals` live in :mod:`numpyro_pvi.families.params`, the smaller contract :class:`FactorFamily`
+in :mod:`numpyro_pvi.families.factor`; both are re-exported here.
 """
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import jax
-import numpy as np
 import numpyro.distributions as dist
 from numpyro.distributions import constraints
 
+from numpyro_pvi.families.factor import FactorFamily
+from numpyro_pvi.families.params import Marginals, NatParams
 
-class NatParams(NamedTuple):
-    """Natural parameters of a Gaussian: ``eta1`` ``(..., D)`` and ``eta2`` in the family's form.
-
-    ``eta2`` is ``(..., D)`` for ``MeanFieldGaussian`` and ``(..., D, D)`` for ``FullRankGaussian``, and a
-    tuple of the blocks' ``eta2`` for :class:`~numpyro_pvi.SiteFamilies` (``eta1`` is always the flat
-    ``(..., D)`` vector). They add and scale like vectors (``q - t_m`` is a cavity, ``q + rho * delta`` a
-    damped update).
-
-    **Example:**
-
-    .. doctest::
-
-        >>> import jax.numpy as jnp
-        >>> from numpyro_pvi import MeanFieldGaussian
-        >>> q = MeanFieldGaussian().from_loc_scale(jnp.array([1.0]), jnp.array([2.0]))
-        >>> q.eta1, q.eta2  # mu / sigma^2, -1 / (2 sigma^2)
-        (Array([0.25], dtype=float32), Array([-0.125], dtype=float32))
-    """
-
-    eta1: jax.Array
-    eta2: Any
-
-    def __add__(self, other: NatParams) -> NatParams:  # type: ignore[override]
-        return NatParams(self.eta1 + other.eta1, jax.tree.map(lambda a, b: a + b, self.eta2, other.eta2))
-
-    def __sub__(self, other: NatParams) -> NatParams:
-        return NatParams(self.eta1 - other.eta1, jax.tree.map(lambda a, b: a - b, self.eta2, other.eta2))
-
-    def __mul__(self, rho: jax.Array | float) -> NatParams:  # type: ignore[override]
-        return NatParams(rho * self.eta1, jax.tree.map(lambda a: rho * a, self.eta2))
-
-    __rmul__ = __mul__
-
-
-class Marginals(NamedTuple):
-    """Per-coordinate summaries of a Gaussian in natural parameters, as float64 numpy arrays ``(D,)``.
-
-    :ivar mean: the marginal means (NaN if the Gaussian is improper).
-    :ivar variance: the marginal variances (NaN if improper).
-    :ivar precision: the diagonal of the precision matrix (defined for improper factors too).
-
-    **Example:**
-
-    .. doctest::
-
-        >>> import numpy as np
-        >>> from numpyro_pvi import MeanFieldGaussian
-        >>> from numpyro_pvi.families import NatParams
-        >>> MeanFieldGaussian().marginals(NatParams(np.array([1.0, 1.0]), np.array([-0.5, 0.5])))
-        Marginals(mean=array([ 1., nan]), variance=array([ 1., nan]), precision=array([ 1., -1.]))
-    """
-
-    mean: np.ndarray
-    variance: np.ndarray
-    precision: np.ndarray
-
-
-@runtime_checkable
-class FactorFamily(Protocol):
-    """What every family of factors implements: what PVI, the servers, the merge and ``GradientUpdate`` use.
-
-    :class:`Family` (the Gaussian families) extends it with Gaussian algebra (whitening, forms, sites)
-    that EP, SNEP and the Gaussian CVI path need. The exponential families in a site's own space
-    (:class:`~numpyro_pvi.Gamma`, :class:`~numpyro_pvi.Beta`, :class:`~numpyro_pvi.Dirichlet`) and
-    :class:`~numpyro_pvi.SiteFamilies` implement this contract only.
-
-    * **Core**: :meth:`zeros`, :meth:`is_valid`, :meth:`to_dist`, :meth:`marginals`, :meth:`prepare_sites`.
-    * **Guide** (``GradientUpdate``): :meth:`guide_params`, :meth:`params_distribution`, :meth:`guide`,
-      :meth:`from_guide`.
-    * **Natural-gradient site** (CVI): :meth:`draw`, :meth:`site_from_draws`.
-    * **Moment matching** (EP): :meth:`match_moments`.
-
-    **Example:**
-
-    .. doctest::
-
-        >>> import numpyro_pvi as pvi
-        >>> from numpyro_pvi.families import FactorFamily
-        >>> isinstance(pvi.Gamma(), FactorFamily), isinstance(pvi.MeanFieldGaussian(), FactorFamily)
-        (True, True)
-    """
-
-    def zeros(self, dim: int) -> NatParams:
-        """The flat factor ``t = 1``."""
-        ...
-
-    def is_valid(self, nat: NatParams) -> jax.Array:
-        """Whether ``nat`` is a proper, finite member of the family."""
-        ...
-
-    def to_dist(self, nat: NatParams) -> dist.Distribution:
-        """``q`` as a NumPyro distribution over the flat vector ``zeta``."""
-        ...
-
-    def marginals(self, nat: Any) -> Marginals:
-        """Per-coordinate means, variances (NaN where improper) and a precision-like diagonal, float64 numpy."""
-        ...
-
-    def prepare_sites(self, sites: Any) -> Any:
-        """The model's sites as this family lays them out (sites in their own space get an identity transform).
-
-        Called once per problem; raises ``ValueError`` if a site does not fit the family.
-        """
-        ...
-
-    def guide_params(self, nat: NatParams) -> Any:
-        """The guide's (constrained) parameters of valid ``nat``: a pytree."""
-        ...
-
-    def params_distribution(self, params: Any) -> dist.Distribution:
-        """The distribution over ``zeta`` with guide parameters ``params``."""
-        ...
-
-    def guide(self, prefix: str, params: Any) -> dist.Distribution:
-        """Register ``numpyro.param`` sites named ``prefix...`` initialised at ``params``; their distribution."""
-        ...
-
-    def from_guide(self, prefix: str, values: dict) -> NatParams:
-        """Natural parameters from the constrained values of the sites :meth:`guide` registered."""
-        ...
-
-    def draw(self, nat: NatParams, rng_key: jax.Array, pairs: int) -> jax.Array:
-        """``2 * pairs`` draws ``(2 pairs, D)`` of valid ``nat`` (antithetic where the family allows)."""
-        ...
-
-    def site_from_draws(self, nat: NatParams, zeta: jax.Array, values: jax.Array, grads: jax.Array,
-                        hessians: jax.Array | None) -> NatParams:
-        """``grad_mu E_q[f]`` (natural parameters) from draws ``zeta`` of ``q``, ``f``'s values ``(S,)``, its
-        gradients ``(S, D)`` and, if computed, Hessians ``(S, D, D)``."""
-        ...
-
-    def match_moments(self, proposal: NatParams, zeta: jax.Array, weights: jax.Array) -> NatParams:
-        """The member whose sufficient statistics' means match the weighted draws ``zeta`` ``(S, D)`` of
-        ``proposal`` (self-normalised ``weights`` ``(S,)``), with ``proposal``'s exact moments as control
-        variate: uniform weights give ``proposal`` itself (EP is exact when the tilted distribution is in
-        the family)."""
-        ...
+__all__ = ["Family", "FactorFamily", "Marginals", "NatParams"]
 
 
 @runtime_checkable

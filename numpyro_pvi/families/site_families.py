@@ -21,8 +21,9 @@ import numpyro.distributions as dist
 from numpyro.distributions import constraints
 from numpyro.distributions.kl import kl_divergence
 
+from numpyro_pvi.families.factor import FactorFamily
 from numpyro_pvi.families.mean_field import MeanFieldGaussian
-from numpyro_pvi.families.protocol import FactorFamily, Marginals, NatParams
+from numpyro_pvi.families.params import Marginals, NatParams
 
 
 class BlockDistribution(dist.Distribution):
