@@ -3,7 +3,16 @@
 from numpyro_pvi.backends import Backend, ConcurrentRunner, LoopBackend, VmapBackend
 from numpyro_pvi.checkpoint import load, save
 from numpyro_pvi.damping import AdaptiveDamping
-from numpyro_pvi.families import Family, FullRankGaussian, MeanFieldGaussian, NatParams
+from numpyro_pvi.families import (
+    Beta,
+    Dirichlet,
+    Family,
+    FullRankGaussian,
+    Gamma,
+    MeanFieldGaussian,
+    NatParams,
+    SiteFamilies,
+)
 from numpyro_pvi.local_updates import (
     Client,
     ClientProblem,
@@ -47,6 +56,10 @@ __all__ = [
     "DPLocalAveraging",
     "Family",
     "FullRankGaussian",
+    "Gamma",
+    "Beta",
+    "Dirichlet",
+    "SiteFamilies",
     "GradientUpdate",
     "CountsRejectedUpdates",
     "LocalUpdate",

@@ -21,6 +21,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from numpyro_pvi.families import SiteFamilies
 from numpyro_pvi.problem import Problem
 from numpyro_pvi.results import PVIRunResult
 from numpyro_pvi.state import PVIState
@@ -31,7 +32,8 @@ FORMAT = "numpyro_pvi.PVIState/3"  # 3: what the checkpoint was made for
 def made_for(inference: Any, problem: Problem) -> dict:
     """What a state belongs to: the global sites (name, shape), the family, the server, the clients."""
     return {"sites": [[s.name, list(s.shape)] for s in problem.sites.globals],
-            "family": type(inference.family).__name__, "server": repr(inference.server),
+            "family": repr(inference.family) if isinstance(inference.family, SiteFamilies)
+            else type(inference.family).__name__, "server": repr(inference.server),
             "num_clients": problem.num_clients, "capacity": problem.capacity}
 
 

@@ -103,15 +103,15 @@ def expected_local_elbo(elbo: Any, family: Any, local_model: Callable, sites: Mo
     """
 
     def model(client: Any, q: tuple, state: dict, hyper: Any) -> None:
-        zeta = numpyro.sample("_pvi_zeta", family.distribution(*q))
+        zeta = numpyro.sample("_pvi_zeta", family.params_distribution(q))
         local_model(zeta, client, hyper)
 
     def guide(client: Any, q: tuple, state: dict, hyper: Any) -> None:
-        numpyro.sample("_pvi_zeta", family.distribution(*q))
+        numpyro.sample("_pvi_zeta", family.params_distribution(q))
         local_guide(sites, client.mask, state)
 
     def expected(rng_key: jax.Array, client: Any, q: Any, state: dict, hyper: Any) -> jax.Array:
-        return -elbo.loss(rng_key, {}, model, guide, client, family.loc_scale(q), state, hyper)
+        return -elbo.loss(rng_key, {}, model, guide, client, family.guide_params(q), state, hyper)
 
     return expected
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import jax
 import numpy as np
 from numpyro.distributions.transforms import IdentityTransform, IndependentTransform
 
@@ -317,11 +318,11 @@ def _normal_pdf(x: np.ndarray, loc: float, var: float) -> np.ndarray:
 
 
 def _index(nat: Any, m: int) -> Any:
-    return type(nat)(*(np.asarray(leaf, dtype=np.float64)[m] for leaf in nat))
+    return jax.tree.map(lambda leaf: np.asarray(leaf, dtype=np.float64)[m], nat)
 
 
 def _sub(a: Any, b: Any) -> Any:
-    return type(a)(*(np.asarray(x, dtype=np.float64) - np.asarray(y, dtype=np.float64) for x, y in zip(a, b)))
+    return jax.tree.map(lambda x, y: np.asarray(x, dtype=np.float64) - np.asarray(y, dtype=np.float64), a, b)
 
 
 def _flat_coordinates(model_sites: Any, sites: Sequence[str] | Mapping[str, Sequence[int]] | None) -> list:

@@ -14,6 +14,7 @@ lemma. (Fitting ``t_0`` by SVI-and-subtract is pure noise: shared/notes/environm
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Callable
 
 import jax
@@ -22,16 +23,77 @@ import numpy as np
 from scipy.special import ndtri
 from scipy.stats import qmc
 
-from numpyro_pvi.families import Family, NatParams, expected_site
+from numpyro_pvi.families import ExponentialFamily, FactorFamily, Family, NatParams, SiteFamilies, expected_site
+from numpyro_pvi.families.exponential import regression_site
 from numpyro_pvi.sites import ModelSites
 
+NUM_PRIOR_DRAWS = 256  # draws at which an exponential-family block's prior is read off by least squares
+PRIOR_RESIDUAL = 1e-3  # largest relative residual of that fit: above it, the prior is not of the family
 
-def exact_prior(family: Family, sites: ModelSites) -> tuple[NatParams, tuple]:
-    """``lambda_0`` over the sites with an exact Gaussian prior, and the names of the other sites.
+
+def exact_prior(family: FactorFamily, sites: ModelSites,
+                log_density: Callable | None = None) -> tuple[NatParams, tuple]:
+    """``lambda_0`` over the sites with an exact prior in the family, and the names of the other sites.
 
     A site's Gaussian block is exact when the family can hold it (:meth:`Family.with_block
-    <numpyro_pvi.families.Family.with_block>`: a full-covariance prior is not mean-field).
+    <numpyro_pvi.families.Family.with_block>`: a full-covariance prior is not mean-field). For
+    :class:`~numpyro_pvi.SiteFamilies` and the exponential families every block's prior must be exact
+    (``ValueError`` otherwise); ``log_density(zeta, names)`` is the prior's log density in ``zeta``.
     """
+    if isinstance(family, Family):
+        return _gaussian_prior(family, sites)
+    if isinstance(family, SiteFamilies):
+        blocks = family.blocks
+    else:
+        blocks = ((family, 0, sites.dim, tuple(s.name for s in sites.globals)),)
+    reference = jnp.concatenate([_reference_draws(f, b - a) for f, a, b, _ in blocks], axis=1)
+    parts = []
+    for block_family, a, b, names in blocks:
+        if isinstance(block_family, ExponentialFamily):
+            parts.append(_exponential_prior(block_family, names, reference, a, b, log_density))
+            continue
+        sub = replace(sites, globals=tuple(s for s in sites.globals if s.name in names))
+        part, rest = _gaussian_prior(block_family, sub)
+        if rest:
+            raise ValueError(f"{family!r}: the prior of {list(rest)} is not Gaussian in unconstrained space "
+                             "(Normal, LogNormal or MultivariateNormal with fixed parameters). With SiteFamilies "
+                             "every block's prior must be exact in its family: give such a site its conjugate "
+                             "family (e.g. pvi.Gamma() for a Gamma prior) or a Gaussian prior.")
+        parts.append(part)
+    if isinstance(family, SiteFamilies):
+        return family.join(parts), ()
+    return parts[0], ()
+
+
+def _reference_draws(family: FactorFamily, dim: int) -> jax.Array:
+    """``(NUM_PRIOR_DRAWS, dim)`` points in a block's space at which the prior is evaluated."""
+    key = jax.random.PRNGKey(0)
+    if isinstance(family, ExponentialFamily):
+        params = [jnp.full((dim,), 2.0)] * len(family.param_names)
+        return family.base(*params).sample(key, (NUM_PRIOR_DRAWS,))
+    return jax.random.normal(key, (NUM_PRIOR_DRAWS, dim))
+
+
+def _exponential_prior(family: ExponentialFamily, names: tuple, reference: jax.Array, start: int, stop: int,
+                       log_density: Callable | None) -> NatParams:
+    """The block's prior read off exactly (least squares on the sufficient statistics); ``ValueError`` if it is
+    not of the family."""
+    if log_density is None:
+        raise TypeError("exact_prior: an exponential-family block needs the prior's log_density.")
+    values = jax.jit(jax.vmap(lambda z: log_density(z, names)))(reference)
+    stats = family.stats(reference[:, start:stop])
+    coef = regression_site(stats, values)
+    fitted = (stats - jnp.mean(stats, axis=0)) @ coef
+    residual = np.max(np.abs(np.asarray(values - jnp.mean(values) - fitted)))
+    if not np.isfinite(residual) or residual > PRIOR_RESIDUAL * (1.0 + float(np.std(np.asarray(values)))):
+        raise ValueError(f"The prior of {list(names)} is not a {type(family).__name__} distribution with fixed "
+                         f"parameters, which {family!r} needs (its prior enters q exactly). Use a "
+                         f"{type(family).__name__} prior (it is conjugate), or a Gaussian family for this site.")
+    dim = stop - start
+    return NatParams(coef[:dim], coef[dim:])
+
+
+def _gaussian_prior(family: Family, sites: ModelSites) -> tuple[NatParams, tuple]:
     slices = sites.slices()
     loc, precision = jnp.zeros(sites.dim), family.precision(family.zeros(sites.dim))
     rest = []

@@ -20,8 +20,8 @@ import numpy as np
 
 from numpyro_pvi.backends import VmapBackend
 from numpyro_pvi.clients import ClientColumns, append_client, buckets, split_client_data, split_pooled, stack
-from numpyro_pvi.densities import local_model, log_likelihood
-from numpyro_pvi.families import NatParams
+from numpyro_pvi.densities import local_model, log_likelihood, log_prior
+from numpyro_pvi.families import Family, NatParams
 from numpyro_pvi.local_updates.base import Client, ClientProblem
 from numpyro_pvi.partition import ClientData
 from numpyro_pvi.prior import exact_prior
@@ -146,14 +146,14 @@ def _read(inference: PVI, args: tuple, kwargs: dict) -> tuple[ModelSites, Client
             raise TypeError("partitions=ClientData: each client holds its own data, so pass no data arguments "
                             "to init/update/run.")
         first_args, first_kwargs = partitions[0]
-        sites = read_model(model, first_args, first_kwargs, who="Client 0's data")
+        sites = inference.family.prepare_sites(read_model(model, first_args, first_kwargs, who="Client 0's data"))
         split = split_client_data(partitions, sites.plate_size, sites.plate)
         _check_unsure(model, sites, split, range(len(split.sizes)))
         _check_observations(sites, split, range(1, len(split.sizes)))  # client 0's: checked by read_model
         return sites, split
     if not args and not kwargs:
         raise TypeError("Pass the pooled data to init/update/run (or give partitions=pvi.ClientData(...)).")
-    sites = read_model(model, args, kwargs, who="The pooled data")
+    sites = inference.family.prepare_sites(read_model(model, args, kwargs, who="The pooled data"))
     parts = [np.arange(sites.plate_size)] if partitions is None else list(partitions)
     return sites, split_pooled(args, kwargs, parts, sites.plate_size, sites.plate)
 
@@ -187,10 +187,11 @@ def _assemble(inference: PVI, sites: ModelSites, split: ClientColumns, rows: int
               reuse: Problem | None, grow: bool = False) -> Problem:
     by_size = isinstance(inference.backend, VmapBackend) and not sites.has_local
     bucketed = buckets(split, by_size, rows, capacity, grow)
-    first = bucketed[0].clients
-    sites = read_padded(inference.model, sites, *split.layout.build([a[0] for a in first.arrays]),
-                        int(first.mask.shape[1]))
-    prior, rest = exact_prior(inference.family, sites)
+    first_client = bucketed[0].clients
+    first = split.layout.build([a[0] for a in first_client.arrays])
+    sites = read_padded(inference.model, sites, *first, int(first_client.mask.shape[1]))
+    prior, rest = exact_prior(inference.family, sites,
+                              lambda zeta, names: log_prior(inference.model, sites, zeta, *first, names=names))
     signature = _signature(sites, split, bucketed, rest)
     if reuse is not None and _same(reuse.signature, signature):
         client_problem, steps = reuse.client_problem, reuse.steps
@@ -213,14 +214,17 @@ def _client_problem(inference: PVI, sites: ModelSites, split: ClientColumns) -> 
         c_args, c_kwargs = layout.build(client.arrays)
         local_model(model, sites, zeta, c_args, c_kwargs, client.mask, hyper)
 
-    _check_support(inference.local_update, sites)
+    _check_support(inference.local_update, sites, inference.family)
     return ClientProblem(inference.family, sites.dim, client_loglik, split.is_row, sites,
                          client_local_model if sites.has_local else None)
 
 
-def _check_support(local_update: Any, sites: ModelSites) -> None:
-    """Refuse a model whose local latents or hyperparameters the local update cannot handle."""
+def _check_support(local_update: Any, sites: ModelSites, family: Any) -> None:
+    """Refuse a model whose local latents, hyperparameters or family the local update cannot handle."""
     name = type(local_update).__name__
+    if not isinstance(family, Family) and not getattr(local_update, "supports_factor_families", False):
+        raise NotImplementedError(f"{name} needs a Gaussian family (MeanFieldGaussian or FullRankGaussian), not "
+                                  f"{family!r}; use pvi.GradientUpdate or pvi.NaturalGradientUpdate.")
     if sites.has_local and not getattr(local_update, "supports_local_latents", False):
         names = [s.name for s in sites.locals] + list(sites.enumerated)
         raise NotImplementedError(f"{name} does not support local latent variables (sites {names} inside "

@@ -258,3 +258,81 @@ def test_zeros_is_the_flat_factor():
         assert isinstance(t, NatParams)
         np.testing.assert_allclose((q + t).eta2, q.eta2)
         assert family.to_dense(family.precision(t)).shape == (DIM, DIM)
+
+
+# ---------------------------------------------------------------------- the FactorFamily members
+
+
+@pytest.mark.parametrize("family", FAMILIES, ids=["mean_field", "full_rank"])
+def test_guide_round_trip_and_antithetic_draws(family):
+    nat = random_nat(family, jax.random.PRNGKey(11))
+    values = {"_p_loc": family.guide_params(nat)[0], "_p_" + family.scale_name: family.guide_params(nat)[1]}
+    for a, b in zip(jax.tree.leaves(family.from_guide("_p_", values)), jax.tree.leaves(nat)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+    zeta = family.draw(nat, jax.random.PRNGKey(1), 8)
+    np.testing.assert_allclose(zeta.mean(0), family.loc_scale(nat)[0], rtol=1e-5, atol=1e-5)  # pairs z, 2 mu - z
+
+
+@pytest.mark.parametrize("family", FAMILIES, ids=["mean_field", "full_rank"])
+def test_site_from_draws_is_expected_site_and_match_moments_control_variate(family):
+    """site_from_draws is the Bonnet / Price site at the family's own draws; match_moments with uniform weights
+    returns the proposal itself, and with weights it is the weighted moments (checked in float64)."""
+    with enable_x64():
+        nat = jax.tree.map(lambda x: x.astype(jnp.float64), random_nat(family, jax.random.PRNGKey(12)))
+        f = lambda z: -0.5 * jnp.sum((z - 1.0) ** 2 / jnp.arange(1.0, DIM + 1))  # noqa: E731
+        zeta = family.draw(nat, jax.random.PRNGKey(2), 16)
+        site = family.site_from_draws(nat, zeta, jax.vmap(f)(zeta), jax.vmap(jax.grad(f))(zeta),
+                                      jax.vmap(jax.hessian(f))(zeta))
+        np.testing.assert_allclose(site.eta1, 1.0 / jnp.arange(1.0, DIM + 1), rtol=1e-8)
+        same = family.match_moments(nat, zeta, jnp.full(zeta.shape[0], 1.0 / zeta.shape[0]))
+        for a, b in zip(jax.tree.leaves(same), jax.tree.leaves(nat)):
+            np.testing.assert_allclose(a, b, rtol=1e-8, atol=1e-10)
+        weights = jax.nn.softmax(jax.random.normal(jax.random.PRNGKey(3), (zeta.shape[0],)))
+        mean, cov = family.moments(family.match_moments(nat, zeta, weights))
+        loc = family.loc_scale(nat)[0]
+        d = zeta - loc
+        expected_mean = loc + (weights - 1.0 / zeta.shape[0]) @ d
+        np.testing.assert_allclose(mean, expected_mean, rtol=1e-8, atol=1e-10)
+
+
+def test_site_families_lay_out_blocks_and_map_over_them():
+    """Blocks in order of first appearance (default block for the rest), identity transforms for an exponential
+    family's sites; the product distribution's log density and KL are the blocks' sums."""
+    import numpyro
+    import numpyro.distributions as dist
+
+    from numpyro_pvi.families.site_families import BlockDistribution
+    from numpyro_pvi.sites import read_model
+
+    def model(y=None):
+        a = numpyro.sample("a", dist.Normal(0.0, 1.0))
+        w = numpyro.sample("w", dist.Normal(0.0, 1.0).expand([2]).to_event(1))
+        tau = numpyro.sample("tau", dist.Gamma(2.0, 1.0))
+        with pvi.partition_plate("data", y.shape[0]):
+            numpyro.sample("y", dist.Normal(a + w.sum(), 1.0 / jnp.sqrt(tau)), obs=y)
+
+    family = pvi.SiteFamilies({"w": pvi.FullRankGaussian(), "tau": pvi.Gamma()})
+    sites = family.prepare_sites(read_model(model, (), {"y": jnp.zeros(3)}))
+    assert [s.name for s in sites.globals] == ["a", "w", "tau"] and sites.dim == 4
+    assert [(a, b) for _, a, b, _ in family.blocks] == [(0, 1), (1, 3), (3, 4)]
+    assert float(sites.unflatten(jnp.array([0.0, 0.0, 0.0, 2.5]))["tau"]) == 2.5  # its own value, no exp
+    q = family.join([MEAN_FIELD.from_loc_scale(jnp.zeros(1), jnp.ones(1)),
+                     FULL_RANK.from_loc_scale(jnp.ones(2), jnp.eye(2)),
+                     pvi.Gamma().from_params(jnp.array([3.0]), jnp.array([2.0]))])
+    p = q * 0.5 + family.join([MEAN_FIELD.zeros(1), FULL_RANK.zeros(2), pvi.Gamma().from_params(
+        jnp.array([1.0]), jnp.array([0.5]))]) * 0.5
+    assert bool(family.is_valid(q)) and not bool(family.is_valid(q - q))
+    value = jnp.array([0.3, 1.0, 2.0, 1.5])
+    parts = [MEAN_FIELD.to_dist(family.split(q)[0]), FULL_RANK.to_dist(family.split(q)[1]),
+             pvi.Gamma().to_dist(family.split(q)[2])]
+    expected = sum(d.log_prob(v) for d, v in zip(parts, [value[:1], value[1:3], value[3:]]))
+    np.testing.assert_allclose(family.to_dist(q).log_prob(value), expected, rtol=1e-6)
+    kl = dist.kl_divergence(family.to_dist(q), family.to_dist(p))
+    parts_p = [MEAN_FIELD.to_dist(family.split(p)[0]), FULL_RANK.to_dist(family.split(p)[1]),
+               pvi.Gamma().to_dist(family.split(p)[2])]
+    np.testing.assert_allclose(kl, sum(dist.kl_divergence(a, b) for a, b in zip(parts, parts_p)), rtol=1e-6)
+    assert isinstance(family.to_dist(q), BlockDistribution) and family.to_dist(q).has_rsample
+    marg = family.marginals(q)
+    np.testing.assert_allclose(marg.mean, [0.0, 1.0, 1.0, 1.5], rtol=1e-6)
+    with pytest.raises(ValueError, match="not global latent sites"):
+        pvi.SiteFamilies({"nope": pvi.Gamma()}).prepare_sites(sites)

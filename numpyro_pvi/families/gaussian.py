@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpyro
 import numpyro.distributions as dist
 
 from numpyro_pvi.families.protocol import Family, NatParams
@@ -28,6 +29,54 @@ class GaussianFamily:
         d = mean_a - mean_b
         cov = (1.0 - weight) * cov_a + weight * cov_b + weight * (1.0 - weight) * self.outer(d, d)
         return (1.0 - weight) * mean_a + weight * mean_b, self.sym(cov)
+
+    # ------------------------------------------------------------------ the FactorFamily contract
+    def prepare_sites(self, sites: Any) -> Any:
+        """Gaussian factors live in the unconstrained space of every site: the sites as read."""
+        return sites
+
+    def guide_params(self, nat: NatParams) -> tuple[jax.Array, jax.Array]:
+        """``(loc, scale)``, as :meth:`loc_scale`."""
+        return self.loc_scale(nat)
+
+    def params_distribution(self, params: tuple) -> dist.Distribution:
+        """``distribution(loc, scale)``."""
+        return self.distribution(*params)
+
+    def guide(self, prefix: str, params: tuple) -> dist.Distribution:
+        """``numpyro.param`` sites ``prefix + "loc"`` and ``prefix + scale_name``, like NumPyro's autoguides."""
+        loc = numpyro.param(prefix + "loc", params[0])
+        spread = numpyro.param(prefix + self.scale_name, params[1], constraint=self.scale_constraint)
+        return self.distribution(loc, spread)
+
+    def from_guide(self, prefix: str, values: dict) -> NatParams:
+        """From the guide's constrained ``loc`` and scale."""
+        return self.from_loc_scale(values[prefix + "loc"], values[prefix + self.scale_name])
+
+    def draw(self, nat: NatParams, rng_key: jax.Array, pairs: int) -> jax.Array:
+        """Antithetic draws: ``z`` and ``2 mu - z`` for ``pairs`` draws ``z``."""
+        loc, scale = self.loc_scale(nat)
+        half = jax.random.normal(rng_key, (pairs, loc.shape[-1]), loc.dtype)
+        return self.unwhiten(loc, scale, jnp.concatenate([half, -half]))
+
+    def site_from_draws(self, nat: NatParams, zeta: jax.Array, values: jax.Array, grads: jax.Array,
+                        hessians: jax.Array | None) -> NatParams:
+        """Bonnet / Price: ``eta2 = E_q[H] / 2``, ``eta1 = E_q[g] - E_q[H] mu`` (Stein's lemma without Hessians)."""
+        loc, scale = self.loc_scale(nat)
+        if hessians is None:
+            hess = self.stein_hessian(grads, self.whiten(loc, scale, zeta), scale)
+        else:
+            hess = self.from_dense(jnp.mean(hessians, axis=0))
+        return self.site_update(jnp.mean(grads, axis=0), hess, loc)
+
+    def match_moments(self, proposal: NatParams, zeta: jax.Array, weights: jax.Array) -> NatParams:
+        """Weighted mean and covariance, with the proposal's exact moments as control variate."""
+        loc, cov = self.moments(proposal)
+        extra = weights - 1.0 / weights.shape[0]
+        d = zeta - loc
+        shift = extra @ d
+        cov = cov + self.outer_sum(d * extra[:, None], d) - self.outer(shift, shift)
+        return self.from_moments(loc + shift, self.sym(cov))
 
 
 def expected_site(family: Family, q: NatParams, eps: jax.Array, grad: Callable,

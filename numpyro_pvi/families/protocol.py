@@ -3,76 +3,27 @@
 Every family stores its second-order quantities (``eta2``, a precision, a covariance, an expected
 Hessian) in its own **form**: ``MeanFieldGaussian`` a ``(D,)`` diagonal, ``FullRankGaussian`` a
 ``(D, D)`` matrix. The local updates, the prior and the plots never look at that form: they only pass
-it between the family's methods, which is why adding a family is adding one class.
+it between the family's methods, which is why adding a family is adding one class. :class:`NatParams` and
+:class:`Marginals` live in :mod:`numpyro_pvi.families.params`, the smaller contract :class:`FactorFamily`
+in :mod:`numpyro_pvi.families.factor`; both are re-exported here.
 """
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import jax
-import numpy as np
 import numpyro.distributions as dist
 from numpyro.distributions import constraints
 
+from numpyro_pvi.families.factor import FactorFamily
+from numpyro_pvi.families.params import Marginals, NatParams
 
-class NatParams(NamedTuple):
-    """Natural parameters of a Gaussian: ``eta1`` ``(..., D)`` and ``eta2`` in the family's form.
-
-    ``eta2`` is ``(..., D)`` for ``MeanFieldGaussian`` and ``(..., D, D)`` for ``FullRankGaussian``. They
-    add and scale like vectors (``q - t_m`` is a cavity, ``q + rho * delta`` a damped update).
-
-    **Example:**
-
-    .. doctest::
-
-        >>> import jax.numpy as jnp
-        >>> from numpyro_pvi import MeanFieldGaussian
-        >>> q = MeanFieldGaussian().from_loc_scale(jnp.array([1.0]), jnp.array([2.0]))
-        >>> q.eta1, q.eta2  # mu / sigma^2, -1 / (2 sigma^2)
-        (Array([0.25], dtype=float32), Array([-0.125], dtype=float32))
-    """
-
-    eta1: jax.Array
-    eta2: jax.Array
-
-    def __add__(self, other: NatParams) -> NatParams:  # type: ignore[override]
-        return NatParams(self.eta1 + other.eta1, self.eta2 + other.eta2)
-
-    def __sub__(self, other: NatParams) -> NatParams:
-        return NatParams(self.eta1 - other.eta1, self.eta2 - other.eta2)
-
-    def __mul__(self, rho: jax.Array | float) -> NatParams:  # type: ignore[override]
-        return NatParams(rho * self.eta1, rho * self.eta2)
-
-    __rmul__ = __mul__
-
-
-class Marginals(NamedTuple):
-    """Per-coordinate summaries of a Gaussian in natural parameters, as float64 numpy arrays ``(D,)``.
-
-    :ivar mean: the marginal means (NaN if the Gaussian is improper).
-    :ivar variance: the marginal variances (NaN if improper).
-    :ivar precision: the diagonal of the precision matrix (defined for improper factors too).
-
-    **Example:**
-
-    .. doctest::
-
-        >>> import numpy as np
-        >>> from numpyro_pvi import MeanFieldGaussian
-        >>> from numpyro_pvi.families import NatParams
-        >>> MeanFieldGaussian().marginals(NatParams(np.array([1.0, 1.0]), np.array([-0.5, 0.5])))
-        Marginals(mean=array([ 1., nan]), variance=array([ 1., nan]), precision=array([ 1., -1.]))
-    """
-
-    mean: np.ndarray
-    variance: np.ndarray
-    precision: np.ndarray
+__all__ = ["Family", "FactorFamily", "Marginals", "NatParams"]
 
 
 @runtime_checkable
-class Family(Protocol):
+class Family(FactorFamily, Protocol):
     """What a family of Gaussian factors over the flat unconstrained vector ``zeta`` (size ``D``) implements.
 
     ``q``, the prior and every factor ``t_m`` are :class:`NatParams` of one family; factors may be

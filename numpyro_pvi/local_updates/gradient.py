@@ -24,7 +24,9 @@ class GradientUpdate:
     unconstrained vector, times its own likelihood ``p(y_m | theta)``, i.e. it maximises
     ``F_m(q) = E_q[log p(y_m | theta)] - KL(q || cavity)``. The guide (``Normal(loc, scale)`` or
     ``MultivariateNormal(loc, scale_tril)``, parameterised like NumPyro's autoguides) starts at the
-    current ``q``; ``num_steps`` of ``SVI.update`` run in one ``lax.scan``.
+    current ``q``; for another family (:class:`~numpyro_pvi.SiteFamilies`, ``Gamma``...) its own
+    reparameterised guide (:meth:`~numpyro_pvi.families.FactorFamily.guide`); ``num_steps`` of
+    ``SVI.update`` run in one ``lax.scan``.
 
     Any NumPyro model (see :mod:`numpyro_pvi.local_latents`): local latent sites get the client's own
     ``AutoNormal``-like guide, optimised jointly with ``q`` and kept in the client's state (never in
@@ -53,6 +55,7 @@ class GradientUpdate:
 
     supports_local_latents = True
     supports_hyperparameters = True
+    supports_factor_families = True
 
     def __init__(self, optimizer: Any, num_steps: int, num_particles: int = 1, batch_size: int | None = None,
                  elbo: ELBO | None = None, average_fraction: float = 0.5) -> None:
@@ -89,7 +92,7 @@ class GradientUpdate:
 
         def client_update(rng_key: jax.Array, client: Client, cavity: NatParams, q: NatParams,
                           state: Any, hyper: Any = ()) -> ClientResult:
-            cavity_params, q_params = family.loc_scale(cavity), family.loc_scale(q)
+            cavity_params, q_params = family.guide_params(cavity), family.guide_params(q)
             init_key, batch_key = jax.random.split(rng_key)
             extra = (state, hyper)
             # a batch as large as the (padded) client is the whole client: no sampling needed
@@ -109,7 +112,7 @@ class GradientUpdate:
             xs = (jnp.arange(num_steps), jax.random.split(batch_key, num_steps))
             (svi_state, average), losses = jax.lax.scan(step, (svi_state, get(svi_state.optim_state)), xs)
             params = svi.constrain_fn(average)
-            q_new = family.from_loc_scale(params["_pvi_loc"], params["_pvi_" + family.scale_name])
+            q_new = family.from_guide("_pvi_", params)
             new_state = state_from_params(sites, params) if live else state
             hyper_grad = ()
             if has_hyper:  # d F_m / d hyper at the new q (and local guides), by the reparameterised ELBO
@@ -153,16 +156,14 @@ def _tilted_model_and_guide(problem: ClientProblem) -> tuple[Callable, Callable]
     family, sites, live = problem.family, problem.sites, problem.has_local
 
     def tilted_model(client: Client, scale: jax.Array, cavity: tuple, q: tuple, local: Any, hyper: Any) -> None:
-        zeta = numpyro.sample("_pvi_zeta", family.distribution(*cavity))
+        zeta = numpyro.sample("_pvi_zeta", family.params_distribution(cavity))
         if live:  # the model itself: its local latents and observations are sites of this ELBO
             problem.local_model(zeta, client, hyper)
         else:
             numpyro.factor("_pvi_loglik", scale * problem.log_likelihood(zeta, client, hyper))
 
     def tilted_guide(client: Client, scale: jax.Array, cavity: tuple, q: tuple, local: Any, hyper: Any) -> None:
-        loc = numpyro.param("_pvi_loc", q[0])
-        spread = numpyro.param("_pvi_" + family.scale_name, q[1], constraint=family.scale_constraint)
-        numpyro.sample("_pvi_zeta", family.distribution(loc, spread))
+        numpyro.sample("_pvi_zeta", family.guide("_pvi_", q))
         if live:
             local_guide(sites, client.mask, local)
 

@@ -13,7 +13,9 @@ uses the proposal's exact moments as a control variate, so it is exact when the 
 Gaussian (a conjugate likelihood) and cheap when it is nearly so. A step that would make ``q``
 improper is halved (counted in ``RoundInfo.clamped``), as is a step from weights with a low
 effective sample size; if no halving helps, the step moves towards the Laplace approximation instead
-(halved the same way), and if that fails too it is not taken.
+(halved the same way), and if that fails too it is not taken. For the families beyond one Gaussian
+(``SiteFamilies``, ``Gamma``, ``Beta``, ``Dirichlet``) the client matches its tilted distribution's
+expected sufficient statistics instead (:mod:`numpyro_pvi.local_updates.site_moment_matching`).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from numpyro.infer.hmc import hmc
 from numpyro_pvi.backtracking import backtrack
 from numpyro_pvi.families import Family, NatParams
 from numpyro_pvi.local_updates.base import Client, ClientProblem, ClientResult, local_free_energy
+from numpyro_pvi.local_updates.site_moment_matching import bind_site_families
 
 
 def laplace(log_density: Callable, start: jax.Array, fallback: jax.Array, num_newton: int,
@@ -131,7 +134,10 @@ class MomentMatchingUpdate:
     moments are estimated, a Gaussian ``q_tilde`` matched to them, and the factor moves by
     ``(eta(q_tilde) - eta(q)) / alpha``. ``alpha = 1`` is EP; ``alpha < 1`` (power EP) smooths the
     likelihood and keeps the tilted distribution closer to ``q``. With ``Synchronous`` and
-    ``tilted="nuts"`` this is distributed EP as in ep-stan (Vehtari et al. 2020).
+    ``tilted="nuts"`` this is distributed EP as in ep-stan (Vehtari et al. 2020). With ``SiteFamilies``,
+    ``Gamma``, ``Beta`` or ``Dirichlet`` the family's expected sufficient statistics are matched, by
+    importance sampling from the client's natural-gradient site (exact for a conjugate likelihood;
+    ``tilted``, ``proposal`` and the NUTS options do not apply).
 
     :param float alpha: the power, in ``(0, 1]``.
     :param str tilted: ``"importance"`` (self-normalised importance sampling from a Laplace approximation of
@@ -158,6 +164,8 @@ class MomentMatchingUpdate:
         >>> ep = pvi.MomentMatchingUpdate(alpha=1.0, tilted="importance", num_samples=512)
         >>> power_ep = pvi.MomentMatchingUpdate(alpha=0.5, tilted="nuts", num_samples=500, num_warmup=300)
     """
+
+    supports_factor_families = True
 
     def __init__(self, alpha: float = 1.0, tilted: str = "importance", num_samples: int | None = None,
                  proposal: str = "laplace", min_ess: float = 0.1, num_newton: int = 20, num_chains: int = 2,
@@ -189,6 +197,8 @@ class MomentMatchingUpdate:
     def bind(self, problem: ClientProblem) -> Callable:
         """Return the pure ``client_update(rng_key, client, cavity, q, state, hyper=()) -> ClientResult``."""
         family, alpha, max_backtracks = problem.family, self.alpha, self.max_backtracks
+        if not isinstance(family, Family):  # SiteFamilies, Gamma, Beta, Dirichlet: match sufficient statistics
+            return bind_site_families(problem, alpha, self.num_samples, self.min_ess, _safe_step, max_backtracks)
 
         def client_update(rng_key: jax.Array, client: Client, cavity: NatParams, q: NatParams,
                           state: Any, hyper: Any = ()) -> ClientResult:

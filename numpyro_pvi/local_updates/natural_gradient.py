@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from numpyro_pvi.backtracking import backtrack
-from numpyro_pvi.families import Family, NatParams, expected_site
+from numpyro_pvi.families import FactorFamily, Family, NatParams, expected_site
 from numpyro_pvi.local_updates.base import Client, ClientProblem, ClientResult, local_free_energy
 from numpyro_pvi.local_updates.moment_matching import laplace
 
@@ -59,6 +59,7 @@ class NaturalGradientUpdate:
     """
 
     supports_hyperparameters = True
+    supports_factor_families = True
 
     def __init__(self, step_size: float = 1.0, num_steps: int = 1, num_particles: int = 16, max_backtracks: int = 5,
                  max_hessian_dim: int = 64, tolerance: float = 1.0, laplace_fallback: bool = True,
@@ -85,6 +86,8 @@ class NaturalGradientUpdate:
         """Return the pure ``client_update(rng_key, client, cavity, q, state, hyper=()) -> ClientResult``."""
         family, pairs = problem.family, self.num_pairs
         use_hessian = problem.dim <= self.max_hessian_dim
+        if not isinstance(family, Family):
+            return self._bind_factor_family(problem, use_hessian)
         fallback = self.laplace_fallback and use_hessian and self.num_newton > 0
 
         def client_update(rng_key: jax.Array, client: Client, cavity: NatParams, q: NatParams,
@@ -137,6 +140,60 @@ class NaturalGradientUpdate:
             return (new, clamped + out.halvings), None
 
         return step
+
+    def _bind_factor_family(self, problem: ClientProblem, use_hessian: bool) -> Callable:
+        """``client_update`` for a family that is not a single Gaussian (:class:`~numpyro_pvi.SiteFamilies`,
+        ``Gamma``...): each block's site comes from :meth:`~numpyro_pvi.families.FactorFamily.site_from_draws`
+        at joint draws of ``q`` (no Laplace fallback)."""
+        family, pairs, beta = problem.family, self.num_pairs, self.step_size
+        max_backtracks, tolerance = self.max_backtracks, self.tolerance
+
+        def client_update(rng_key: jax.Array, client: Client, cavity: NatParams, q: NatParams,
+                          state: Any, hyper: Any = ()) -> ClientResult:
+            loglik = lambda z: problem.log_likelihood(z, client, hyper)  # noqa: E731
+            value_and_grad = jax.vmap(jax.value_and_grad(loglik))
+            hessian = jax.vmap(jax.hessian(loglik)) if use_hessian else None
+
+            def step(carry: tuple, key: jax.Array) -> tuple:
+                t, clamped = carry
+                q_now = cavity + t
+                zeta = family.draw(q_now, key, pairs)
+                values, grads = value_and_grad(zeta)
+                target = family.site_from_draws(q_now, zeta, values, grads, None if hessian is None else hessian(zeta))
+                current = _draws_free_energy(family, cavity, t, loglik, key, pairs)
+                floor = jnp.where(jnp.isfinite(current), current - tolerance, -jnp.inf)
+
+                def propose(size: jax.Array) -> tuple[NatParams, jax.Array]:
+                    new = t + size * (target - t)
+                    value = _draws_free_energy(family, cavity, new, loglik, key, pairs)
+                    return new, jnp.isfinite(value) & (value >= floor)
+
+                out = backtrack(propose, beta, max_halvings=max_backtracks)
+                new = jax.tree.map(lambda a, b: jnp.where(out.valid, a, b), out.value, t)
+                return (new, clamped + out.halvings), None
+
+            t_old = q - cavity
+            (t_new, clamped), _ = jax.lax.scan(step, (t_old, 0), jax.random.split(rng_key, self.num_steps))
+            q_new = cavity + t_new
+            zeta = family.draw(q_new, jax.random.fold_in(rng_key, 1), pairs)
+            free_energy = local_free_energy(family, q_new, cavity, loglik, zeta)
+            hyper_grad = ()
+            if problem.has_hyper:
+                expected = lambda h: jnp.mean(jax.vmap(lambda z: problem.log_likelihood(z, client, h))(zeta))  # noqa: E731
+                hyper_grad = jax.grad(expected)(hyper)
+            return ClientResult(t_new - t_old, free_energy, state, clamped, hyper_grad)
+
+        return client_update
+
+
+def _draws_free_energy(family: FactorFamily, cavity: NatParams, site: NatParams, loglik: Callable,
+                       key: jax.Array, pairs: int) -> jax.Array:
+    """``F_m`` at ``q = cavity * site`` from ``q``'s draws with ``key`` (NaN if ``q`` is invalid)."""
+    q = cavity + site
+    valid = family.is_valid(q)
+    safe = jax.tree.map(lambda a, b: jnp.where(valid, a, b), q, cavity)
+    value = local_free_energy(family, safe, cavity, loglik, family.draw(safe, key, pairs))
+    return jnp.where(valid, value, jnp.nan)
 
 
 def _free_energy(family: Family, cavity: NatParams, site: NatParams, loglik: Callable, eps: jax.Array) -> jax.Array:

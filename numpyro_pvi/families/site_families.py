@@ -1,0 +1,259 @@
+"""``SiteFamilies``: a family per global site (or group of sites); ``q`` is block-diagonal across the groups.
+
+The flat vector ``zeta`` is laid out block by block (the blocks in the order their first site appears in
+the model, each block's sites in model order). A block's coordinates are its sites' unconstrained values
+for a Gaussian family and their constrained values for an exponential family in the site's own space
+(:mod:`numpyro_pvi.families.exponential`). Natural parameters are one :class:`NatParams` whose ``eta1``
+is the flat ``(D,)`` concatenation of the blocks' ``eta1`` and whose ``eta2`` is the tuple of the
+blocks' ``eta2``: they add and scale like every family's, so the merge, cavities, damping and
+checkpoints are unchanged. Every other member maps over the blocks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import numpyro.distributions as dist
+from numpyro.distributions import constraints
+from numpyro.distributions.kl import kl_divergence
+
+from numpyro_pvi.families.factor import FactorFamily
+from numpyro_pvi.families.mean_field import MeanFieldGaussian
+from numpyro_pvi.families.params import Marginals, NatParams
+
+
+class BlockDistribution(dist.Distribution):
+    """Independent distributions over consecutive slices of one ``(D,)`` vector (each with event shape ``(k,)``).
+
+    Reparameterised when every part is; ``kl_divergence`` of two with the same slices is the sum of the parts'.
+
+    **Example:**
+
+    .. doctest::
+
+        >>> import jax.numpy as jnp, numpyro.distributions as dist
+        >>> from numpyro_pvi.families.site_families import BlockDistribution
+        >>> d = BlockDistribution([dist.Normal(jnp.zeros(2), 1.0).to_event(1), dist.Gamma(jnp.ones(1)).to_event(1)])
+        >>> d.event_shape, round(float(d.log_prob(jnp.array([0.0, 0.0, 1.0]))), 4)
+        ((3,), -2.8379)
+    """
+
+    arg_constraints: dict = {}
+    support = constraints.real_vector
+    pytree_data_fields = ("parts",)
+    pytree_aux_fields = ("sizes",)
+
+    def __init__(self, parts: list, validate_args: bool | None = None) -> None:
+        self.parts = tuple(parts)
+        self.sizes = tuple(int(p.event_shape[-1]) for p in self.parts)
+        super().__init__(batch_shape=(), event_shape=(sum(self.sizes),), validate_args=validate_args)
+
+    @property
+    def has_rsample(self) -> bool:
+        return all(p.has_rsample for p in self.parts)
+
+    def _split(self, value: jax.Array) -> list:
+        bounds = np.cumsum((0,) + self.sizes)
+        return [value[..., a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+
+    def sample(self, key: jax.Array, sample_shape: tuple = ()) -> jax.Array:
+        keys = jax.random.split(key, len(self.parts))
+        return jnp.concatenate([p.sample(k, sample_shape) for p, k in zip(self.parts, keys)], axis=-1)
+
+    def rsample(self, key: jax.Array, sample_shape: tuple = ()) -> jax.Array:
+        keys = jax.random.split(key, len(self.parts))
+        return jnp.concatenate([p.rsample(k, sample_shape) for p, k in zip(self.parts, keys)], axis=-1)
+
+    def log_prob(self, value: jax.Array) -> jax.Array:
+        return sum(p.log_prob(v) for p, v in zip(self.parts, self._split(value)))
+
+    def entropy(self) -> jax.Array:
+        return sum(p.entropy() for p in self.parts)
+
+    @property
+    def mean(self) -> jax.Array:
+        return jnp.concatenate([p.mean for p in self.parts], axis=-1)
+
+    @property
+    def variance(self) -> jax.Array:
+        return jnp.concatenate([p.variance for p in self.parts], axis=-1)
+
+
+@kl_divergence.register(BlockDistribution, BlockDistribution)
+def _kl_blocks(p: BlockDistribution, q: BlockDistribution) -> jax.Array:
+    if p.sizes != q.sizes:
+        raise NotImplementedError("KL of block distributions with different blocks.")
+    return sum(kl_divergence(a, b) for a, b in zip(p.parts, q.parts))
+
+
+class SiteFamilies:
+    """A factor family per global site or group of sites, ``default`` for the rest (one block of them).
+
+    A client's factor is the product of its per-block factors, so ``q`` is block-diagonal across the
+    blocks: e.g. ``FullRankGaussian`` over regression weights, a ``Gamma`` over a noise precision and
+    mean field elsewhere. A key is a site name or a tuple of site names (one block holding them all).
+    The layout is read from the model when :class:`~numpyro_pvi.PVI` builds its problem; an instance
+    serves one model (its sites' names and shapes).
+
+    Each block's prior must be exact in its family: a Gaussian in unconstrained space (``Normal``,
+    ``LogNormal``, ``MultivariateNormal`` with fixed parameters) for a Gaussian block, a prior of the
+    family itself (``Gamma``, ``Beta``, ``Dirichlet``) for an exponential-family block.
+    ``GradientUpdate`` and ``NaturalGradientUpdate`` support it.
+
+    :param families: site name (or tuple of names) -> family.
+    :param default: the family of every other global site (one block); default ``MeanFieldGaussian()``.
+
+    **Example:** ``pvi.SiteFamilies({"w": pvi.FullRankGaussian(), "tau": pvi.Gamma()})``
+
+    .. doctest::
+
+        >>> import numpyro_pvi as pvi
+        >>> pvi.SiteFamilies({"w": pvi.FullRankGaussian(), "tau": pvi.Gamma()})
+        SiteFamilies({'w': FullRankGaussian(), 'tau': Gamma()}, default=MeanFieldGaussian())
+    """
+
+    def __init__(self, families: dict, default: FactorFamily | None = None) -> None:
+        if not isinstance(families, dict) or not families:
+            raise TypeError(f"SiteFamilies: families must be a non-empty dict site -> family, got {families!r}.")
+        default = MeanFieldGaussian() if default is None else default
+        self.groups: dict = {}
+        for key, family in families.items():
+            names = (key,) if isinstance(key, str) else tuple(key)
+            if not names or not all(isinstance(n, str) for n in names):
+                raise TypeError(f"SiteFamilies: a key must be a site name or a tuple of names, got {key!r}.")
+            for family_ in (family, default):
+                if isinstance(family_, SiteFamilies) or not isinstance(family_, FactorFamily):
+                    raise TypeError(f"SiteFamilies: {family_!r} is not a family (pvi.MeanFieldGaussian(), "
+                                    "pvi.FullRankGaussian(), pvi.Gamma(), pvi.Beta(), pvi.Dirichlet()).")
+            self.groups[names] = family
+        taken = [n for names in self.groups for n in names]
+        if len(set(taken)) != len(taken):
+            raise ValueError(f"SiteFamilies: a site is named in two groups: {taken}.")
+        self.families, self.default = dict(families), default
+        self.blocks: tuple | None = None  # ((family, start, stop, names), ...) once laid out
+
+    def __repr__(self) -> str:
+        inner = ", ".join(f"{k!r}: {_name(f)}" for k, f in self.families.items())
+        return f"SiteFamilies({{{inner}}}, default={_name(self.default)})"
+
+    # ------------------------------------------------------------------ layout
+    def prepare_sites(self, sites: Any) -> Any:
+        """The sites block by block, each block's sites as its family lays them out; records the layout."""
+        names = [s.name for s in sites.globals]
+        unknown = [n for group in self.groups for n in group if n not in names]
+        if unknown:
+            raise ValueError(f"SiteFamilies names {unknown}, which are not global latent sites of the model "
+                             f"(its global sites: {names}).")
+        order, members = [], {}
+        for site in sites.globals:
+            group = next((g for g in self.groups if site.name in g), None)
+            if group not in members:
+                order.append(group)
+                members[group] = []
+            members[group].append(site)
+        globals_, gaussian, blocks, start = [], dict(sites.gaussian_prior), [], 0
+        for group in order:
+            family = self.default if group is None else self.groups[group]
+            sub = family.prepare_sites(replace(sites, globals=tuple(members[group])))
+            for site in members[group]:
+                gaussian.pop(site.name, None)
+            gaussian.update(sub.gaussian_prior)
+            size = sum(s.size for s in sub.globals)
+            blocks.append((family, start, start + size, tuple(s.name for s in sub.globals)))
+            globals_.extend(sub.globals)
+            start += size
+        layout = tuple((b[1], b[2], b[3]) for b in blocks)
+        if self.blocks is not None and tuple((b[1], b[2], b[3]) for b in self.blocks) != layout:
+            raise ValueError("This SiteFamilies instance was laid out for another model's sites; make a new "
+                             "pvi.SiteFamilies({...}) for each model.")
+        self.blocks = tuple(blocks)
+        return replace(sites, globals=tuple(globals_), gaussian_prior=gaussian)
+
+    def _laid_out(self) -> tuple:
+        if self.blocks is None:
+            raise RuntimeError("SiteFamilies is laid out from the model's sites: build the problem first "
+                               "(inference.build(...), init or run).")
+        return self.blocks
+
+    def split(self, nat: NatParams) -> list:
+        """The blocks' natural parameters (leading batch axes kept)."""
+        return [NatParams(nat.eta1[..., a:b], eta2) for (_, a, b, _), eta2 in zip(self._laid_out(), nat.eta2)]
+
+    def join(self, parts: list) -> NatParams:
+        """Natural parameters from the blocks'."""
+        return NatParams(jnp.concatenate([p.eta1 for p in parts], axis=-1), tuple(p.eta2 for p in parts))
+
+    def _map(self, method: str, *trees: Any) -> list:
+        return [getattr(block[0], method)(*args) for block, *args in zip(self._laid_out(), *trees)]
+
+    # ------------------------------------------------------------------ core
+    def zeros(self, dim: int) -> NatParams:
+        """The flat factor: every block's."""
+        blocks = self._laid_out()
+        if dim != blocks[-1][2]:
+            raise ValueError(f"SiteFamilies is laid out for {blocks[-1][2]} coordinates, got {dim}.")
+        return self.join([family.zeros(b - a) for family, a, b, _ in blocks])
+
+    def is_valid(self, nat: NatParams) -> jax.Array:
+        """Whether every block is valid."""
+        return jnp.all(jnp.stack(self._map("is_valid", self.split(nat))))
+
+    def to_dist(self, nat: NatParams) -> dist.Distribution:
+        """The product of the blocks' distributions, over the flat vector."""
+        return BlockDistribution(self._map("to_dist", self.split(nat)))
+
+    def marginals(self, nat: Any) -> Marginals:
+        """The blocks' marginals, concatenated."""
+        blocks = self._laid_out()
+        eta1 = np.asarray(nat.eta1)
+        parts = [family.marginals(NatParams(eta1[..., a:b], np.asarray(eta2)))
+                 for (family, a, b, _), eta2 in zip(blocks, nat.eta2)]
+        return Marginals(*(np.concatenate(x) for x in zip(*parts)))
+
+    # ------------------------------------------------------------------ guide
+    def guide_params(self, nat: NatParams) -> tuple:
+        """The blocks' guide parameters."""
+        return tuple(self._map("guide_params", self.split(nat)))
+
+    def params_distribution(self, params: tuple) -> dist.Distribution:
+        """The product of the blocks' distributions with these parameters."""
+        return BlockDistribution(self._map("params_distribution", params))
+
+    def guide(self, prefix: str, params: tuple) -> dist.Distribution:
+        """Each block's ``numpyro.param`` sites, prefixed ``prefix + "<block>_"``."""
+        prefixes = [f"{prefix}{i}_" for i in range(len(self._laid_out()))]
+        return BlockDistribution(self._map("guide", prefixes, params))
+
+    def from_guide(self, prefix: str, values: dict) -> NatParams:
+        """From the blocks' guide parameters."""
+        prefixes = [f"{prefix}{i}_" for i in range(len(self._laid_out()))]
+        return self.join(self._map("from_guide", prefixes, [values] * len(prefixes)))
+
+    # ------------------------------------------------------------------ natural-gradient site
+    def draw(self, nat: NatParams, rng_key: jax.Array, pairs: int) -> jax.Array:
+        """The blocks' draws (independent keys), concatenated: ``(2 pairs, D)``."""
+        keys = list(jax.random.split(rng_key, len(self._laid_out())))
+        return jnp.concatenate(self._map("draw", self.split(nat), keys, [pairs] * len(keys)), axis=-1)
+
+    def site_from_draws(self, nat: NatParams, zeta: jax.Array, values: jax.Array, grads: jax.Array,
+                        hessians: jax.Array | None) -> NatParams:
+        """Each block's site from the joint draws (its slice of ``zeta``, the gradients and the Hessians)."""
+        parts = []
+        for (family, a, b, _), part in zip(self._laid_out(), self.split(nat)):
+            hess = None if hessians is None else hessians[:, a:b, a:b]
+            parts.append(family.site_from_draws(part, zeta[:, a:b], values, grads[:, a:b], hess))
+        return self.join(parts)
+
+    def match_moments(self, proposal: NatParams, zeta: jax.Array, weights: jax.Array) -> NatParams:
+        """Each block matched to its marginal weighted moments."""
+        return self.join([family.match_moments(part, zeta[:, a:b], weights)
+                          for (family, a, b, _), part in zip(self._laid_out(), self.split(proposal))])
+
+
+def _name(family: Any) -> str:
+    return repr(family) if isinstance(family, SiteFamilies) or type(family).__repr__ is not object.__repr__ \
+        else f"{type(family).__name__}()"

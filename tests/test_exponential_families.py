@@ -1,0 +1,159 @@
+"""Gamma, Beta and Dirichlet factors: exact conjugate posteriors in one synchronous CVI round.
+
+Each model has a conjugate prior and likelihood, so every client's natural-gradient site is exactly
+linear in the family's sufficient statistics and the least-squares site recovers it to float precision
+(float32: relative error ~1e-6 measured; asserted at 1e-5 relative).
+"""
+
+import jax.numpy as jnp
+import numpy as np
+import numpyro
+import numpyro.distributions as dist
+import optax
+import pytest
+from jax import random
+
+import numpyro_pvi as pvi
+from numpyro_pvi.families import NatParams
+from numpyro_pvi.families.exponential import regression_site
+from numpyro_pvi.merge import merge
+
+SIZES = [3, 7, 12, 15, 20]  # five uneven clients
+N = sum(SIZES)
+PARTS = np.split(np.arange(N), np.cumsum(SIZES)[:-1])
+
+
+def poisson_model(y=None):
+    rate = numpyro.sample("rate", dist.Gamma(2.0, 0.5))
+    with pvi.partition_plate("data", y.shape[0]):
+        numpyro.sample("y", dist.Poisson(rate), obs=y)
+
+
+def bernoulli_model(y=None):
+    p = numpyro.sample("p", dist.Beta(2.0, 3.0))
+    with pvi.partition_plate("data", y.shape[0]):
+        numpyro.sample("y", dist.Bernoulli(p), obs=y)
+
+
+def categorical_model(y=None):
+    probs = numpyro.sample("probs", dist.Dirichlet(jnp.array([1.0, 2.0, 0.5, 3.0])))
+    with pvi.partition_plate("data", y.shape[0]):
+        numpyro.sample("y", dist.Categorical(probs), obs=y)
+
+
+def one_round(model, family, **data):
+    inference = pvi.PVI(model, family, partitions=PARTS, server=pvi.Synchronous(1.0),
+                        local_update=pvi.NaturalGradientUpdate(step_size=1.0, num_particles=16))
+    return inference.run(random.PRNGKey(1), 1, progress_bar=False, **data)
+
+
+def test_poisson_gamma_exact_in_one_round():
+    y = random.poisson(random.PRNGKey(0), 3.0, (N,)).astype(jnp.float32)
+    result = one_round(poisson_model, pvi.Gamma(), y=y)
+    shape, rate = pvi.Gamma().to_params(result.state.q)
+    np.testing.assert_allclose(shape, [2.0 + float(y.sum())], rtol=1e-5)
+    np.testing.assert_allclose(rate, [0.5 + N], rtol=1e-5)
+    assert int(np.sum(result.history.accepted)) == len(SIZES)
+
+
+def test_beta_bernoulli_exact_in_one_round():
+    y = random.bernoulli(random.PRNGKey(0), 0.3, (N,)).astype(jnp.float32)
+    result = one_round(bernoulli_model, pvi.Beta(), y=y)
+    a, b = pvi.Beta().to_params(result.state.q)
+    np.testing.assert_allclose(a, [2.0 + float(y.sum())], rtol=1e-5)
+    np.testing.assert_allclose(b, [3.0 + N - float(y.sum())], rtol=1e-5)
+
+
+def test_dirichlet_categorical_exact_in_one_round():
+    y = random.categorical(random.PRNGKey(0), jnp.log(jnp.array([0.1, 0.2, 0.3, 0.4])), shape=(N,))
+    result = one_round(categorical_model, pvi.Dirichlet(), y=y)
+    (alpha,) = pvi.Dirichlet().to_params(result.state.q)
+    counts = np.bincount(np.asarray(y), minlength=4)
+    np.testing.assert_allclose(alpha, np.array([1.0, 2.0, 0.5, 3.0]) + counts, rtol=1e-5)
+
+
+def test_gradient_update_fits_the_gamma_posterior():
+    """GradientUpdate (NumPyro's reparameterised Gamma) reaches the exact posterior within Monte Carlo error:
+    the last-iterate noise of 4-particle ELBO gradients, measured over seeds at ~2 % of the mean and ~15 % of
+    the variance, asserted at 5 % and 40 %."""
+    y = random.poisson(random.PRNGKey(0), 3.0, (N,)).astype(jnp.float32)
+    inference = pvi.PVI(poisson_model, pvi.Gamma(), partitions=PARTS, server=pvi.Sequential(),
+                        local_update=pvi.GradientUpdate(optax.adam(0.05), num_steps=400, num_particles=4))
+    result = inference.run(random.PRNGKey(2), 2, y=y, progress_bar=False)
+    marg = pvi.Gamma().marginals(result.state.q)
+    shape, rate = 2.0 + float(y.sum()), 0.5 + N
+    np.testing.assert_allclose(marg.mean, [shape / rate], rtol=0.05)
+    np.testing.assert_allclose(marg.variance, [shape / rate**2], rtol=0.4)
+
+
+def test_invalid_cavity_is_rejected_like_a_gaussian_one():
+    """A merge that would leave a cavity with Gamma shape <= 0 backtracks, and is rejected if no halving helps."""
+    family = pvi.Gamma()
+    q = family.from_params(jnp.array([3.0]), jnp.array([2.0]))
+    factors = NatParams(jnp.zeros((2, 1)), jnp.zeros((2, 1)))
+    delta = NatParams(jnp.array([[1.0]]), jnp.array([[-1.0]]))  # more shape and rate: valid at rho = 1
+    merged = merge(family, q, factors, jnp.array([0]), delta, jnp.array([True]), 1.0, 3)
+    assert bool(merged.valid) and float(merged.damping) == 1.0
+    bad = NatParams(jnp.array([[-5.0]]), jnp.array([[0.0]]))  # q (and client 1's cavity) get shape 3 - 5 rho
+    merged = merge(family, q, factors, jnp.array([0]), bad, jnp.array([True]), 1.0, 5)
+    assert bool(merged.valid) and float(merged.damping) == 0.5
+    worse = NatParams(jnp.array([[-1e4]]), jnp.array([[0.0]]))  # valid only below rho = 3e-4: rejected
+    merged = merge(family, q, factors, jnp.array([0]), worse, jnp.array([True]), 1.0, 3)
+    assert not bool(merged.valid)
+    np.testing.assert_array_equal(merged.q.eta1, q.eta1)
+
+
+@pytest.mark.parametrize("family, params", [(pvi.Gamma(), (2.5, 1.5)), (pvi.Beta(), (2.0, 5.0))])
+def test_marginals_and_validity(family, params):
+    nat = family.from_params(*(jnp.array([p]) for p in params))
+    d = family.to_dist(nat)
+    marg = family.marginals(nat)
+    np.testing.assert_allclose(marg.mean, d.mean, rtol=1e-6)
+    np.testing.assert_allclose(marg.variance, d.variance, rtol=1e-6)
+    improper = family.from_params(jnp.array([0.0]), jnp.array([1.0]))  # a zero shape / concentration
+    assert bool(family.is_valid(nat)) and not bool(family.is_valid(improper))
+    assert np.isnan(family.marginals(improper).mean).all()
+
+
+def test_regression_site_is_the_natural_gradient_of_a_linear_function():
+    """For f linear in the sufficient statistics the least-squares site is f's coefficients, whatever q is."""
+    family = pvi.Gamma()
+    q = family.from_params(jnp.array([4.0, 1.5]), jnp.array([2.0, 0.5]))
+    theta = family.draw(q, random.PRNGKey(0), 16)
+    values = jnp.sum(3.0 * jnp.log(theta) - 2.0 * theta, axis=1) + 7.0
+    np.testing.assert_allclose(regression_site(family.stats(theta), values), [3.0, 3.0, -2.0, -2.0], rtol=1e-4)
+
+
+def test_prior_of_another_family_and_wrong_support_are_refused():
+    def lognormal_prior(y=None):
+        rate = numpyro.sample("rate", dist.LogNormal(0.0, 1.0))
+        with pvi.partition_plate("data", y.shape[0]):
+            numpyro.sample("y", dist.Poisson(rate), obs=y)
+
+    y = jnp.ones(N)
+    inference = pvi.PVI(lognormal_prior, pvi.Gamma(), partitions=PARTS, local_update=pvi.NaturalGradientUpdate())
+    with pytest.raises(ValueError, match="not a Gamma distribution"):
+        inference.build(y=y)
+    inference = pvi.PVI(bernoulli_model, pvi.Gamma(), partitions=PARTS, local_update=pvi.NaturalGradientUpdate())
+    with pytest.raises(ValueError, match="has a prior on another support"):
+        inference.build(y=y)
+    inference = pvi.PVI(poisson_model, pvi.Gamma(), partitions=PARTS, local_update=pvi.SNEPUpdate())
+    with pytest.raises(NotImplementedError, match="needs a Gaussian family"):
+        inference.build(y=y)
+
+
+@pytest.mark.parametrize("model, family", [(poisson_model, pvi.Gamma()), (categorical_model, pvi.Dirichlet())])
+def test_moment_matching_is_exact_for_a_conjugate_likelihood(model, family):
+    """EP matches the expected sufficient statistics; its proposal (cavity times the regression site) is the tilted
+    distribution itself, so the weights are uniform and the control variate makes the match exact up to the Newton
+    solve in float32 (measured 2e-5 relative; asserted at 1e-4)."""
+    if family.param_names == ("concentration",):
+        y = random.categorical(random.PRNGKey(0), jnp.log(jnp.array([0.1, 0.2, 0.3, 0.4])), shape=(N,))
+        expected = np.array([1.0, 2.0, 0.5, 3.0]) + np.bincount(np.asarray(y), minlength=4)
+    else:
+        y = random.poisson(random.PRNGKey(0), 3.0, (N,)).astype(jnp.float32)
+        expected = np.array([2.0 + float(y.sum()), 0.5 + N])
+    inference = pvi.PVI(model, family, partitions=PARTS, server=pvi.Synchronous(1.0),
+                        local_update=pvi.MomentMatchingUpdate(num_samples=64))
+    result = inference.run(random.PRNGKey(1), 1, y=y, progress_bar=False)
+    np.testing.assert_allclose(np.concatenate(family.to_params(result.state.q)), expected, rtol=1e-4)
