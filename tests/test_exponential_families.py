@@ -56,6 +56,19 @@ def test_poisson_gamma_exact_in_one_round():
     assert int(np.sum(result.history.accepted)) == len(SIZES)
 
 
+def test_poisson_gamma_exact_after_one_continual_pass():
+    # each client's conjugate site is exact whatever q it starts from, so a streaming pass is exact too (the
+    # other servers: Synchronous above, Sequential/Synchronous/Asynchronous in test_site_families.py)
+    server = pvi.Continual()
+    y = random.poisson(random.PRNGKey(0), 3.0, (N,)).astype(jnp.float32)
+    inference = pvi.PVI(poisson_model, pvi.Gamma(), partitions=PARTS, server=server,
+                        local_update=pvi.NaturalGradientUpdate(step_size=1.0, num_particles=16))
+    result = inference.run(random.PRNGKey(1), 1, y=y, progress_bar=False)
+    shape, rate = pvi.Gamma().to_params(result.state.q)
+    np.testing.assert_allclose(shape, [2.0 + float(y.sum())], rtol=1e-5)
+    np.testing.assert_allclose(rate, [0.5 + N], rtol=1e-5)
+
+
 def test_beta_bernoulli_exact_in_one_round():
     y = random.bernoulli(random.PRNGKey(0), 0.3, (N,)).astype(jnp.float32)
     result = one_round(bernoulli_model, pvi.Beta(), y=y)
