@@ -47,8 +47,9 @@ def is_valid_state(family: Family, q: NatParams, factors: NatParams, ids: jax.Ar
 
 
 def checks_every_cavity(factors: NatParams) -> bool:
-    """Whether a merge checks every client's cavity: when the precisions are diagonal (elementwise checks)."""
-    return factors.eta2.ndim == factors.eta1.ndim
+    """Whether a merge checks every client's cavity: when every block's second natural parameter is elementwise
+    (diagonal precisions, Gamma/Beta/Dirichlet parameters), so checks cost no factorisation."""
+    return all(leaf.ndim == factors.eta1.ndim for leaf in jax.tree.leaves(factors.eta2))
 
 
 def merge(family: Family, q: NatParams, factors: NatParams, ids: jax.Array, deltas: NatParams,
