@@ -99,6 +99,8 @@ def on_pre_build(config: dict) -> None:
     else:
         # the kernels import this checkout's numpyro_pvi, whatever version is installed
         os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+        # and draw their figures inline, even where the environment picks a non-interactive backend (CI: Agg)
+        os.environ["MPLBACKEND"] = "module://matplotlib_inline.backend_inline"
         with ThreadPoolExecutor(max_workers=2) as pool:  # one kernel per notebook: two run at once
             _executed.update(zip((p.stem for p in notebooks), pool.map(_execute, notebooks)))
     for name, path in _executed.items():
