@@ -38,8 +38,10 @@ _figures: dict[str, Path] = {}  # gallery slug -> png
 
 
 def _key(path: Path) -> str:
-    """A hash of the notebook, the library's sources and the setting: an executed copy is valid while it holds."""
+    """A hash of the notebook, the library's sources, this hook and the setting: an executed copy is valid while
+    they hold."""
     digest = hashlib.sha256(path.read_bytes())
+    digest.update(Path(__file__).read_bytes())
     for source in sorted([*(ROOT / "numpyro_pvi").rglob("*.py"), *(ROOT / "examples").glob("*.py")]):
         digest.update(source.read_bytes())
     digest.update(os.environ.get("PVI_FULL", "0").encode())
