@@ -22,6 +22,7 @@ import jax.numpy as jnp
 
 from numpyro_pvi.backtracking import backtrack
 from numpyro_pvi.families import Family, NatParams
+from numpyro_pvi.state import Rejection
 
 
 class Merged(NamedTuple):
@@ -31,6 +32,31 @@ class Merged(NamedTuple):
     factors: NatParams
     damping: jax.Array
     valid: jax.Array
+
+
+def screen(deltas: NatParams, free_energy: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Per client (leading axis): whether its delta and free energy are finite, and whether its delta is non-zero.
+
+    **Example:** ``finite, moved = screen(result.delta, result.free_energy)``
+    """
+    finite, moved = jnp.isfinite(free_energy), jnp.zeros(jnp.shape(free_energy), bool)
+    for leaf in jax.tree.leaves(deltas):
+        flat = jnp.reshape(leaf, (leaf.shape[0], -1))
+        finite &= jnp.all(jnp.isfinite(flat), axis=1)
+        moved |= jnp.any(flat != 0, axis=1)
+    return finite, moved
+
+
+def rejection_codes(failure: jax.Array, finite: jax.Array, valid: jax.Array, allow: jax.Array | bool = True,
+                    cavity_ok: jax.Array | bool = True) -> jax.Array:
+    """Why each client's update was not merged (a :class:`~numpyro_pvi.Rejection` code, ``NONE`` if it was).
+
+    A client that sent nothing (timed out, raised, out of budget) says so before staleness does.
+    """
+    allow, cavity_ok, valid = (jnp.broadcast_to(x, finite.shape) for x in (allow, cavity_ok, valid))
+    return jnp.select([failure > 0, ~allow, ~cavity_ok, ~finite, ~valid],
+                      [failure, Rejection.STALE, Rejection.INVALID, Rejection.NON_FINITE, Rejection.INVALID],
+                      Rejection.NONE)
 
 
 def is_valid_state(family: Family, q: NatParams, factors: NatParams, ids: jax.Array | None = None,

@@ -21,10 +21,10 @@ from numpyro_pvi.densities import log_prior
 from numpyro_pvi.families import NatParams
 from numpyro_pvi.local_latents import expected_local_elbo
 from numpyro_pvi.local_updates.base import Client, ClientProblem, ClientResult, CountsRejectedUpdates
-from numpyro_pvi.merge import checks_every_cavity, is_valid_state, merge
+from numpyro_pvi.merge import checks_every_cavity, is_valid_state, merge, rejection_codes, screen
 from numpyro_pvi.partition import ArgsLayout
 from numpyro_pvi.prior import PriorFactor
-from numpyro_pvi.state import ClientOutcome, PVIState, Rejection
+from numpyro_pvi.state import ClientOutcome, PVIState
 
 
 class Group(NamedTuple):
@@ -125,18 +125,12 @@ def _apply_fn(family: Any, server: Any, local_update: Any) -> Callable:
         which entries ran for this round (default: all; the others pad the group and never write)."""
         cavity_ok = jnp.ones(ids.shape, bool) if cavity_ok is None else cavity_ok
         real = jnp.ones(ids.shape, bool) if real is None else real
-        finite, moved = jnp.isfinite(result.free_energy), jnp.zeros(ids.shape, bool)
-        for leaf in jax.tree.leaves(result.delta):
-            finite &= jnp.all(jnp.isfinite(leaf.reshape(leaf.shape[0], -1)), axis=1)
-            moved |= jnp.any(leaf.reshape(leaf.shape[0], -1) != 0, axis=1)
+        finite, moved = screen(result.delta, result.free_energy)
         merged = merge(family, state.q, state.factors, ids, result.delta, finite & allow & cavity_ok,
                        current_damping(server.damping, state.damping), server.max_backtracks)
         accepted = finite & allow & cavity_ok & merged.valid
         failure = jnp.broadcast_to(result.failure, ids.shape)
-        # a client that sent nothing (timed out, raised, out of budget) says so before staleness does
-        rejection = jnp.select([failure > 0, ~allow, ~cavity_ok, ~finite, ~merged.valid],
-                               [failure, Rejection.STALE, Rejection.INVALID, Rejection.NON_FINITE, Rejection.INVALID],
-                               Rejection.NONE)
+        rejection = rejection_codes(failure, finite, merged.valid, allow, cavity_ok)
         kept, write = _kept_states(local_update, jax.tree.map(lambda s: s[ids], state.client_states), result.state,
                                    accepted, real & (failure == 0))
         slots = jnp.where(write, ids, state.factors.eta1.shape[0])  # other entries (and padding) write nowhere

@@ -27,7 +27,7 @@ from numpyro_pvi.checkpoint import save
 from numpyro_pvi.damping import AdaptiveDamping
 from numpyro_pvi.families import Family, NatParams
 from numpyro_pvi.flower.wire import content_bytes, key_to_record, tree_from_record, tree_to_record
-from numpyro_pvi.merge import merge
+from numpyro_pvi.merge import merge, rejection_codes, screen
 from numpyro_pvi.monitor import RunMonitor, q_change
 from numpyro_pvi.servers import Sequential, Synchronous
 from numpyro_pvi.state import PVIState, Rejection, RoundInfo
@@ -206,18 +206,13 @@ class PVIStrategy(Strategy):
 
     def _apply(self, ids: list, deltas: NatParams, free_energy: np.ndarray, failure: np.ndarray) -> dict:
         """Merge ``deltas`` (stacked over ``ids``) into the state; per client: accepted, damping, rejection, moved."""
-        finite = np.isfinite(free_energy) & (failure == 0)
-        moved = np.zeros(len(ids), bool)
-        for leaf in jax.tree.leaves(deltas):
-            flat = np.asarray(leaf).reshape(len(ids), -1)
-            finite &= np.all(np.isfinite(flat), axis=1)
-            moved |= np.any(flat != 0, axis=1)
+        finite, moved = (np.asarray(x) for x in screen(deltas, jnp.asarray(free_energy)))
+        finite = finite & (failure == 0)
         state = self.state
         merged = self._merge(state.q, state.factors, jnp.asarray(ids), deltas, jnp.asarray(finite))
         self.state = state._replace(q=merged.q, factors=merged.factors)
         accepted = finite & bool(merged.valid)
-        rejection = np.select([failure > 0, ~finite, ~accepted], [failure, Rejection.NON_FINITE, Rejection.INVALID],
-                              Rejection.NONE)
+        rejection = np.asarray(rejection_codes(jnp.asarray(failure), jnp.asarray(finite), merged.valid))
         self._accepted[ids] = accepted
         return {"accepted": accepted.astype(int), "damping": float(merged.damping) * accepted, "rejection": rejection,
                 "moved": moved & accepted}
