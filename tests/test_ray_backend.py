@@ -8,7 +8,7 @@ from jax import random
 from test_backends import FaultyUpdate
 
 import numpyro_pvi as pvi
-from numpyro_pvi.ray_backend import digest, unpad
+from numpyro_pvi.ray_backend import RayRunner, digest, unpad
 
 from conftest import exact_linear_posterior, linear_model
 from test_hyperparameters import noise_model, type_ii_ml_sigma
@@ -259,3 +259,51 @@ def test_a_timeout_shorter_than_compilation_is_no_livelock(ray_cluster, linear_d
     assert (result.history.accepted[:, [0, 1, 3]] == 1).all()
     backend.close()
     slow.backend.close()
+
+
+class CountingRunner(RayRunner):
+    """A RayRunner that counts the updates submitted and not yet collected or abandoned (in flight)."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.in_flight, self.most_in_flight = 0, 0
+
+    def submit(self, *args):
+        self.in_flight += 1
+        self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        return super().submit(*args)
+
+    def result(self, *args):
+        self.in_flight -= 1
+        return super().result(*args)
+
+    def cancel(self, handles):
+        self.in_flight -= len(handles)
+        super().cancel(handles)
+
+
+class CountingRayBackend(pvi.RayBackend):
+    def prepare(self, local_update, problem):
+        super().prepare(local_update, problem)
+        self.runners = [CountingRunner(self, local_update, problem)]
+        return self.runners[0]
+
+
+def test_ray_asynchronous_samples_at_most_k_clients_in_flight(ray_cluster, linear_data):
+    X, y = linear_data
+    backend = CountingRayBackend()
+    inference = pvi.PVI(linear_model, pvi.FullRankGaussian(), UNEQUAL, ExactLinearUpdate(),
+                        pvi.Asynchronous(1.0, clients_per_round=2), backend)
+    result = inference.run(random.PRNGKey(0), 6, X, y=y, progress_bar=False)
+    runner = backend.runners[-1]
+    assert runner.most_in_flight == 2 and runner.in_flight == 0  # at most K at once; the run's end abandons the rest
+    attempts = result.history.attempts
+    np.testing.assert_array_equal(attempts.sum(1), 2)  # a round is K merges
+    assert (attempts.sum(0) > 0).all()  # every client came online in 6 rounds
+    # exact local updates, damping 1: a client's factor becomes its exact likelihood whatever q it pulled (its own
+    # factor cannot change while it is in flight), so once every client has run q is the exact posterior
+    mean, cov = exact_linear_posterior(X, y)
+    loc, scale_tril = inference.family.loc_scale(result.state.q)
+    np.testing.assert_allclose(loc, mean, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(scale_tril @ scale_tril.T, cov, rtol=1e-3, atol=1e-6)
+    backend.close()

@@ -6,6 +6,7 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import numpyro
 import optax
 from numpyro.infer import SVI, TraceEnum_ELBO, TraceMeanField_ELBO
@@ -28,6 +29,14 @@ class GradientUpdate:
     reparameterised guide (:meth:`~numpyro_pvi.families.FactorFamily.guide`); ``num_steps`` of
     ``SVI.update`` run in one ``lax.scan``.
 
+    **Steps that follow a client's size.** With ``num_epochs=E`` (and ``batch_size=B``) in place of
+    ``num_steps``, a client of ``n_m`` real rows takes ``ceil(E n_m / min(B, n_m))`` steps (:meth:`steps_for`):
+    ``E`` passes over its rows in batches of ``B`` (a client smaller than a batch takes ``E`` steps on all of
+    its rows). Clients updated together (a size bucket, vmapped) run the scan to the bucket's largest count;
+    a client's later steps are masked (its optimiser state and parameters frozen) and its Polyak window is
+    the last ``average_fraction`` of its *own* steps, so the result is the one of a visit of exactly its
+    count of steps.
+
     Any NumPyro model (see :mod:`numpyro_pvi.local_latents`): local latent sites get the client's own
     ``AutoNormal``-like guide, optimised jointly with ``q`` and kept in the client's state (never in
     ``delta``); discrete local sites marked for enumeration are summed out with ``TraceEnum_ELBO``
@@ -35,7 +44,7 @@ class GradientUpdate:
     free energy at the new ``q``, which the server's ``hyper_optimizer`` uses.
 
     :param optimizer: an ``optax.GradientTransformation`` (or a ``numpyro.optim`` optimiser).
-    :param int num_steps: optimisation steps per client visit.
+    :param int num_steps: optimisation steps per client visit (or give ``num_epochs``).
     :param int num_particles: ELBO particles (ignored if ``elbo`` is given).
     :param int batch_size: if set, each step uses ``batch_size`` random rows of the client, scaled up
         to the client's size; otherwise every step uses all of them.
@@ -44,6 +53,8 @@ class GradientUpdate:
     :param float average_fraction: average the guide's (unconstrained) parameters over this last
         fraction of the steps (Polyak averaging) to tame Monte Carlo noise, which the factor
         ``q_new / cavity`` amplifies about ``M``-fold. ``0`` keeps the last iterate.
+    :param int num_epochs: in place of ``num_steps``: passes over each client's rows per visit in batches
+        of ``batch_size`` (required), so that a client's steps follow its size.
 
     **Example:**
 
@@ -51,26 +62,45 @@ class GradientUpdate:
 
         >>> import optax, numpyro_pvi as pvi
         >>> update = pvi.GradientUpdate(optax.adam(1e-2), num_steps=200, num_particles=4)
+        >>> by_size = pvi.GradientUpdate(optax.adam(1e-2), num_epochs=10, batch_size=100)
+        >>> [int(by_size.steps_for(n)) for n in (1, 100, 150, 1000)]
+        [10, 10, 15, 100]
     """
 
     supports_local_latents = True
     supports_hyperparameters = True
     supports_factor_families = True
 
-    def __init__(self, optimizer: Any, num_steps: int, num_particles: int = 1, batch_size: int | None = None,
-                 elbo: ELBO | None = None, average_fraction: float = 0.5) -> None:
-        check_step_arguments("GradientUpdate", num_steps, num_particles, average_fraction)
+    def __init__(self, optimizer: Any, num_steps: int | None = None, num_particles: int = 1,
+                 batch_size: int | None = None, elbo: ELBO | None = None, average_fraction: float = 0.5,
+                 num_epochs: int | None = None) -> None:
+        check_schedule("GradientUpdate", num_steps, num_epochs, batch_size)
+        check_step_arguments("GradientUpdate", num_steps or 1, num_particles, average_fraction)
         if not isinstance(optimizer, (optax.GradientTransformation, _NumPyroOptim)):
             raise TypeError("GradientUpdate: optimizer must be an optax.GradientTransformation (e.g. "
                             f"optax.adam(1e-2)) or a numpyro.optim optimiser, got {optimizer!r}.")
         if batch_size is not None and (not isinstance(batch_size, int) or batch_size < 1):
             raise ValueError(f"GradientUpdate: batch_size must be a positive integer or None, got {batch_size!r}.")
         self.optimizer = optimizer
-        self.num_steps = num_steps
-        self.batch_size = batch_size
+        self.num_steps, self.num_epochs = num_steps, num_epochs
+        self.batch_size, self.average_fraction = batch_size, average_fraction
         self.elbo = elbo if elbo is not None else TraceMeanField_ELBO(num_particles=num_particles)
         self.num_particles, self.default_elbo = num_particles, elbo is None
-        self.num_average = max(1, int(round(average_fraction * num_steps)))
+        self.num_average = None if num_steps is None else max(1, int(round(average_fraction * num_steps)))
+
+    def steps_for(self, size: Any) -> Any:
+        """The steps of a visit to a client of ``size`` real rows: ``num_steps``, or with ``num_epochs=E``
+        and ``batch_size=B``, ``ceil(E size / min(B, size))`` (none for a placeholder of no rows).
+
+        Works on Python/NumPy integers (exactly, in integers) and on traced arrays.
+
+        **Example:** ``GradientUpdate(optax.adam(1e-2), num_epochs=2, batch_size=100).steps_for(150)`` is 3.
+        """
+        if self.num_epochs is None:
+            return self.num_steps
+        rows = np.maximum(np.minimum(size, self.batch_size), 1) if isinstance(size, (int, np.integer)) \
+            else jnp.maximum(jnp.minimum(size, self.batch_size), 1)
+        return (self.num_epochs * size + rows - 1) // rows
 
     def init_state(self, problem: ClientProblem) -> Any:
         """The client's persistent state: its local guides (``site -> (loc, scale)``), none without local latents."""
@@ -88,7 +118,6 @@ class GradientUpdate:
 
         tilted_model, tilted_guide = _tilted_model_and_guide(problem)
         svi = SVI(tilted_model, tilted_guide, self.optimizer, elbo)
-        num_steps, num_average = self.num_steps, self.num_average
 
         def client_update(rng_key: jax.Array, client: Client, cavity: NatParams, q: NatParams,
                           state: Any, hyper: Any = ()) -> ClientResult:
@@ -100,16 +129,20 @@ class GradientUpdate:
                 else self.batch_size
             svi_state = svi.init(init_key, client, 1.0, cavity_params, q_params, *extra)
             get = svi.optim.get_params
+            # the scan runs to the largest count of the clients updated together (their padded rows)
+            length = int(self.steps_for(int(client.mask.shape[0])))
+            count, num_average = self.step_counts(client.size)
 
             def step(carry: tuple, xs: tuple) -> tuple:
                 svi_state, average = carry
                 i, key = xs
                 data, scale = (client, 1.0) if batch_size is None else problem.minibatch(key, client, batch_size)
-                svi_state, loss = svi.update(svi_state, data, scale, cavity_params, q_params, *extra)
-                average = running_average(average, get(svi_state.optim_state), i, num_steps, num_average)
+                new_state, loss = svi.update(svi_state, data, scale, cavity_params, q_params, *extra)
+                svi_state = new_state if self.num_epochs is None else freeze_after(count, i, new_state, svi_state)
+                average = running_average(average, get(svi_state.optim_state), i, count, num_average)
                 return (svi_state, average), loss
 
-            xs = (jnp.arange(num_steps), jax.random.split(batch_key, num_steps))
+            xs = (jnp.arange(length), jax.random.split(batch_key, length))
             (svi_state, average), losses = jax.lax.scan(step, (svi_state, get(svi_state.optim_state)), xs)
             params = svi.constrain_fn(average)
             q_new = family.from_guide("_pvi_", params)
@@ -121,9 +154,58 @@ class GradientUpdate:
                                       cavity_params, q_params, new_state, h)
 
                 hyper_grad = jax.grad(free_energy)(hyper)
-            return ClientResult(q_new - q, -jnp.mean(losses[num_steps - num_average:]), new_state, 0, hyper_grad)
+            return ClientResult(q_new - q, -window_mean(losses, count, num_average), new_state, 0, hyper_grad)
 
         return client_update
+
+
+    def step_counts(self, size: Any) -> tuple:
+        """A visit's steps and the length of its Polyak window, for a client of ``size`` rows (maybe traced).
+
+        **Example:** ``update.step_counts(client.size)`` inside ``client_update``.
+        """
+        if self.num_epochs is None:
+            return self.num_steps, self.num_average
+        count = self.steps_for(size)
+        return count, jnp.maximum(1, jnp.round(self.average_fraction * count)).astype(count.dtype)
+
+
+def check_schedule(name: str, num_steps: int | None, num_epochs: int | None, batch_size: int | None) -> None:
+    """Name a visit length that is not exactly one of ``num_steps`` or ``num_epochs`` (with a ``batch_size``).
+
+    **Example:** ``check_schedule("GradientUpdate", None, 10, None)`` raises a ``ValueError`` (no batch size).
+    """
+    if (num_steps is None) == (num_epochs is None):
+        raise ValueError(f"{name}: give exactly one of num_steps (a fixed number of steps per visit) or num_epochs "
+                         f"(steps that follow the client's size), got num_steps={num_steps!r}, "
+                         f"num_epochs={num_epochs!r}.")
+    if num_epochs is None:
+        return
+    if not isinstance(num_epochs, (int, np.integer)) or isinstance(num_epochs, bool) or num_epochs < 1:
+        raise ValueError(f"{name}: num_epochs must be a positive integer, got {num_epochs!r}.")
+    if batch_size is None:
+        raise ValueError(f"{name}: num_epochs={num_epochs} needs a batch_size (an epoch is ceil(n_m / batch_size) "
+                         "steps of a client of n_m rows); for full-batch steps give num_steps.")
+
+
+def freeze_after(count: jax.Array, step: jax.Array, new: Any, old: Any) -> Any:
+    """``new`` at steps before ``count``, ``old`` (frozen) after: a client whose own steps are done.
+
+    **Example:** ``svi_state = freeze_after(count, i, svi.update(svi_state, ...)[0], svi_state)``.
+    """
+    return jax.tree.map(lambda n, o: jnp.where(step < count, n, o), new, old)
+
+
+def window_mean(losses: jax.Array, num_steps: Any, num_average: Any) -> jax.Array:
+    """The mean of ``losses`` over the Polyak window: steps ``num_steps - num_average`` to ``num_steps - 1``.
+
+    **Example:** ``window_mean(jnp.arange(10.0), 8, 4)`` is 5.5 (steps 4-7).
+    """
+    if isinstance(num_steps, int) and isinstance(num_average, int):
+        return jnp.mean(losses[num_steps - num_average:num_steps])
+    i = jnp.arange(losses.shape[0])
+    inside = (i >= num_steps - num_average) & (i < num_steps)
+    return jnp.sum(jnp.where(inside, losses, 0.0)) / jnp.maximum(num_average, 1)
 
 
 def check_step_arguments(name: str, num_steps: int, num_particles: int, average_fraction: float) -> None:
@@ -142,12 +224,13 @@ def check_step_arguments(name: str, num_steps: int, num_particles: int, average_
 def running_average(average: Any, params: Any, step: jax.Array, num_steps: int, num_average: int) -> Any:
     """Polyak averaging: the running mean of ``params`` over the last ``num_average`` of ``num_steps`` steps.
 
-    ``average`` is returned unchanged before the averaging window (step ``i`` counts from 0).
+    ``average`` is returned unchanged before the averaging window and after ``num_steps`` (step ``i`` counts
+    from 0); ``num_steps`` and ``num_average`` may be traced (a client's own count of steps).
 
     **Example:** inside a ``lax.scan`` over steps, ``average = running_average(average, params, i, 200, 100)``.
     """
     seen = step - (num_steps - num_average) + 1
-    weight = jnp.where(seen >= 1, 1.0 / jnp.maximum(seen, 1), 0.0)
+    weight = jnp.where((seen >= 1) & (step < num_steps), 1.0 / jnp.maximum(seen, 1), 0.0)
     return jax.tree.map(lambda a, p: a + weight * (p - a), average, params)
 
 
