@@ -10,6 +10,11 @@ the steady rounds (the mean of ``--rounds`` rounds after it).
   each); ``one90``: one client holds 90 % of the rows, the others share the rest evenly.
 * ``mf``: mean-field, d = 10, M = 100, 1,000, 10,000 (N up to 1,000,000); ``fr``: full rank, d = 200,
   M = 100 and 1,000; ``K=10``: 10 of M = 1,000 clients per round.
+* ``-epochs``: ``GradientUpdate(num_epochs=10, batch_size=100)`` in place of 10 full-batch steps: a client
+  of ``n`` rows takes ``ceil(10 n / min(100, n))`` steps of ``min(100, n)`` rows, so an iid client (100 rows)
+  does the same work as before and the total work is again 10 passes over every row; clients of a bucket
+  run to the bucket's largest count, masked after their own. *masked %* is the share of the step-rows
+  run that are masked (a client's steps past its own count), ``-`` for fixed steps.
 
     python benchmarks/scale.py              # all configurations (several minutes)
     python benchmarks/scale.py --quick      # M <= 1,000 only
@@ -27,13 +32,27 @@ import time
 import numpy as np
 
 ROWS_PER_CLIENT = 100
-CONFIGS = {  # name: (family, d, M, sizes, clients per round)
-    **{f"mf-{sizes}-{m}": ("mf", 10, m, sizes, None) for m in (100, 1000, 10000)
+EPOCHS, BATCH = 10, 100  # the -epochs configurations' schedule
+CONFIGS = {  # name: (family, d, M, sizes, clients per round, steps: "fixed" or "epochs")
+    **{f"mf-{sizes}-{m}": ("mf", 10, m, sizes, None, "fixed") for m in (100, 1000, 10000)
        for sizes in ("iid", "dirichlet", "one90")},
-    "fr-iid-100": ("fr", 200, 100, "iid", None),
-    "fr-iid-1000": ("fr", 200, 1000, "iid", None),
-    "mf-iid-1000-K10": ("mf", 10, 1000, "iid", 10),
+    "fr-iid-100": ("fr", 200, 100, "iid", None, "fixed"),
+    "fr-iid-1000": ("fr", 200, 1000, "iid", None, "fixed"),
+    "mf-iid-1000-K10": ("mf", 10, 1000, "iid", 10, "fixed"),
+    **{f"mf-{sizes}-{m}-epochs": ("mf", 10, m, sizes, None, "epochs") for m in (1000, 10000)
+       for sizes in ("iid", "dirichlet")},
 }
+
+
+def masked_share(update, buckets) -> float:
+    """The share of a round's step-rows (steps x rows per step) that are masked, over the size buckets."""
+    run = used = 0
+    for bucket in buckets:
+        sizes = [int(n) for n in np.asarray(bucket.clients.size)]
+        padded = int(bucket.clients.mask.shape[1])
+        run += len(sizes) * int(update.steps_for(padded)) * min(BATCH, padded)
+        used += sum(int(update.steps_for(n)) * min(BATCH, n) for n in sizes)
+    return 1.0 - used / run
 
 
 def client_sizes(kind: str, num_clients: int, seed: int = 0) -> np.ndarray:
@@ -59,7 +78,7 @@ def run_one(name: str, rounds: int) -> dict:
 
     import numpyro_pvi as pvi
 
-    family_name, dim, num_clients, kind, per_round = CONFIGS[name]
+    family_name, dim, num_clients, kind, per_round, schedule = CONFIGS[name]
 
     def model(X, y=None):
         w = numpyro.sample("w", dist.Normal(0.0, 1.0).expand([X.shape[1]]).to_event(1))
@@ -75,7 +94,8 @@ def run_one(name: str, rounds: int) -> dict:
     jax.block_until_ready((X, y))
     base_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     family = pvi.MeanFieldGaussian() if family_name == "mf" else pvi.FullRankGaussian()
-    update = pvi.GradientUpdate(optax.adam(1e-2), num_steps=10, num_particles=1)
+    update = pvi.GradientUpdate(optax.adam(1e-2), num_steps=10, num_particles=1) if schedule == "fixed" else \
+        pvi.GradientUpdate(optax.adam(1e-2), num_epochs=EPOCHS, batch_size=BATCH, num_particles=1)
     server = pvi.Synchronous(0.5, clients_per_round=per_round)
     inference = pvi.PVI(model, family, parts, update, server, num_elbo_particles=16)
     start = time.perf_counter()
@@ -93,7 +113,9 @@ def run_one(name: str, rounds: int) -> dict:
     return {"name": name, "clients": num_clients, "rows": total, "largest": int(sizes.max()),
             "buckets": len(problem.buckets), "startup_s": startup, "round_s": float(np.mean(times)),
             "round_min_s": float(np.min(times)), "peak_mb": peak_kb / 1024, "delta_mb": (peak_kb - base_kb) / 1024,
-            "ran": int(np.sum(info.attempts)), "rejected": int(info.num_rejected),
+            "ran": int(np.sum(info.attempts)),
+            "masked": None if schedule == "fixed" else masked_share(update, problem.buckets),
+            "rejected": int(info.num_rejected),
             "sent_mb": None if getattr(info, "bytes_sent", None) is None
             else float(np.sum(info.bytes_sent) + np.sum(info.bytes_received)) / 2**20}
 
@@ -110,19 +132,20 @@ def main() -> None:
         print(json.dumps(run_one(args.one, args.rounds)))
         return
     names = args.only or [n for n, c in CONFIGS.items() if not (args.quick and c[2] > 1000)]
-    print(f"{'configuration':>18} {'M':>6} {'N':>9} {'largest':>8} {'buckets':>7} {'start-up s':>10} "
-          f"{'s/round':>8} {'peak MB':>8} {'+MB':>7} {'ran':>6} {'MB sent+received':>16}")
+    print(f"{'configuration':>25} {'M':>6} {'N':>9} {'largest':>8} {'buckets':>7} {'start-up s':>10} "
+          f"{'s/round':>8} {'peak MB':>8} {'+MB':>7} {'ran':>6} {'MB sent+received':>16} {'masked %':>8}")
     for name in names:
         rounds = args.full_rank_rounds if CONFIGS[name][0] == "fr" else args.rounds
         out = subprocess.run([sys.executable, __file__, "--one", name, "--rounds", str(rounds)],
                              capture_output=True, text=True)
         if out.returncode != 0:
-            print(f"{name:>18} failed: {out.stderr.strip().splitlines()[-1] if out.stderr else out.returncode}")
+            print(f"{name:>25} failed: {out.stderr.strip().splitlines()[-1] if out.stderr else out.returncode}")
             continue
         r = json.loads(out.stdout.strip().splitlines()[-1])
-        print(f"{name:>18} {r['clients']:>6} {r['rows']:>9} {r['largest']:>8} {r['buckets']:>7} "
+        print(f"{name:>25} {r['clients']:>6} {r['rows']:>9} {r['largest']:>8} {r['buckets']:>7} "
               f"{r['startup_s']:>10.2f} {r['round_s']:>8.3f} {r['peak_mb']:>8.0f} {r['delta_mb']:>7.0f} "
-              f"{r['ran']:>6} {r['sent_mb'] or float('nan'):>16.3f}", flush=True)
+              f"{r['ran']:>6} {r['sent_mb'] or float('nan'):>16.3f} "
+              f"{'-' if r['masked'] is None else format(100 * r['masked'], '.1f'):>8}", flush=True)
 
 
 if __name__ == "__main__":

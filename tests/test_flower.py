@@ -28,6 +28,7 @@ from flwr.simulation import run_simulation  # noqa: E402
 from numpyro_pvi.flower import PVIStrategy, client_app, tree_from_record, tree_to_record  # noqa: E402
 
 NUM_CLIENTS, GROUPS, NUM_ROUNDS, DAMPING = 4, 3, 3, 0.5
+SAMPLED = dict(clients_per_round=2, client_weights=[1.0, 2.0, 3.0, 4.0])  # 2 of the 4 sites per round, weighted
 LOCAL = pvi.GradientUpdate(optax.adam(0.05), num_steps=30, num_particles=2)
 
 
@@ -65,7 +66,7 @@ def flower_run():
 
 def run_flower():
     """One Flower simulation: 4 virtual sites, each loading only its own groups (Ray actors on this machine);
-    the ServerApp runs a synchronous strategy, then a sequential one, on the same sites."""
+    the ServerApp runs a synchronous strategy, a sequential one and a sampling one, on the same sites."""
     X, y, parts = _data()
     site_data = [(np.asarray(X[p]), np.asarray(y[p])) for p in parts]
 
@@ -75,7 +76,9 @@ def run_flower():
 
     strategies = {"sync": PVIStrategy(pvi.MeanFieldGaussian(), NUM_CLIENTS, random.PRNGKey(2),
                                       pvi.Synchronous(DAMPING)),
-                  "seq": PVIStrategy(pvi.MeanFieldGaussian(), NUM_CLIENTS, random.PRNGKey(4), pvi.Sequential())}
+                  "seq": PVIStrategy(pvi.MeanFieldGaussian(), NUM_CLIENTS, random.PRNGKey(4), pvi.Sequential()),
+                  "sampled": PVIStrategy(pvi.MeanFieldGaussian(), NUM_CLIENTS, random.PRNGKey(6),
+                                         pvi.Synchronous(DAMPING, **SAMPLED))}
     app = ServerApp()
 
     @app.main()
@@ -130,6 +133,26 @@ def test_flower_sequential_matches_in_process_sequential(flower_run):
     np.testing.assert_allclose(strategy.history.free_energy, reference.history.free_energy, rtol=1e-4)
 
 
+def test_flower_client_sampling_matches_in_process_sampling(flower_run):
+    """K = 2 of 4 sites per round, weighted: the strategy draws the in-process run's sites from the same key,
+    only they get a message (``attempts``), and q and every factor equal the vmap run's (tolerance as above)."""
+    strategy = flower_run["sampled"]
+    reference, other = _in_process(6, 7, server=pvi.Synchronous(DAMPING, **SAMPLED))
+    np.testing.assert_array_equal(strategy.history.attempts, reference.history.attempts)
+    np.testing.assert_array_equal(strategy.history.attempts.sum(1), 2)
+    for got, want, off in zip(jax.tree.leaves((strategy.state.q, strategy.state.factors)),
+                              jax.tree.leaves((reference.state.q, reference.state.factors)),
+                              jax.tree.leaves((other.state.q, other.state.factors))):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+        assert np.max(np.abs(np.asarray(off) - np.asarray(want))) > 1e-2  # the seed matters: the test can fail
+    unsampled = strategy.history.attempts.sum(0) == 0  # a site never drawn keeps a flat factor
+    for leaf in jax.tree.leaves(strategy.state.factors):
+        np.testing.assert_array_equal(np.asarray(leaf)[unsampled], 0.0)
+    np.testing.assert_allclose(strategy.history.free_energy, reference.history.free_energy, rtol=1e-4)
+    # the sites sent and received only in the rounds they were drawn: 2 updates' traffic per round
+    assert all(down > 0 and up > 0 for down, up in strategy.traffic)
+
+
 def test_natparams_round_trip_and_shape_check():
     q = pvi.FullRankGaussian().zeros(3)
     q = jax.tree.map(lambda x: x + jnp.arange(x.size, dtype=x.dtype).reshape(x.shape), q)
@@ -148,8 +171,11 @@ def test_strategy_refuses_what_it_cannot_run():
         PVIStrategy(pvi.MeanFieldGaussian(), 4, random.PRNGKey(0), pvi.Asynchronous(0.5))
     with pytest.raises(ValueError, match="num_clients"):
         PVIStrategy(pvi.MeanFieldGaussian(), 0, random.PRNGKey(0), pvi.Synchronous(0.5))
-    with pytest.raises(NotImplementedError, match="clients_per_round"):
-        PVIStrategy(pvi.MeanFieldGaussian(), 4, random.PRNGKey(0), pvi.Synchronous(0.5, clients_per_round=2))
+    with pytest.raises(ValueError, match="only 4 clients"):
+        PVIStrategy(pvi.MeanFieldGaussian(), 4, random.PRNGKey(0), pvi.Synchronous(0.5, clients_per_round=5))
+    with pytest.raises(ValueError, match="3 client_weights"):
+        PVIStrategy(pvi.MeanFieldGaussian(), 4, random.PRNGKey(0),
+                    pvi.Synchronous(0.5, clients_per_round=2, client_weights=[1, 1, 1]))
 
 
 def _replies(messages, deltas):

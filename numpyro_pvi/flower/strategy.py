@@ -6,6 +6,10 @@ every site must agree). Each round then sends site ``m`` its cavity ``q - t_m``,
 :func:`~numpyro_pvi.merge.merge`, the library's damped merge with validity backtracking: a non-finite
 delta, a failed or silent site is rejected, and a merge that would leave ``q`` or a cavity invalid is
 retried with the damping halved and, failing that, dropped. The server never sees a site's data.
+
+With client sampling (``Synchronous(damping, clients_per_round=K, client_weights=...)``) a round draws its
+``K`` sites from the state's key exactly as the in-process server does (:mod:`numpyro_pvi.sampling`): only
+they receive a message, the others keep their factors, and the run still equals the in-process one.
 """
 
 from __future__ import annotations
@@ -44,7 +48,8 @@ class PVIStrategy(Strategy):
     :param rng_key: the run's random key: with the same key, data split, local update and server, the rounds
         give the ``q`` of ``PVI(..., server=server).run(rng_key, ...)`` in process.
     :param server: ``pvi.Synchronous(damping)`` with a fixed damping (an adaptive damping needs the global
-        ELBO, which needs all the data; default ``Synchronous(1.0)``) or ``pvi.Sequential()``.
+        ELBO, which needs all the data; default ``Synchronous(1.0)``), optionally sampling
+        ``clients_per_round`` sites per round (with ``client_weights``), or ``pvi.Sequential()``.
 
     After (or during) a run, ``strategy.state`` is a :class:`~numpyro_pvi.PVIState` (``q``, the factors; the
     sites' local states stay at the sites), ``strategy.history`` the rounds' :class:`~numpyro_pvi.RoundInfo`
@@ -64,9 +69,7 @@ class PVIStrategy(Strategy):
             raise ValueError(f"num_clients must be a positive integer, got {num_clients!r}.")
         if type(server) not in (Synchronous, Sequential):
             raise NotImplementedError(f"PVIStrategy runs pvi.Synchronous or pvi.Sequential rounds; got {server!r}.")
-        if server.sampling.clients_per_round is not None:  # client sampling: not over Flower yet
-            raise NotImplementedError("PVIStrategy updates every site each round; client sampling "
-                                      "(clients_per_round) is not supported over Flower yet.")
+        server.sampling.check(num_clients)
         if isinstance(server.damping, AdaptiveDamping):
             raise ValueError("PVIStrategy needs a fixed damping, e.g. pvi.Synchronous(0.5): AdaptiveDamping follows "
                              "the global ELBO, which needs every site's data.")
@@ -144,10 +147,13 @@ class PVIStrategy(Strategy):
     # ------------------------------------------------------------------ one round
 
     def begin_round(self) -> None:
-        """Split the state's key as :meth:`PVI.update <numpyro_pvi.PVI.update>` does and open the round's record."""
-        round_key, _, next_key = jax.random.split(self.state.rng_key, 3)
-        m_total = self.num_clients
+        """Split the state's key as :meth:`PVI.update <numpyro_pvi.PVI.update>` does, draw the round's sites (all
+        of them without client sampling) and open the round's record."""
+        round_key, sample_key, next_key = jax.random.split(self.state.rng_key, 3)
+        m_total, sampling = self.num_clients, self.server.sampling
+        ids = [int(m) for m in sampling.draw(sample_key, m_total)] if sampling.active(m_total) else list(range(m_total))
         self._round = {"start": time.perf_counter(), "key": round_key, "next_key": next_key, "old_q": self.state.q,
+                       "ids": ids,
                        "down": 0, "up": 0, "free_energy": np.full(m_total, np.nan), "clamped": np.zeros(m_total, int),
                        "accepted": np.zeros(m_total, int), "damping": np.zeros(m_total),
                        "rejection": np.zeros(m_total, int), "moved": np.zeros(m_total, bool)}
@@ -193,7 +199,9 @@ class PVIStrategy(Strategy):
     def end_round(self) -> tuple[ArrayRecord, MetricRecord]:
         """Record the round (:attr:`history`), warn as :meth:`PVI.run <numpyro_pvi.PVI.run>` does, move the key on."""
         rec, m_total = self._round, self.num_clients
-        info = RoundInfo(np.nan, rec["free_energy"], np.ones(m_total, int), rec["accepted"], rec["damping"],
+        attempts = np.zeros(m_total, int)
+        attempts[rec["ids"]] = 1
+        info = RoundInfo(np.nan, rec["free_energy"], attempts, rec["accepted"], rec["damping"],
                          rec["clamped"], time.perf_counter() - rec["start"], rec["rejection"], rec["moved"],
                          q_change(self.family, rec["old_q"], self.state.q))
         self.infos.append(info)
@@ -233,13 +241,14 @@ class PVIStrategy(Strategy):
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
-        """A synchronous round: every site gets its cavity against the same ``q``."""
+        """A synchronous round: every site drawn this round (all, without sampling) gets its cavity against the
+        same ``q``; the others get no message."""
         self.begin_round()
-        return self.messages(list(range(self.num_clients)), server_round, config)
+        return self.messages(self._round["ids"], server_round, config)
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord, MetricRecord]:
-        """Merge all the sites' deltas at once (see :meth:`merge_replies`)."""
-        self.merge_replies(list(range(self.num_clients)), replies)
+        """Merge the round's sites' deltas at once (see :meth:`merge_replies`)."""
+        self.merge_replies(self._round["ids"], replies)
         return self.end_round()
 
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
