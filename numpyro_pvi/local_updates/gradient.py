@@ -132,11 +132,21 @@ class GradientUpdate:
             # the scan runs to the largest count of the clients updated together (their padded rows)
             length = int(self.steps_for(int(client.mask.shape[0])))
             count, num_average = self.step_counts(client.size)
+            # epochs: the client's real rows shuffled once per visit and swept in batches (a step's batch costs
+            # its B rows, not the client's); fixed steps: independent batches of B distinct rows
+            order = None if self.num_epochs is None else shuffled_rows(batch_key, client.mask)
+
+            def batch(i: jax.Array, key: jax.Array) -> tuple:
+                if batch_size is None:
+                    return client, 1.0
+                if order is None:
+                    return problem.minibatch(key, client, batch_size)
+                return epoch_batch(problem.is_row, client, order, i, batch_size)
 
             def step(carry: tuple, xs: tuple) -> tuple:
                 svi_state, average = carry
-                i, key = xs
-                data, scale = (client, 1.0) if batch_size is None else problem.minibatch(key, client, batch_size)
+                data, scale = batch(*xs)
+                i = xs[0]
                 new_state, loss = svi.update(svi_state, data, scale, cavity_params, q_params, *extra)
                 svi_state = new_state if self.num_epochs is None else freeze_after(count, i, new_state, svi_state)
                 average = running_average(average, get(svi_state.optim_state), i, count, num_average)
@@ -186,6 +196,31 @@ def check_schedule(name: str, num_steps: int | None, num_epochs: int | None, bat
     if batch_size is None:
         raise ValueError(f"{name}: num_epochs={num_epochs} needs a batch_size (an epoch is ceil(n_m / batch_size) "
                          "steps of a client of n_m rows); for full-batch steps give num_steps.")
+
+
+def shuffled_rows(rng_key: jax.Array, mask: jax.Array) -> jax.Array:
+    """The row indices with the real rows (``mask``) first, in a random order, then the padded ones.
+
+    **Example:** ``shuffled_rows(key, jnp.arange(5) < 3)`` is a permutation of 0, 1, 2 followed by 3, 4.
+    """
+    return jnp.argsort(jnp.where(mask, jax.random.uniform(rng_key, mask.shape), 2.0))
+
+
+def epoch_batch(is_row: tuple, client: Client, order: jax.Array, step: jax.Array,
+                batch_size: int) -> tuple[Client, jax.Array]:
+    """Step ``step``'s batch of epochs over ``order`` (:func:`shuffled_rows`) and the factor that unbiases it.
+
+    The batches sweep the shuffled real rows ``batch_size`` at a time, wrapping around at the end (so a row
+    is used once per epoch, give or take the batch that straddles two epochs); a client smaller than a batch
+    gives all its rows (the batch's other slots masked). The likelihood scale is ``n_m / min(B, n_m)``.
+
+    **Example:** ``data, scale = epoch_batch(problem.is_row, client, order, i, 100)`` inside a scan over steps.
+    """
+    size = client.size
+    slot = jnp.arange(batch_size)
+    rows = order[(step * batch_size + slot) % jnp.maximum(size, 1)]
+    arrays = [a[rows] if row else a for a, row in zip(client.arrays, is_row)]
+    return Client(arrays, slot < size, size), size / jnp.maximum(jnp.minimum(size, batch_size), 1)
 
 
 def freeze_after(count: jax.Array, step: jax.Array, new: Any, old: Any) -> Any:
