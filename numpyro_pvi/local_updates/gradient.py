@@ -75,7 +75,7 @@ class GradientUpdate:
                  batch_size: int | None = None, elbo: ELBO | None = None, average_fraction: float = 0.5,
                  num_epochs: int | None = None) -> None:
         check_schedule("GradientUpdate", num_steps, num_epochs, batch_size)
-        check_step_arguments("GradientUpdate", num_steps or 1, num_particles, average_fraction)
+        check_step_arguments("GradientUpdate", 1 if num_steps is None else num_steps, num_particles, average_fraction)
         if not isinstance(optimizer, (optax.GradientTransformation, _NumPyroOptim)):
             raise TypeError("GradientUpdate: optimizer must be an optax.GradientTransformation (e.g. "
                             f"optax.adam(1e-2)) or a numpyro.optim optimiser, got {optimizer!r}.")
