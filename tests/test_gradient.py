@@ -108,6 +108,35 @@ def test_a_bucket_visit_equals_each_clients_own_count_of_steps(repeated_rows):
             assert gap > 1e-2
 
 
+def test_a_padded_client_in_a_bucket_equals_the_client_alone(linear_data):
+    """Real data: each client of a bucket (padded to 250 rows, its scan masked after its own count) gives the
+    result of the same update on its own unpadded rows (a scan of exactly its count, nothing masked)."""
+    X, y = linear_data
+    parts = np.split(np.arange(300), [72, 172])  # 72, 100 and 128 rows: 15, 20 and 26 steps of B = 50 at E = 10
+    update = pvi.GradientUpdate(optax.adam(0.05), num_epochs=10, batch_size=50, num_particles=2)
+    inference = pvi.PVI(linear_model, pvi.MeanFieldGaussian(), parts, update, pvi.Synchronous(1.0))
+    problem = inference.build(X, y=y)
+    (bucket,) = problem.buckets
+    assert bucket.clients.mask.shape == (3, 128)
+    q = inference.init(random.PRNGKey(0), problem).q
+    client_update = update.bind(problem.client_problem)
+    keys = random.split(random.PRNGKey(1), 3)
+    together = jax.jit(jax.vmap(client_update, in_axes=(0, 0, None, None, None)))(keys, bucket.clients, q, q, ())
+    own = [Client([X[rows], y[rows]], jnp.ones(len(rows), bool), jnp.asarray(len(rows))) for rows in parts]
+    for m in range(3):
+        alone = jax.jit(client_update)(keys[m], own[m], q, q, ())
+        for a, b in zip(jax.tree.leaves(together.delta), jax.tree.leaves(alone.delta)):
+            np.testing.assert_allclose(np.asarray(a[m]), b, rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(together.free_energy[m], alone.free_energy, rtol=1e-5)
+    # the test can fail: client 0 run to the bucket's 26 steps (what no masking would do; 18 epochs of its
+    # 72 rows) ends far from its own 15 steps
+    longer = pvi.GradientUpdate(optax.adam(0.05), num_epochs=18, batch_size=50, num_particles=2)
+    assert int(longer.steps_for(72)) == 26
+    unmasked = jax.jit(longer.bind(problem.client_problem))(keys[0], own[0], q, q, ())
+    assert max(np.max(np.abs(np.asarray(a[0]) - b)) for a, b in zip(jax.tree.leaves(together.delta),
+                                                                     jax.tree.leaves(unmasked.delta))) > 1e-2
+
+
 def test_epochs_reach_the_exact_posterior_on_skewed_clients(linear_data):
     X, y = linear_data
     mean, cov = exact_linear_posterior(X, y)
@@ -117,7 +146,7 @@ def test_epochs_reach_the_exact_posterior_on_skewed_clients(linear_data):
     state = inference.run(random.PRNGKey(0), 12, X, y=y, progress_bar=False).state
     loc, scale_tril = inference.family.loc_scale(state.q)
     sd = np.sqrt(np.diag(cov))
-    # Over seeds 0-7 the sds were within 8.7 % and the mean within 0.054 posterior sd (Monte Carlo noise of 8
+    # Over seeds 0-7 the sds were within 5.2 % and the mean within 0.059 posterior sd (Monte Carlo noise of 8
     # particles, and batches of 50 swept without replacement; a wrong batch scale n/B would put sds off ~2-fold).
-    np.testing.assert_allclose(np.sqrt(np.diag(scale_tril @ scale_tril.T)), sd, rtol=0.12)
+    np.testing.assert_allclose(np.sqrt(np.diag(scale_tril @ scale_tril.T)), sd, rtol=0.1)
     assert np.max(np.abs(np.asarray(loc) - mean) / sd) < 0.1

@@ -201,9 +201,14 @@ def check_schedule(name: str, num_steps: int | None, num_epochs: int | None, bat
 def shuffled_rows(rng_key: jax.Array, mask: jax.Array) -> jax.Array:
     """The row indices with the real rows (``mask``) first, in a random order, then the padded ones.
 
+    Row ``i``'s sort key is drawn from ``fold_in(rng_key, i)``, so the real rows' order does not depend on
+    the padding: a client padded in a size bucket sweeps its rows as it would alone (or at its own site).
+
     **Example:** ``shuffled_rows(key, jnp.arange(5) < 3)`` is a permutation of 0, 1, 2 followed by 3, 4.
     """
-    return jnp.argsort(jnp.where(mask, jax.random.uniform(rng_key, mask.shape), 2.0))
+    rows = jnp.arange(mask.shape[0])
+    noise = jax.vmap(lambda i: jax.random.uniform(jax.random.fold_in(rng_key, i)))(rows)
+    return jnp.argsort(jnp.where(mask, noise, 2.0))
 
 
 def epoch_batch(is_row: tuple, client: Client, order: jax.Array, step: jax.Array,
