@@ -115,14 +115,18 @@ class HeavyBall:
 
     def _record(self, hb: HeavyBallState, q_start: jax.Array, delta: jax.Array) -> HeavyBallState:
         """Add the secant pair ``(q_k - q_{k-1}, -(Delta_k - Delta_{k-1}))`` and the spectrum estimate it gives."""
-        if not bool(jnp.all(jnp.isfinite(hb.previous_delta))):
+        step = q_start - hb.previous_q
+        if not bool(jnp.all(jnp.isfinite(hb.previous_delta))) or not bool(jnp.any(step != 0)):
             return hb
-        steps = jnp.concatenate([hb.steps[1:], (q_start - hb.previous_q)[None]])
+        steps = jnp.concatenate([hb.steps[1:], step[None]])
         changes = jnp.concatenate([hb.changes[1:], (hb.previous_delta - delta)[None]])
         hb = hb._replace(steps=steps, changes=changes, num_pairs=jnp.minimum(hb.num_pairs + 1, self.window))
         if int(hb.num_pairs) < 2:
             return hb
-        low, high = ritz_bounds(np.asarray(steps[-int(hb.num_pairs):]), np.asarray(changes[-int(hb.num_pairs):]))
+        bounds = ritz_bounds(np.asarray(steps[-int(hb.num_pairs):]), np.asarray(changes[-int(hb.num_pairs):]))
+        if bounds is None:
+            return hb
+        low, high = bounds
         push = lambda memory, value: jnp.concatenate([memory[1:], jnp.asarray([value], memory.dtype)])  # noqa: E731
         return hb._replace(lambda_min=push(hb.lambda_min, low), lambda_max=push(hb.lambda_max, high))
 
@@ -139,18 +143,25 @@ class HeavyBall:
         return f"HeavyBall(initial={self.initial}, window={self.window}, max_momentum={self.max_momentum})"
 
 
-def ritz_bounds(steps: np.ndarray, changes: np.ndarray) -> tuple[float, float]:
+def ritz_bounds(steps: np.ndarray, changes: np.ndarray, rcond: float = 1e-8) -> tuple[float, float] | None:
     """The smallest and largest Ritz value of ``P`` on the span of ``steps`` given ``changes ~ steps @ P.T``
-    (rows are pairs), clipped to ``[1e-3, 1]`` and ``[1, 20]``.
+    (rows are pairs), clipped to ``[1e-3, 1]`` and ``[1, 20]``; None if the steps span nothing (all zero).
+
+    Steps that are (numerically) combinations of others add no direction: the Ritz matrix is taken on the
+    orthonormal basis of their span, ``U^T P U = U^T Y V S^-1`` from the SVD ``steps.T = U S V^T``.
 
     **Example:** for ``P = diag(0.1, 1, 3)`` and steps ``eye(3)``, ``ritz_bounds(eye(3), eye(3) @ P.T)`` is
     ``(0.1, 3.0)``.
     """
     s, y = np.asarray(steps, np.float64).T, np.asarray(changes, np.float64).T
-    projected = np.linalg.lstsq(s, y, rcond=1e-8)[0]
-    eigenvalues = np.linalg.eigvals(projected).real
-    if not np.all(np.isfinite(eigenvalues)):
-        return 1.0, 1.0
+    if not (np.all(np.isfinite(s)) and np.all(np.isfinite(y))):
+        return None
+    u, sigma, vt = np.linalg.svd(s, full_matrices=False)
+    keep = sigma > rcond * max(sigma.max(initial=0.0), np.finfo(np.float64).tiny)
+    if not np.any(keep):
+        return None
+    ritz = u[:, keep].T @ y @ vt[keep].T / sigma[keep]
+    eigenvalues = np.linalg.eigvals(ritz).real
     return float(np.clip(eigenvalues.min(), 1e-3, 1.0)), float(np.clip(eigenvalues.max(), 1.0, 20.0))
 
 
