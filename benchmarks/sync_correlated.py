@@ -11,7 +11,7 @@ docs/servers/synchronous.md), then per method the error after every round and th
 ``Sequential``, ``Synchronous`` with adaptive and fixed damping, and two accelerations applied on top of the
 fixed-damping round through the public API: heavy-ball momentum on (q, factors) and Anderson acceleration.
 
-Run: ``python benchmarks/sync_correlated.py [num_rounds]`` (about 2 minutes on 2 cores).
+Run: ``python benchmarks/sync_correlated.py [num_rounds] [name words...]`` (about 2 minutes on 2 cores).
 """
 
 import sys
@@ -134,12 +134,16 @@ def main(rounds):
         return float(np.max(np.abs(np.asarray(infer.family.loc_scale(state.q)[0]) - mean) / sd))
 
     runs = {"Sequential()": lambda: plain(pvi.Sequential(), rounds, error),
-            "Synchronous() adaptive": lambda: plain(pvi.Synchronous(), rounds, error),
+            "Synchronous() = HeavyBall() (default)": lambda: plain(pvi.Synchronous(), rounds, error),
+            "Synchronous(AdaptiveDamping())": lambda: plain(pvi.Synchronous(pvi.AdaptiveDamping()), rounds, error),
             f"Synchronous({best:.2f})": lambda: plain(pvi.Synchronous(float(best)), rounds, error),
             "Synchronous(0.5)": lambda: plain(pvi.Synchronous(0.5), rounds, error),
             "Synchronous(0.5) + heavy ball 0.5": lambda: accelerated(rounds, error, heavy_ball(0.5)),
             "Synchronous(0.5) + Anderson(5)": lambda: accelerated(rounds, error, anderson(5))}
+    only = sys.argv[2:]  # names containing any of these words (all runs if none)
     for name, run in runs.items():
+        if only and not any(word in name for word in only):
+            continue
         errors = run()
         within = next((r + 1 for r, e in enumerate(errors) if e <= THRESHOLD), None)
         print(f"{name:36s} first round within {THRESHOLD} sd: {within}; error after rounds 10/20/{rounds}: "

@@ -13,6 +13,7 @@ from numpyro_pvi.families import (
     NatParams,
     SiteFamilies,
 )
+from numpyro_pvi.heavy_ball import HeavyBall
 from numpyro_pvi.local_updates import (
     Client,
     ClientProblem,
@@ -41,6 +42,7 @@ __version__ = "0.1.0"
 __all__ = [
     "PVI",
     "AdaptiveDamping",
+    "HeavyBall",
     "Asynchronous",
     "Backend",
     "ConcurrentRunner",

@@ -1,11 +1,12 @@
-"""How much of the clients' deltas a server merges: a fixed damping, or one that adapts to the ELBO.
+"""How much of the clients' deltas a server merges: a fixed damping, one that adapts to the ELBO, or heavy ball.
 
 A synchronous round adds every client's delta computed against the same ``q``. On a correlated posterior
 with mean-field factors the deltas overlap, and the undamped sum overshoots (a Jacobi iteration); a
 small fixed damping cures that but slows every round. :class:`AdaptiveDamping` grows the damping while
 the global ELBO improves and halves it when the ELBO falls or the merge had to backtrack to stay valid.
 The ELBO of :class:`~numpyro_pvi.RoundInfo` is estimated with the same draws every round (common random
-numbers), so rounds compare without sampling noise.
+numbers), so rounds compare without sampling noise. :class:`~numpyro_pvi.HeavyBall` (``Synchronous()``'s
+default, :mod:`numpyro_pvi.heavy_ball`) sets the damping and a momentum from the round's estimated spectrum.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from numpyro_pvi.heavy_ball import HeavyBall
 
 
 class DampingState(NamedTuple):
@@ -55,28 +58,49 @@ class AdaptiveDamping:
         return f"AdaptiveDamping(initial={self.initial})"
 
 
-def checked_damping(damping: Any, owner: str) -> float | AdaptiveDamping:
-    """A server's ``damping`` argument: a float in ``(0, 1]``, or ``None`` / an :class:`AdaptiveDamping`."""
+Damping = float | AdaptiveDamping | HeavyBall
+
+
+def checked_damping(damping: Any, owner: str, default: type = AdaptiveDamping,
+                    heavy_ball: bool = False) -> Damping:
+    """A server's ``damping`` argument: a float in ``(0, 1]``, an :class:`AdaptiveDamping`, a
+    :class:`~numpyro_pvi.HeavyBall` if the server allows it (``heavy_ball``), or ``None`` for ``default()``."""
     if damping is None:
-        return AdaptiveDamping()
-    if isinstance(damping, AdaptiveDamping):
+        return default()
+    if isinstance(damping, AdaptiveDamping) or (heavy_ball and isinstance(damping, HeavyBall)):
         return damping
+    if isinstance(damping, HeavyBall):
+        raise ValueError(f"{owner}: pvi.HeavyBall needs synchronous rounds (every client against the same q); use "
+                         "a float or a pvi.AdaptiveDamping.")
     if not (isinstance(damping, (int, float)) and not isinstance(damping, bool) and 0.0 < damping <= 1.0):
-        raise ValueError(f"{owner}: damping must be in (0, 1], None (adaptive) or a pvi.AdaptiveDamping, "
-                         f"got {damping!r}.")
+        raise ValueError(f"{owner}: damping must be in (0, 1], None (the default), a pvi.AdaptiveDamping"
+                         f"{' or a pvi.HeavyBall' if heavy_ball else ''}, got {damping!r}.")
     return float(damping)
 
 
-def initial_state(damping: float | AdaptiveDamping) -> Any:
+def initial_state(damping: Damping, q: Any, factors: Any) -> Any:
     """What ``PVIState.damping`` starts as: an adaptive damping's state, ``()`` for a fixed one."""
+    if isinstance(damping, HeavyBall):
+        return damping.init(q, factors)
     return damping.init() if isinstance(damping, AdaptiveDamping) else ()
 
 
-def current(damping: float | AdaptiveDamping, state: Any) -> Any:
+def current(damping: Damping, state: Any) -> Any:
     """The damping a merge starts from: the fixed value, or the adaptive state's (traced under ``jit``)."""
-    return state.rho if isinstance(damping, AdaptiveDamping) else damping
+    return damping if isinstance(damping, float) else state.rho
 
 
-def after_round(damping: float | AdaptiveDamping, state: Any, elbo: float, backtracked: bool) -> Any:
-    """``PVIState.damping`` after a round (unchanged for a fixed damping)."""
+def accelerate(damping: Damping, family: Any, before: Any, after: Any, clean: bool, rho_used: float) -> Any:
+    """The ``PVIState`` after a round's merge: :class:`~numpyro_pvi.HeavyBall`'s rescaling and momentum (see
+    :meth:`HeavyBall.accelerate <numpyro_pvi.HeavyBall.accelerate>`), ``after`` unchanged otherwise."""
+    return damping.accelerate(family, before, after, clean, rho_used) if isinstance(damping, HeavyBall) else after
+
+
+def after_round(damping: Damping, state: Any, elbo: float, backtracked: bool) -> Any:
+    """``PVIState.damping`` after a round (unchanged for a fixed damping or heavy ball)."""
     return damping.adapt(state, elbo, backtracked) if isinstance(damping, AdaptiveDamping) else state
+
+
+def after_new_client(damping: Damping, state: Any, q: Any, factors: Any) -> Any:
+    """``PVIState.damping`` after :meth:`PVI.add_client`: heavy ball restarts (the round is another operator)."""
+    return damping.init(q, factors) if isinstance(damping, HeavyBall) else state

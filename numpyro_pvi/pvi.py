@@ -185,7 +185,7 @@ class PVI:
         hyper = hyper or ()  # not weak-typed: the optimiser's first step must not change types (a recompilation)
         hyper_state = self.hyper_optimizer.init(hyper) if hyper else ()
         return PVIState(q, factors, t0, client_states, self.server.init(q, capacity), rng_key, hyper, hyper_state,
-                        _broadcast(hyper, capacity, zero=True), damping.initial_state(self.server.damping))
+                        _broadcast(hyper, capacity, zero=True), damping.initial_state(self.server.damping, q, factors))
 
     def update(self, state: PVIState, *args: Any, **kwargs: Any) -> tuple[PVIState, RoundInfo]:
         """One round: the prior factor's step (if any), then the clients in the server's schedule.
@@ -217,7 +217,12 @@ class PVI:
         if steps.prior_step is not None:
             state = steps.prior_step(state, _data(problem))
         round = Round(steps, problem.buckets, round_key, problem.num_clients, problem.capacity, in_flight, sample_key)
+        before = state
         state = self.server.run_round(state, round, problem.num_clients)
+        backtracked = bool(np.any(round.rejection == Rejection.INVALID) or
+                           np.any((round.accepted > 0) & (round.damping < rho * (1 - 1e-6))))
+        clean = bool(np.all(round.accepted[:problem.num_clients] > 0)) and not backtracked
+        state = damping.accelerate(self.server.damping, self.family, before, state, clean, rho)
         if steps.hyper_step is not None and round.hyper_grad:
             grads = state.hyper_grads
             for m, grad in round.hyper_grad.items():
@@ -226,8 +231,6 @@ class PVI:
         # the same draws every round (common random numbers): rounds' ELBOs compare without sampling noise
         elbo = float(steps.elbo(state.q, ELBO_KEY, _data(problem), self.num_elbo_particles, state.client_states,
                                 state.hyper))
-        backtracked = bool(np.any(round.rejection == Rejection.INVALID) or
-                           np.any((round.accepted > 0) & (round.damping < rho * (1 - 1e-6))))
         state = state._replace(damping=damping.after_round(self.server.damping, state.damping, elbo, backtracked))
         info = RoundInfo(elbo, *round.record(), time.perf_counter() - start, round.rejection, round.moved,
                          q_change(self.family, old_q, state.q), round.bytes_received, round.bytes_sent)
@@ -313,6 +316,8 @@ class PVI:
                                client_states=_grow(state.client_states, _broadcast(local, capacity)),
                                hyper_grads=_grow(state.hyper_grads, _broadcast(state.hyper, capacity, zero=True)),
                                server_state=self.server.add_client(server_state, state.q, m))
+        state = state._replace(damping=damping.after_new_client(self.server.damping, state.damping, state.q,
+                                                                 state.factors))
         return state, new
 
     def evaluate(self, state: PVIState, *args: Any, num_particles: int | None = None, **kwargs: Any) -> jax.Array:

@@ -14,8 +14,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from numpyro_pvi.damping import AdaptiveDamping, checked_damping
+from numpyro_pvi.damping import AdaptiveDamping, Damping, checked_damping
 from numpyro_pvi.families import NatParams
+from numpyro_pvi.heavy_ball import HeavyBall
 from numpyro_pvi.rounds import InFlightUpdate, Round
 from numpyro_pvi.sampling import ClientSampling
 
@@ -39,11 +40,15 @@ class Server:
                 return state
     """
 
-    def __init__(self, damping: float | AdaptiveDamping | None = 1.0, max_backtracks: int = 5) -> None:
+    default_damping: type = AdaptiveDamping  # what damping=None means
+    synchronous_rounds = False  # every client of a round against the same q (HeavyBall needs it)
+
+    def __init__(self, damping: Damping | None = 1.0, max_backtracks: int = 5) -> None:
         if not isinstance(max_backtracks, int) or max_backtracks < 0:
             raise ValueError(f"{type(self).__name__}: max_backtracks must be a non-negative integer, "
                              f"got {max_backtracks!r}.")
-        self.damping = checked_damping(damping, type(self).__name__)
+        self.damping = checked_damping(damping, type(self).__name__, type(self).default_damping,
+                                       type(self).synchronous_rounds)
         self.max_backtracks = max_backtracks
         self.sampling = ClientSampling(None, owner=type(self).__name__)
 
@@ -85,8 +90,11 @@ class Synchronous(Server):
     damped deltas (PVI-sync).
 
     With many clients undamped synchronous rounds can overshoot (a factor is counted once by each
-    client's cavity). The default damping adapts (:class:`~numpyro_pvi.AdaptiveDamping`): it grows while
-    the ELBO improves and halves when it falls; a float fixes it (``1 / num_clients`` to ``0.5`` is safe).
+    client's cavity), and on a correlated posterior a damped round is a slow Jacobi iteration. The default
+    damping is :class:`~numpyro_pvi.HeavyBall`: Polyak's heavy-ball damping and momentum, set every round from
+    the spectrum of the round estimated from the clients' deltas (with ``clients_per_round``, whose rounds
+    cannot be compared, :class:`~numpyro_pvi.AdaptiveDamping`, which follows the ELBO); a float fixes the
+    damping (``1 / num_clients`` to ``0.5`` is safe) and adds no momentum.
 
     :param clients_per_round: ``K`` clients drawn per round (an int, or a float fraction of the clients;
         ``None``: all), without replacement, from the state's key (:mod:`numpyro_pvi.sampling`); the others
@@ -97,8 +105,16 @@ class Synchronous(Server):
     ``pvi.Synchronous(clients_per_round=10)``
     """
 
-    def __init__(self, damping: float | AdaptiveDamping | None = None, max_backtracks: int = 5,
+    default_damping = HeavyBall
+    synchronous_rounds = True
+
+    def __init__(self, damping: Damping | None = None, max_backtracks: int = 5,
                  clients_per_round: int | float | None = None, client_weights: Any = None) -> None:
+        if clients_per_round is not None and isinstance(damping, HeavyBall):
+            raise ValueError("Synchronous: pvi.HeavyBall needs every client in every round (its spectrum estimate "
+                             "compares whole rounds); with clients_per_round use a float or pvi.AdaptiveDamping.")
+        if clients_per_round is not None and damping is None:
+            damping = AdaptiveDamping()
         super().__init__(damping, max_backtracks)
         self.sampling = ClientSampling(clients_per_round, client_weights, "Synchronous")
 

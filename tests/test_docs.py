@@ -68,7 +68,7 @@ PAGE_OWNERS = {
     "local_updates/moment_matching.md": ["MomentMatchingUpdate"],
     "local_updates/snep.md": ["SNEPUpdate"],
     "servers/sequential.md": ["Sequential"],
-    "servers/synchronous.md": ["Synchronous", "AdaptiveDamping"],
+    "servers/synchronous.md": ["Synchronous", "HeavyBall", "AdaptiveDamping"],
     "servers/asynchronous.md": ["Asynchronous", "AdaptiveDamping"],
     "servers/continual.md": ["Continual"],
 }
@@ -123,5 +123,6 @@ def test_every_default_in_the_docs_is_the_codes():
         checked.add((o, name))
     # the defaults the issue found stale are among those checked, so deleting a statement is noticed
     assert {("GradientUpdate", "num_particles"), ("Synchronous", "damping"), ("Sequential", "damping"),
-            ("Asynchronous", "max_staleness"), ("AdaptiveDamping", "initial"), ("PVI", "backend")} <= checked
+            ("Asynchronous", "max_staleness"), ("AdaptiveDamping", "initial"), ("HeavyBall", "max_momentum"),
+            ("PVI", "backend")} <= checked
     assert len(checked) >= 15, sorted(checked)

@@ -31,6 +31,7 @@ from numpyro_pvi.checkpoint import save
 from numpyro_pvi.damping import AdaptiveDamping
 from numpyro_pvi.families import Family, NatParams
 from numpyro_pvi.flower.wire import content_bytes, key_to_record, tree_from_record, tree_to_record
+from numpyro_pvi.heavy_ball import HeavyBall
 from numpyro_pvi.merge import merge, rejection_codes, screen
 from numpyro_pvi.monitor import RunMonitor, q_change
 from numpyro_pvi.servers import Sequential, Synchronous
@@ -73,6 +74,9 @@ class PVIStrategy(Strategy):
         if isinstance(server.damping, AdaptiveDamping):
             raise ValueError("PVIStrategy needs a fixed damping, e.g. pvi.Synchronous(0.5): AdaptiveDamping follows "
                              "the global ELBO, which needs every site's data.")
+        if isinstance(server.damping, HeavyBall):
+            raise ValueError("PVIStrategy needs a fixed damping, e.g. pvi.Synchronous(0.5): pvi.HeavyBall (the "
+                             "default of pvi.Synchronous()) is not wired through Flower yet.")
         self.family, self.num_clients, self.rng_key, self.server = family, num_clients, rng_key, server
         self.state: PVIState | None = None
         self.nodes: dict[int, int] = {}  # Flower node id -> client index

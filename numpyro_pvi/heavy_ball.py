@@ -1,0 +1,200 @@
+"""Synchronous rounds with heavy-ball momentum whose damping and momentum come from the round's own spectrum.
+
+Near the optimum a synchronous round moves ``q`` by ``rho * Delta(q)``, where the clients' summed delta
+``Delta(q) ~ -P (q - q*)`` and ``P`` is the linearised round (``(D + O/M)^-1 Lambda`` for mean-field
+factors on a posterior of precision ``Lambda = D + O``; see ``docs/servers/synchronous.md``). A fixed
+damping converges like ``1 - 2 / kappa(P)`` per round, which on a correlated posterior is many rounds.
+Polyak's heavy ball,
+
+    ``x_{k+1} = x_k + rho * Delta(x_k) + beta * (x_k - x_{k-1})``,  ``x = (q, t_1..t_M)``,
+
+with ``rho = 4 / (sqrt(l_max) + sqrt(l_min))^2`` and ``beta = ((sqrt(kappa) - 1) / (sqrt(kappa) + 1))^2``
+converges like ``1 - 2 / sqrt(kappa)``. The server does not know ``P``'s spectrum, but every round gives a
+secant pair: the step ``s = q_k - q_{k-1}`` and the change of the clients' (undamped) summed delta,
+``y = -(Delta_k - Delta_{k-1}) ~ P s``. The Ritz values of ``P`` on the span of the last ``window``
+steps bound its spectrum from inside, so the estimate is widened (``l_min`` halved, ``l_max`` times 1.25,
+the smallest ``l_min`` and the median ``l_max`` of the last ``memory`` estimates) before Polyak's formulas.
+
+Only the clients' deltas are used, never the data or the ELBO. The momentum moves every factor by
+``beta`` times its own last change (so ``q`` stays the prior times the factors) and is halved until ``q``
+and every cavity are valid. A round in which a client was not run, was rejected or was merged with a
+backtracked damping gives no secant pair and no momentum (a restart).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.flatten_util import ravel_pytree
+
+from numpyro_pvi.backtracking import backtrack
+from numpyro_pvi.merge import is_valid_state
+
+
+class HeavyBallState(NamedTuple):
+    """:class:`HeavyBall`'s state (in ``PVIState.damping``).
+
+    :ivar rho: the damping of the next round's merge.
+    :ivar beta: the momentum applied after the last round.
+    :ivar previous_q: ``q`` (flattened natural parameters) when the last round started.
+    :ivar previous_delta: the clients' undamped summed delta of the last round, NaN if it gave none.
+    :ivar steps, changes: ``(window, n)`` the last secant pairs ``s`` and ``y``, newest last.
+    :ivar num_pairs: how many of them are filled.
+    :ivar lambda_min, lambda_max: ``(memory,)`` the last spectrum estimates, newest last (NaN if unused).
+    :ivar velocity: each factor's change in the last round (stacked like ``PVIState.factors``).
+    """
+
+    rho: jax.Array
+    beta: jax.Array
+    previous_q: jax.Array
+    previous_delta: jax.Array
+    steps: jax.Array
+    changes: jax.Array
+    num_pairs: jax.Array
+    lambda_min: jax.Array
+    lambda_max: jax.Array
+    velocity: Any
+
+
+class HeavyBall:
+    """Damping and heavy-ball momentum for :class:`~numpyro_pvi.Synchronous`, set every round from an estimate of
+    the round's spectrum (see the module docstring): the default of ``Synchronous()``.
+
+    :param float initial: the damping until two secant pairs exist (the first three rounds).
+    :param int window: secant pairs (rounds) in one spectrum estimate.
+    :param int memory: spectrum estimates combined (the smallest ``l_min``, the median ``l_max``).
+    :param float max_momentum: the largest ``beta`` (it bounds how much Monte Carlo noise is amplified).
+    :param float maximum: the largest damping.
+
+    **Example:** ``pvi.Synchronous()`` (the default) or ``pvi.Synchronous(pvi.HeavyBall(max_momentum=0.5))``;
+    ``pvi.Synchronous(0.5)`` keeps a fixed damping and no momentum.
+    """
+
+    def __init__(self, initial: float = 0.5, window: int = 10, memory: int = 5, max_momentum: float = 0.7,
+                 maximum: float = 1.0) -> None:
+        if not 0.0 < initial <= maximum <= 1.0:
+            raise ValueError(f"HeavyBall: need 0 < initial <= maximum <= 1, got initial={initial}, maximum={maximum}.")
+        for name, value in (("window", window), ("memory", memory)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 2:
+                raise ValueError(f"HeavyBall: {name} must be an integer >= 2, got {value!r}.")
+        if not 0.0 <= max_momentum < 1.0:
+            raise ValueError(f"HeavyBall: max_momentum must be in [0, 1), got {max_momentum!r}.")
+        self.initial, self.window, self.memory = initial, window, memory
+        self.max_momentum, self.maximum = max_momentum, maximum
+
+    def init(self, q: Any, factors: Any) -> HeavyBallState:
+        """The state before the first round: damping ``initial``, no momentum, no secant pairs."""
+        flat = ravel_pytree(q)[0]
+        n, dtype = flat.shape[0], flat.dtype
+        nan = jnp.full((self.memory,), jnp.nan, dtype)
+        return HeavyBallState(jnp.asarray(self.initial, dtype), jnp.zeros((), dtype), flat, jnp.full(n, jnp.nan, dtype),
+                              jnp.zeros((self.window, n), dtype), jnp.zeros((self.window, n), dtype),
+                              jnp.zeros((), jnp.int32), nan, nan, jax.tree.map(jnp.zeros_like, factors))
+
+    def accelerate(self, family: Any, before: Any, after: Any, clean: bool, rho_used: float) -> Any:
+        """The state after a round: ``after`` (the merged ``PVIState``, from ``before``), its merge rescaled to
+        the new damping and the momentum added when both keep ``q`` and every cavity valid, with the next
+        round's damping. ``clean``: every client ran and was merged with the full damping ``rho_used``.
+        """
+        hb, q_start = after.damping, ravel_pytree(before.q)[0]
+        if clean:
+            delta = (ravel_pytree(after.q)[0] - q_start) / rho_used
+            hb = self._record(hb, q_start, delta)
+            rho, beta = self._parameters(hb, rho_used)
+        else:
+            delta, rho, beta = jnp.full_like(q_start, jnp.nan), rho_used, 0.0
+        merged = jax.tree.map(jnp.subtract, after.factors, before.factors)
+        q, factors = _extrapolate(family, after.q, after.factors, merged, hb.velocity, rho / rho_used - 1.0, beta)
+        dtype = hb.rho.dtype
+        hb = hb._replace(rho=jnp.asarray(rho, dtype), beta=jnp.asarray(beta, dtype), previous_q=q_start,
+                         previous_delta=delta, velocity=jax.tree.map(jnp.subtract, factors, before.factors))
+        return after._replace(q=q, factors=factors, damping=hb)
+
+    def _record(self, hb: HeavyBallState, q_start: jax.Array, delta: jax.Array) -> HeavyBallState:
+        """Add the secant pair ``(q_k - q_{k-1}, -(Delta_k - Delta_{k-1}))`` and the spectrum estimate it gives."""
+        step = q_start - hb.previous_q
+        if not bool(jnp.all(jnp.isfinite(hb.previous_delta))) or not bool(jnp.any(step != 0)):
+            return hb
+        steps = jnp.concatenate([hb.steps[1:], step[None]])
+        changes = jnp.concatenate([hb.changes[1:], (hb.previous_delta - delta)[None]])
+        hb = hb._replace(steps=steps, changes=changes, num_pairs=jnp.minimum(hb.num_pairs + 1, self.window))
+        if int(hb.num_pairs) < 2:
+            return hb
+        bounds = ritz_bounds(np.asarray(steps[-int(hb.num_pairs):]), np.asarray(changes[-int(hb.num_pairs):]))
+        if bounds is None:
+            return hb
+        low, high = bounds
+        push = lambda memory, value: jnp.concatenate([memory[1:], jnp.asarray([value], memory.dtype)])  # noqa: E731
+        return hb._replace(lambda_min=push(hb.lambda_min, low), lambda_max=push(hb.lambda_max, high))
+
+    def _parameters(self, hb: HeavyBallState, rho_used: float) -> tuple[float, float]:
+        """Polyak's damping and momentum for the widened spectrum estimate (``rho_used`` and none before one)."""
+        if bool(jnp.all(jnp.isnan(hb.lambda_min))):
+            return rho_used, 0.0
+        low = 0.5 * float(jnp.nanmin(hb.lambda_min))
+        high = 1.25 * float(jnp.nanmedian(hb.lambda_max))
+        rho, beta = polyak_parameters(low, high)
+        return min(rho, self.maximum), min(beta, self.max_momentum)
+
+    def __repr__(self) -> str:
+        return f"HeavyBall(initial={self.initial}, window={self.window}, max_momentum={self.max_momentum})"
+
+
+def ritz_bounds(steps: np.ndarray, changes: np.ndarray, rcond: float = 1e-8) -> tuple[float, float] | None:
+    """The smallest and largest Ritz value of ``P`` on the span of ``steps`` given ``changes ~ steps @ P.T``
+    (rows are pairs), clipped to ``[1e-3, 1]`` and ``[1, 20]``; None if the steps span nothing (all zero).
+
+    Steps that are (numerically) combinations of others add no direction: the Ritz matrix is taken on the
+    orthonormal basis of their span, ``U^T P U = U^T Y V S^-1`` from the SVD ``steps.T = U S V^T``.
+
+    **Example:** for ``P = diag(0.1, 1, 3)`` and steps ``eye(3)``, ``ritz_bounds(eye(3), eye(3) @ P.T)`` is
+    ``(0.1, 3.0)``.
+    """
+    s, y = np.asarray(steps, np.float64).T, np.asarray(changes, np.float64).T
+    if not (np.all(np.isfinite(s)) and np.all(np.isfinite(y))):
+        return None
+    u, sigma, vt = np.linalg.svd(s, full_matrices=False)
+    keep = sigma > rcond * max(sigma.max(initial=0.0), np.finfo(np.float64).tiny)
+    if not np.any(keep):
+        return None
+    ritz = u[:, keep].T @ y @ vt[keep].T / sigma[keep]
+    eigenvalues = np.linalg.eigvals(ritz).real
+    return float(np.clip(eigenvalues.min(), 1e-3, 1.0)), float(np.clip(eigenvalues.max(), 1.0, 20.0))
+
+
+def polyak_parameters(lambda_min: float, lambda_max: float) -> tuple[float, float]:
+    """Polyak's heavy-ball damping and momentum for a spectrum in ``[lambda_min, lambda_max]``.
+
+    **Example:** ``polyak_parameters(1.0, 1.0)`` is ``(1.0, 0.0)`` (one exact step); ``(0.139, 4.61)`` gives
+    ``(0.63, 0.50)``.
+    """
+    low, high = np.sqrt(lambda_min), np.sqrt(lambda_max)
+    return float(4.0 / (low + high) ** 2), float(((high - low) / (high + low)) ** 2)
+
+
+def _extrapolate(family: Any, q: Any, factors: Any, merged: Any, velocity: Any, rescale: float, beta: float) -> tuple:
+    """``(q, factors)`` moved by ``rescale`` times the merge's change and ``beta`` times the last velocity, the
+    move halved until ``q`` and every cavity are valid (none if no halving is)."""
+    if rescale == 0.0 and beta == 0.0:
+        return q, factors
+    return _extrapolate_jit(family, q, factors, merged, velocity, jnp.asarray(rescale), jnp.asarray(beta))
+
+
+def _move(family: Any, q: Any, factors: Any, merged: Any, velocity: Any, rescale: jax.Array,
+          beta: jax.Array) -> tuple:
+    move = jax.tree.map(lambda m, v: rescale * m + beta * v, merged, velocity)
+
+    def propose(t: jax.Array) -> tuple:
+        new_factors = jax.tree.map(lambda f, d: f + t * d, factors, move)
+        new_q = jax.tree.map(lambda a, d: a + t * d.sum(0), q, move)
+        return (new_q, new_factors), is_valid_state(family, new_q, new_factors)
+
+    out = backtrack(propose, 1.0, 4)
+    keep = lambda new, old: jnp.where(out.valid, new, old)  # noqa: E731
+    return jax.tree.map(keep, out.value[0], q), jax.tree.map(keep, out.value[1], factors)
+
+
+_extrapolate_jit = jax.jit(_move, static_argnums=0)

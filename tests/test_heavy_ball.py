@@ -1,0 +1,181 @@
+"""HeavyBall, ``Synchronous()``'s default: damping and momentum from the spectrum of the round.
+
+The exact tests use a closed-form mean-field local update on a linear-Gaussian model with correlated features:
+the mean-field optimum of a Gaussian target has the target's mean and the diagonal of its precision, so a
+synchronous round is an exactly linear (Jacobi) map and global mean-field VI's optimum is known in closed form.
+"""
+
+import jax.numpy as jnp
+import numpy as np
+import numpyro
+import numpyro.distributions as dist
+import pytest
+from jax import enable_x64, random
+from jax.scipy.optimize import minimize
+from sklearn.datasets import load_breast_cancer
+
+import numpyro_pvi as pvi
+from numpyro_pvi.families import NatParams
+from numpyro_pvi.heavy_ball import polyak_parameters, ritz_bounds
+
+from conftest import NOISE, linear_model
+
+NUM_CLIENTS = 6
+
+
+class MeanFieldLinearUpdate:
+    """The exact mean-field optimum of cavity x likelihood for `linear_model`: its mean and diagonal precision."""
+
+    def init_state(self, problem):
+        return ()
+
+    def bind(self, problem):
+        def client_update(rng_key, client, cavity, q, state, hyper=()):
+            X, y = client.arrays
+            Xm = X * client.mask[:, None]
+            precision = jnp.diag(-2.0 * cavity.eta2) + Xm.T @ X / NOISE**2
+            mean = jnp.linalg.solve(precision, cavity.eta1 + Xm.T @ y / NOISE**2)
+            diagonal = jnp.diag(precision)
+            return pvi.ClientResult(NatParams(diagonal * mean, -0.5 * diagonal) - q, jnp.zeros(()), state)
+
+        return client_update
+
+
+@pytest.fixture(scope="module")
+def correlated_data():
+    """300 rows, 6 features with correlation 0.9: the linearised round has spectrum about [0.12, 3.1]."""
+    correlation = 0.9 * np.ones((6, 6)) + 0.1 * np.eye(6)
+    X = np.asarray(random.normal(random.PRNGKey(0), (300, 6))) @ np.linalg.cholesky(correlation).T
+    y = X @ np.linspace(-1.0, 1.0, 6) + NOISE * np.asarray(random.normal(random.PRNGKey(1), (300,)))
+    return X, y
+
+
+def _rounds_to_optimum(server, data, max_rounds, tol=1e-6):
+    """Rounds until q is within ``tol`` (relative) of mean-field VI's optimum: the exact posterior mean, and the
+    diagonal of the posterior precision; None if not within ``max_rounds``."""
+    with enable_x64(True):
+        X, y = (jnp.asarray(a, jnp.float64) for a in data)
+        precision = np.eye(6) + np.asarray(X.T @ X) / NOISE**2
+        mean = np.linalg.solve(precision, np.asarray(X.T @ y) / NOISE**2)
+        partitions = np.array_split(np.arange(300), NUM_CLIENTS)
+        inference = pvi.PVI(linear_model, pvi.MeanFieldGaussian(), partitions, MeanFieldLinearUpdate(), server)
+        problem = inference.build(X, y=y)
+        state = inference.init(random.PRNGKey(0), problem)
+        for r in range(1, max_rounds + 1):
+            state, _ = inference.update(state, problem)
+            loc = np.asarray(inference.family.loc_scale(state.q)[0])
+            q_precision = -2.0 * np.asarray(state.q.eta2)
+            if (np.max(np.abs(loc - mean)) <= tol * np.max(np.abs(mean))
+                    and np.max(np.abs(q_precision / np.diag(precision) - 1.0)) <= tol):
+                return r
+        return None
+
+
+def test_heavy_ball_reaches_mean_field_vi_within_twice_the_sequential_rounds(correlated_data):
+    sequential = _rounds_to_optimum(pvi.Sequential(), correlated_data, 200)
+    heavy_ball = _rounds_to_optimum(pvi.Synchronous(), correlated_data, 2 * sequential)
+    assert heavy_ball is not None and heavy_ball <= 2 * sequential, (heavy_ball, sequential)
+    # the test can fail: neither the ELBO-driven damping nor the best fixed one gets there in that many rounds
+    lam_min, lam_max = 0.12, 3.1
+    best_fixed = 2.0 / (lam_min + lam_max)
+    for slower in (pvi.Synchronous(pvi.AdaptiveDamping()), pvi.Synchronous(best_fixed)):
+        assert _rounds_to_optimum(slower, correlated_data, 2 * sequential) is None
+
+
+def test_heavy_ball_keeps_one_round_exact_when_the_round_is_exact(linear_data):
+    """Independent features, one client: a round is exact (P = I), and heavy ball adds no momentum."""
+    X, y = linear_data
+    X = np.asarray(X)
+    Q = np.linalg.qr(X)[0] * np.sqrt(X.shape[0])  # orthogonal columns: the posterior is mean-field
+    server = pvi.Synchronous(pvi.HeavyBall(initial=1.0))
+    inference = pvi.PVI(linear_model, pvi.MeanFieldGaussian(), [np.arange(300)], MeanFieldLinearUpdate(), server)
+    with enable_x64(True):
+        Qx, yx = jnp.asarray(Q, jnp.float64), jnp.asarray(y, jnp.float64)
+        result = inference.run(random.PRNGKey(0), 4, Qx, y=yx, progress_bar=False)
+        mean = np.linalg.solve(np.eye(3) + Q.T @ Q / NOISE**2, Q.T @ np.asarray(y) / NOISE**2)
+        np.testing.assert_allclose(inference.family.loc_scale(result.state.q)[0], mean, rtol=1e-9)
+        assert float(result.state.damping.beta) == 0.0
+
+
+def test_ritz_bounds_and_polyak_parameters():
+    operator = np.diag([0.1, 1.0, 3.0])
+    steps = random.normal(random.PRNGKey(0), (3, 3))  # rows are steps, spanning the space
+    assert ritz_bounds(np.asarray(steps), np.asarray(steps) @ operator.T) == pytest.approx((0.1, 3.0))
+    # on a subspace the Ritz values lie inside the spectrum
+    low, high = ritz_bounds(np.asarray(steps[:2]), np.asarray(steps[:2]) @ operator.T)
+    assert 0.1 <= low <= high <= 3.0
+    assert polyak_parameters(1.0, 1.0) == pytest.approx((1.0, 0.0))
+    rho, beta = polyak_parameters(0.139, 4.61)
+    assert rho == pytest.approx(0.630, abs=1e-3) and beta == pytest.approx(0.496, abs=1e-3)
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda: pvi.HeavyBall(initial=0.0), "initial"),
+    (lambda: pvi.HeavyBall(window=1), "window"),
+    (lambda: pvi.HeavyBall(max_momentum=1.0), "max_momentum"),
+    (lambda: pvi.Asynchronous(pvi.HeavyBall()), "synchronous rounds"),
+    (lambda: pvi.Sequential(pvi.HeavyBall()), "synchronous rounds"),
+    (lambda: pvi.Synchronous(pvi.HeavyBall(), clients_per_round=2), "every client"),
+])
+def test_bad_heavy_ball_arguments_are_named(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
+def test_defaults():
+    assert isinstance(pvi.Synchronous().damping, pvi.HeavyBall)
+    assert isinstance(pvi.Synchronous(clients_per_round=2).damping, pvi.AdaptiveDamping)
+    assert isinstance(pvi.Asynchronous().damping, pvi.AdaptiveDamping)
+
+
+# -- the issue's case: breast cancer, correlated standardised features, stochastic CVI local updates ------------
+
+def _breast_cancer_model(X, y=None):
+    w = numpyro.sample("w", dist.Normal(0.0, 1.0).expand([X.shape[1]]).to_event(1))
+    b = numpyro.sample("b", dist.Normal(0.0, 1.0))
+    with pvi.partition_plate("data", X.shape[0]):
+        numpyro.sample("y", dist.Bernoulli(logits=X @ w + b), obs=y)
+
+
+def _global_vi_optimum(X, y):
+    """Mean-field VI's optimum (means, sds) for `_breast_cancer_model`, deterministic: the expectations by
+    64-point Gauss-Hermite quadrature of the 1-D linear predictor, BFGS in float64."""
+    with enable_x64(True):
+        Xb = jnp.asarray(np.concatenate([X, np.ones((len(X), 1))], 1), jnp.float64)
+        nodes, weights = np.polynomial.hermite_e.hermegauss(64)
+        sign, d = 2.0 * jnp.asarray(y, jnp.float64) - 1.0, Xb.shape[1]
+
+        def negative_elbo(p):
+            mu, log_sd = p[:d], p[d:]
+            var = jnp.exp(2 * log_sd)
+            f = (Xb @ mu)[:, None] + jnp.sqrt((Xb**2) @ var)[:, None] * nodes[None]
+            loglik = jnp.sum(jnp.log(jnp.exp(-jnp.logaddexp(0.0, -sign[:, None] * f))) @ (weights / weights.sum()))
+            return -(loglik - 0.5 * jnp.sum(var + mu**2 - 1 - 2 * log_sd))
+
+        out = minimize(negative_elbo, jnp.concatenate([jnp.zeros(d), -jnp.ones(d)]), method="BFGS")
+        return np.asarray(out.x[:d]), np.exp(np.asarray(out.x[d:]))
+
+
+def _first_round_within(server, X, y, optimum, max_rounds, threshold=0.2):
+    mean, sd = optimum
+    update = pvi.NaturalGradientUpdate(step_size=0.5, num_steps=10, num_particles=64)
+    inference = pvi.PVI(_breast_cancer_model, pvi.MeanFieldGaussian(), pvi.split_iid(random.PRNGKey(1), len(y), 10),
+                        update, server)
+    problem = inference.build(X, y=y)
+    state = inference.init(random.PRNGKey(0), problem)
+    for r in range(1, max_rounds + 1):
+        state, _ = inference.update(state, problem)
+        if np.max(np.abs(np.asarray(inference.family.loc_scale(state.q)[0]) - mean) / sd) <= threshold:
+            return r
+    return None
+
+
+def test_breast_cancer_synchronous_reaches_global_vi_within_twice_the_sequential_rounds():
+    """The issue's test: means within 0.2 posterior sd of global VI's optimum in at most twice Sequential's rounds
+    (measured over split/run seeds 0-3: Sequential 7-8 rounds, heavy ball 11-14; AdaptiveDamping not in 30)."""
+    X, y = load_breast_cancer(return_X_y=True)
+    X, y = ((X - X.mean(0)) / X.std(0)).astype(np.float32), y.astype(np.float32)
+    optimum = _global_vi_optimum(X, y)
+    sequential = _first_round_within(pvi.Sequential(), X, y, optimum, 30)
+    heavy_ball = _first_round_within(pvi.Synchronous(), X, y, optimum, 2 * sequential)
+    assert heavy_ball is not None, sequential
