@@ -170,3 +170,45 @@ def test_moment_matching_is_exact_for_a_conjugate_likelihood(model, family):
                         local_update=pvi.MomentMatchingUpdate(num_samples=64))
     result = inference.run(random.PRNGKey(1), 1, y=y, progress_bar=False)
     np.testing.assert_allclose(np.concatenate(family.to_params(result.state.q)), expected, rtol=1e-4)
+
+
+def test_refusals_name_the_site_the_family_and_the_alternative():
+    """An exponential-family block has no prior factor: a LogNormal prior in a Gamma block is refused naming the site,
+    the family and the Gaussian alternative; a batch of simplices in one Dirichlet and EP with NUTS are refused too."""
+    def lognormal_rate(y=None):
+        rate = numpyro.sample("rate", dist.LogNormal(0.0, 1.0))
+        with pvi.partition_plate("data", y.shape[0]):
+            numpyro.sample("y", dist.Poisson(rate), obs=y)
+
+    y = jnp.ones(N)
+    inference = pvi.PVI(lognormal_rate, pvi.SiteFamilies({"rate": pvi.Gamma()}), partitions=PARTS,
+                        local_update=pvi.NaturalGradientUpdate())
+    with pytest.raises(ValueError, match=r"\['rate'\].*Gamma\(\).*Gaussian family"):
+        inference.build(y=y)
+
+    def batched_simplex(y=None):
+        probs = numpyro.sample("probs", dist.Dirichlet(jnp.ones((2, 3))).to_event(1))
+        with pvi.partition_plate("data", y.shape[0]):
+            numpyro.sample("y", dist.Categorical(probs[0]), obs=y)
+
+    inference = pvi.PVI(batched_simplex, pvi.Dirichlet(), partitions=PARTS, local_update=pvi.NaturalGradientUpdate())
+    with pytest.raises(ValueError, match="batch of simplices"):
+        inference.build(y=jnp.zeros(N, jnp.int32))
+    inference = pvi.PVI(poisson_model, pvi.Gamma(), partitions=PARTS,
+                        local_update=pvi.MomentMatchingUpdate(tilted="nuts"))
+    with pytest.raises(ValueError, match="tilted='nuts' needs a Gaussian family"):
+        inference.build(y=y)
+
+
+def test_moment_matching_with_the_cavity_proposal():
+    """proposal="cavity" is honoured (importance sampling from the cavity, not the regression site): no longer exact
+    for a conjugate likelihood (the weights are not uniform), but close with 4096 draws for 5 clients' Poisson counts
+    (the 4096-draw self-normalised estimate of E[rate] has relative sd ~1e-3 here; asserted at 2 %)."""
+    y = random.poisson(random.PRNGKey(0), 3.0, (N,)).astype(jnp.float32)
+    exact = np.array([2.0 + float(y.sum()), 0.5 + N])
+    inference = pvi.PVI(poisson_model, pvi.Gamma(), partitions=PARTS, server=pvi.Sequential(),
+                        local_update=pvi.MomentMatchingUpdate(num_samples=4096, proposal="cavity"))
+    result = inference.run(random.PRNGKey(1), 2, y=y, progress_bar=False)
+    shape, rate = pvi.Gamma().to_params(result.state.q)
+    np.testing.assert_allclose(float(shape[0] / rate[0]), exact[0] / exact[1], rtol=0.02)
+    np.testing.assert_allclose(float(shape[0]), exact[0], rtol=0.1)
