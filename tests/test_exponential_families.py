@@ -202,13 +202,15 @@ def test_refusals_name_the_site_the_family_and_the_alternative():
 
 def test_moment_matching_with_the_cavity_proposal():
     """proposal="cavity" is honoured (importance sampling from the cavity, not the regression site): no longer exact
-    for a conjugate likelihood (the weights are not uniform), but close with 4096 draws for 5 clients' Poisson counts
-    (the 4096-draw self-normalised estimate of E[rate] has relative sd ~1e-3 here; asserted at 2 %)."""
+    for a conjugate likelihood (the weights are not uniform), but close with 4096 draws for 5 clients' Poisson counts.
+    Measured over seeds 1-8 after 2 sequential rounds: E[rate] within 0.35 % of the exact posterior's, its shape
+    within 9.2 % (the shape rests on E[log rate], which the importance weights estimate less well); asserted at
+    1 % and 20 %."""
     y = random.poisson(random.PRNGKey(0), 3.0, (N,)).astype(jnp.float32)
     exact = np.array([2.0 + float(y.sum()), 0.5 + N])
     inference = pvi.PVI(poisson_model, pvi.Gamma(), partitions=PARTS, server=pvi.Sequential(),
                         local_update=pvi.MomentMatchingUpdate(num_samples=4096, proposal="cavity"))
     result = inference.run(random.PRNGKey(1), 2, y=y, progress_bar=False)
     shape, rate = pvi.Gamma().to_params(result.state.q)
-    np.testing.assert_allclose(float(shape[0] / rate[0]), exact[0] / exact[1], rtol=0.02)
-    np.testing.assert_allclose(float(shape[0]), exact[0], rtol=0.1)
+    np.testing.assert_allclose(float(shape[0] / rate[0]), exact[0] / exact[1], rtol=0.01)
+    np.testing.assert_allclose(float(shape[0]), exact[0], rtol=0.2)
