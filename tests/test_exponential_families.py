@@ -185,15 +185,10 @@ def test_refusals_name_the_site_the_family_and_the_alternative():
                         local_update=pvi.NaturalGradientUpdate())
     with pytest.raises(ValueError, match=r"\['rate'\].*Gamma\(\).*Gaussian family"):
         inference.build(y=y)
-
-    def batched_simplex(y=None):
-        probs = numpyro.sample("probs", dist.Dirichlet(jnp.ones((2, 3))).to_event(1))
-        with pvi.partition_plate("data", y.shape[0]):
-            numpyro.sample("y", dist.Categorical(probs[0]), obs=y)
-
-    inference = pvi.PVI(batched_simplex, pvi.Dirichlet(), partitions=PARTS, local_update=pvi.NaturalGradientUpdate())
-    with pytest.raises(ValueError, match="batch of simplices"):
-        inference.build(y=jnp.zeros(N, jnp.int32))
+    family = pvi.Dirichlet()
+    family.check_shapes([(4,)])
+    with pytest.raises(ValueError, match="give each simplex site its own"):
+        family.check_shapes([(3,)])
     inference = pvi.PVI(poisson_model, pvi.Gamma(), partitions=PARTS,
                         local_update=pvi.MomentMatchingUpdate(tilted="nuts"))
     with pytest.raises(ValueError, match="tilted='nuts' needs a Gaussian family"):
@@ -214,3 +209,29 @@ def test_moment_matching_with_the_cavity_proposal():
     shape, rate = pvi.Gamma().to_params(result.state.q)
     np.testing.assert_allclose(float(shape[0] / rate[0]), exact[0] / exact[1], rtol=0.01)
     np.testing.assert_allclose(float(shape[0]), exact[0], rtol=0.2)
+
+
+def batched_categorical_model(group, y=None):
+    probs = numpyro.sample("probs", dist.Dirichlet(jnp.array([[1.0, 2.0, 0.5], [3.0, 1.0, 1.0]])).to_event(1))
+    with pvi.partition_plate("data", y.shape[0]):
+        numpyro.sample("y", dist.Categorical(probs[group]), obs=y)
+
+
+def test_batched_dirichlet_is_exact_in_one_round():
+    """A (2, 3) batch of simplices (one per group) with categorical counts: each row's posterior is its prior's
+    concentrations plus its group's counts, after one synchronous CVI round (float32 precision, as above)."""
+    group = (jnp.arange(N) % 2).astype(jnp.int32)
+    y = random.categorical(random.PRNGKey(0), jnp.log(jnp.array([0.2, 0.3, 0.5])), shape=(N,))
+    counts = np.zeros((2, 3))
+    np.add.at(counts, (np.asarray(group), np.asarray(y)), 1.0)
+    family = pvi.Dirichlet()
+    result = one_round(batched_categorical_model, family, group=group, y=y)
+    expected = np.array([[1.0, 2.0, 0.5], [3.0, 1.0, 1.0]]) + counts
+    np.testing.assert_allclose(family.to_params(result.state.q)[0], expected.reshape(-1), rtol=1e-5)
+    marg = family.marginals(result.state.q)
+    np.testing.assert_allclose(marg.mean.reshape(2, 3), expected / expected.sum(1, keepdims=True), rtol=1e-5)
+    samples = result.sample_posterior(random.PRNGKey(3), 100)["probs"]
+    assert samples.shape == (100, 2, 3)
+    np.testing.assert_allclose(samples.sum(-1), 1.0, rtol=1e-5)
+    start = family.initial_q(jnp.array([0.2, 0.3, 0.5, 1.0, 1.0, 2.0]), 0.1)  # per-row means, alpha_0 = 99
+    np.testing.assert_allclose(start.eta1 + 1.0, 99.0 * np.array([0.2, 0.3, 0.5, 0.25, 0.25, 0.5]), rtol=1e-5)

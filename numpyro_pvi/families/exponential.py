@@ -22,12 +22,15 @@ categorical / multinomial for ``Dirichlet``) has a site that is exactly linear i
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import numpyro.distributions as dist
 from jax.scipy.special import digamma
 from numpyro.distributions import constraints
+from numpyro.distributions.kl import kl_divergence
 from numpyro.distributions.transforms import ExpTransform, SigmoidTransform, StickBreakingTransform
 
 from numpyro_pvi.families.exponential_family import ExponentialFamily, regression_site, unit_scale
@@ -149,10 +152,69 @@ class Beta(ExponentialFamily):
         return unit_scale(self, scale)
 
 
-class Dirichlet(ExponentialFamily):
-    """Dirichlet factors over one simplex site of ``K`` coordinates: ``eta1 = alpha - 1`` (``eta2`` is empty).
+class FlatDirichlets(dist.Distribution):
+    """Independent Dirichlets over the rows of ``(..., K)`` simplices, flattened to one ``(D,)`` event.
 
-    Conjugate to categorical and multinomial likelihoods of the probabilities.
+    **Example:**
+
+    .. doctest::
+
+        >>> import jax.numpy as jnp
+        >>> from numpyro_pvi.families.exponential import FlatDirichlets
+        >>> d = FlatDirichlets(jnp.ones(6), 3)
+        >>> d.event_shape, d.mean
+        ((6,), Array([0.33333334, 0.33333334, 0.33333334, 0.33333334, 0.33333334, 0.33333334], dtype=float32))
+    """
+
+    arg_constraints: dict = {}
+    support = constraints.real_vector
+    reparametrized_params = ["concentration"]
+    pytree_data_fields = ("concentration",)
+    pytree_aux_fields = ("simplex_size",)
+
+    def __init__(self, concentration: jax.Array, simplex_size: int, validate_args: bool | None = None) -> None:
+        self.concentration, self.simplex_size = concentration, int(simplex_size)
+        super().__init__(batch_shape=(), event_shape=concentration.shape[-1:], validate_args=validate_args)
+
+    @property
+    def rows(self) -> dist.Dirichlet:
+        return dist.Dirichlet(self.concentration.reshape(-1, self.simplex_size))
+
+    def _flat(self, x: jax.Array) -> jax.Array:
+        return x.reshape(x.shape[:-2] + (-1,))
+
+    def sample(self, key: jax.Array, sample_shape: tuple = ()) -> jax.Array:
+        return self._flat(self.rows.sample(key, sample_shape))
+
+    def rsample(self, key: jax.Array, sample_shape: tuple = ()) -> jax.Array:
+        return self.sample(key, sample_shape)
+
+    def log_prob(self, value: jax.Array) -> jax.Array:
+        return jnp.sum(self.rows.log_prob(value.reshape(value.shape[:-1] + (-1, self.simplex_size))), axis=-1)
+
+    def entropy(self) -> jax.Array:
+        return jnp.sum(self.rows.entropy(), axis=-1)
+
+    @property
+    def mean(self) -> jax.Array:
+        return self._flat(self.rows.mean)
+
+    @property
+    def variance(self) -> jax.Array:
+        return self._flat(self.rows.variance)
+
+
+@kl_divergence.register(FlatDirichlets, FlatDirichlets)
+def _kl_flat_dirichlets(p: FlatDirichlets, q: FlatDirichlets) -> jax.Array:
+    return jnp.sum(kl_divergence(p.rows, q.rows), axis=-1)
+
+
+class Dirichlet(ExponentialFamily):
+    """Dirichlet factors over one simplex site of shape ``(K,)`` or ``(..., K)`` (a batch of simplices, independent
+    rows): ``eta1 = alpha - 1`` flattened (``eta2`` is empty).
+
+    Conjugate to categorical and multinomial likelihoods of the probabilities. The site's shape is read when
+    PVI builds its problem: an instance serves one site (give each simplex site its own ``pvi.Dirichlet()``).
 
     **Example:** ``pvi.SiteFamilies({"probs": pvi.Dirichlet()})``.
 
@@ -167,25 +229,32 @@ class Dirichlet(ExponentialFamily):
     transform_type = StickBreakingTransform
     param_names = ("concentration",)
 
+    def __init__(self) -> None:
+        self.shape: tuple | None = None  # the site's shape, once laid out
+
     def _eta2_size(self, dim: int) -> int:
         return 0
 
     def check_shapes(self, shapes: list) -> None:
-        """One simplex site of shape ``(K,)``."""
+        """One simplex site, of shape ``(K,)`` or ``(..., K)``; records it."""
         if len(shapes) != 1:
-            raise ValueError(f"Dirichlet() holds one simplex site of shape (K,); got {len(shapes)} sites: give each "
-                             "its own Dirichlet() in pvi.SiteFamilies({...}).")
-        if len(shapes[0]) != 1:
-            raise ValueError(f"Dirichlet() holds one simplex site of shape (K,); got a batch of simplices of shape "
-                             f"{shapes[0]}, which is not supported: give each simplex its own site, or use a "
-                             "Gaussian family for it.")
+            raise ValueError(f"Dirichlet() holds one simplex site; got {len(shapes)} sites: give each its own "
+                             "Dirichlet() in pvi.SiteFamilies({...}).")
+        if self.shape is not None and self.shape != tuple(shapes[0]):
+            raise ValueError(f"This Dirichlet() instance holds a simplex site of shape {self.shape}, not "
+                             f"{tuple(shapes[0])}: give each simplex site its own pvi.Dirichlet().")
+        self.shape = tuple(shapes[0])
+
+    def _rows(self, x: Any) -> Any:
+        """``(D,)`` -> ``(B, K)``: the simplices (one row unless the site is a batch of them)."""
+        return x.reshape(-1, x.shape[-1] if self.shape is None else self.shape[-1])
 
     def to_params(self, nat: NatParams) -> tuple:
         """``(alpha,)``."""
         return (nat.eta1 + 1.0,)
 
     def from_params(self, concentration: jax.Array) -> NatParams:
-        """From the concentrations ``alpha`` ``(K,)``."""
+        """From the (flattened) concentrations ``alpha`` ``(D,)``."""
         return NatParams(concentration - 1.0, jnp.zeros(concentration.shape[:-1] + (0,), concentration.dtype))
 
     def stats(self, theta: jax.Array) -> jax.Array:
@@ -193,25 +262,28 @@ class Dirichlet(ExponentialFamily):
         return jnp.log(theta)
 
     def mean_stats(self, params: tuple) -> jax.Array:
-        """``digamma(alpha) - digamma(sum alpha)``."""
-        (alpha,) = params
-        return digamma(alpha) - digamma(jnp.sum(alpha))
+        """``digamma(alpha) - digamma(sum alpha)`` per simplex."""
+        rows = self._rows(params[0])
+        return (digamma(rows) - digamma(jnp.sum(rows, axis=-1, keepdims=True))).reshape(-1)
 
     def base(self, concentration: jax.Array) -> dist.Distribution:
-        """``Dirichlet(alpha)`` over ``(K,)``."""
-        return dist.Dirichlet(concentration)
+        """``Dirichlet(alpha)`` over ``(K,)``, or :class:`FlatDirichlets` over a batch of simplices."""
+        if self.shape is None or len(self.shape) == 1:
+            return dist.Dirichlet(concentration)
+        return FlatDirichlets(concentration, self.shape[-1])
 
     def mean_var(self, params: tuple) -> tuple[np.ndarray, np.ndarray]:
-        """``alpha / alpha_0`` and ``alpha (alpha_0 - alpha) / (alpha_0^2 (alpha_0 + 1))``."""
-        (alpha,) = params
-        total = np.sum(alpha)
-        return alpha / total, alpha * (total - alpha) / (total**2 * (total + 1.0))
+        """``alpha / alpha_0`` and ``alpha (alpha_0 - alpha) / (alpha_0^2 (alpha_0 + 1))`` per simplex."""
+        alpha = self._rows(np.asarray(params[0]))
+        total = np.sum(alpha, axis=-1, keepdims=True)
+        mean, var = alpha / total, alpha * (total - alpha) / (total**2 * (total + 1.0))
+        return mean.reshape(-1), var.reshape(-1)
 
     def params_at(self, loc: jax.Array, scale: float) -> tuple:
-        """Mean ``loc / sum(loc)`` and sd ``scale * sqrt(m_k (1 - m_k))`` in every coordinate (as :class:`Beta`):
-        ``alpha_0 = 1 / scale^2 - 1``; ``scale`` must be below 1."""
-        mean = jnp.clip(loc, 1e-6, None)
-        return ((1.0 / scale**2 - 1.0) * mean / jnp.sum(mean, axis=-1, keepdims=True),)
+        """Mean ``loc / sum(loc)`` (per simplex) and sd ``scale * sqrt(m_k (1 - m_k))`` in every coordinate (as
+        :class:`Beta`): ``alpha_0 = 1 / scale^2 - 1``; ``scale`` must be below 1."""
+        mean = self._rows(jnp.clip(loc, 1e-6, None))
+        return ((1.0 / scale**2 - 1.0) * (mean / jnp.sum(mean, axis=-1, keepdims=True)).reshape(-1),)
 
     def checked_scale(self, scale: float) -> float:
         """``scale`` in ``(0, 1)``."""
