@@ -13,11 +13,11 @@ family        density of ``q``                       ``(T1, T2)``               
 
 Products and quotients are sums and differences of natural parameters, as for the Gaussians, so the
 merge, cavities and damping are unchanged. ``Gamma`` and ``Beta`` are elementwise over every coordinate;
-``Dirichlet`` is one simplex of ``K`` coordinates. A prior of the same family is exact; a conjugate
-likelihood (Poisson / exponential / Normal-precision for ``Gamma``, Bernoulli / binomial for ``Beta``,
-categorical / multinomial for ``Dirichlet``) has a site that is exactly linear in ``T``, which
-:meth:`ExponentialFamily.site_from_draws` recovers exactly by least squares (the natural gradient of
-``E_q[f]`` is the regression coefficient of ``f`` on ``T`` under ``q``: Salimans & Knowles 2013).
+``Dirichlet`` is one simplex site of shape ``(K,)`` or ``(..., K)`` (independent simplices). A prior of
+the same family is exact; a conjugate likelihood (Poisson / exponential / Normal-precision for ``Gamma``,
+Bernoulli / binomial for ``Beta``, categorical / multinomial for ``Dirichlet``) has a site that is exactly
+linear in ``T``, which :meth:`ExponentialFamily.site_from_draws` recovers exactly by least squares (the
+natural gradient of ``E_q[f]`` is the regression coefficient of ``f`` on ``T`` under ``q``: Salimans & Knowles 2013).
 """
 
 from __future__ import annotations
@@ -161,9 +161,9 @@ class FlatDirichlets(dist.Distribution):
 
         >>> import jax.numpy as jnp
         >>> from numpyro_pvi.families.exponential import FlatDirichlets
-        >>> d = FlatDirichlets(jnp.ones(6), 3)
-        >>> d.event_shape, d.mean
-        ((6,), Array([0.33333334, 0.33333334, 0.33333334, 0.33333334, 0.33333334, 0.33333334], dtype=float32))
+        >>> d = FlatDirichlets(jnp.array([1.0, 1.0, 2.0, 1.0, 1.0, 2.0]), 3)  # two simplices of 3
+        >>> d.event_shape, d.mean[:3]
+        ((6,), Array([0.25, 0.25, 0.5 ], dtype=float32))
     """
 
     arg_constraints: dict = {}
