@@ -65,9 +65,12 @@ class PVI:
         from round 23 on (Adam with a step of 0.01 was still 26 % away after 40 rounds).
     :param init_loc_fn: start ``q`` at the global sites' values this NumPyro init strategy gives (e.g.
         ``numpyro.infer.init_to_median``), split evenly over the clients' factors (:mod:`numpyro_pvi.start`);
-        default ``None``: ``q`` starts at the prior. Gaussian families only.
-    :param init_scale: the chosen start's sd in every unconstrained coordinate (default 0.1 when
-        ``init_loc_fn`` is given; alone, it starts at ``init_to_median``).
+        default ``None``: ``q`` starts at the prior. Every family (each block of a ``SiteFamilies``) builds its
+        own start (``family.initial_q``).
+    :param init_scale: the chosen start's spread (default 0.1 when ``init_loc_fn`` is given; alone, it starts
+        at ``init_to_median``): the sd in every unconstrained coordinate for the Gaussian families, the
+        coefficient of variation for ``Gamma``, the sd relative to ``sqrt(m (1 - m))`` for ``Beta`` and
+        ``Dirichlet`` (:mod:`numpyro_pvi.start`).
 
     ``PVI`` holds configuration only, like ``numpyro.infer.SVI``. What it builds from the data (the sites,
     the clients' stacked data, the compiled steps) is an immutable :class:`~numpyro_pvi.Problem`

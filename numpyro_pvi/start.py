@@ -1,12 +1,26 @@
-"""A chosen start, like NumPyro's autoguides: ``q`` at ``init_loc_fn``'s values with sd ``init_scale``.
+"""A chosen start, like NumPyro's autoguides: ``q`` at ``init_loc_fn``'s values with spread ``init_scale``.
 
 By default PVI starts at the prior (``q = prior``, every factor flat). With ``PVI(..., init_loc_fn=...,
-init_scale=...)`` the initial ``q_init`` is a Gaussian in unconstrained space centred at the values
-``init_loc_fn`` (e.g. ``numpyro.infer.init_to_median``) gives the global sites, with sd ``init_scale``
-in every coordinate. It is split evenly over the ``M`` clients' factors,
-``t_m = (q_init - q_prior) / M`` in natural parameters, so that ``q = q_prior + sum_m t_m = q_init``
-and every cavity ``q - t_m = q_prior / M + (M - 1) q_init / M`` is a convex combination of two valid
-Gaussians, hence valid.
+init_scale=...)`` the initial ``q_init`` is centred at the values ``init_loc_fn`` (e.g.
+``numpyro.infer.init_to_median``) gives the global sites; each family (each block of a
+:class:`~numpyro_pvi.SiteFamilies`) builds its own member, ``family.initial_q(loc, init_scale)``:
+
+=====================  =====================================================================================
+family                 ``q_init`` of a block at ``loc`` with ``init_scale = s``
+=====================  =====================================================================================
+Gaussian families      mean ``loc`` (unconstrained), sd ``s`` in every coordinate, independent
+``Gamma``              mean ``loc``, sd ``s * loc`` (shape ``1 / s^2``, rate ``shape / loc``)
+``Beta``               mean ``loc``, sd ``s * sqrt(loc (1 - loc))``: ``a + b = 1 / s^2 - 1`` (``s < 1``)
+``Dirichlet``          mean ``loc / sum(loc)``, sd ``s * sqrt(m_k (1 - m_k))``: ``alpha_0 = 1 / s^2 - 1``
+=====================  =====================================================================================
+
+For small ``s`` the three exponential families have a sd of about ``s`` in ``log theta`` (Gamma) or a
+relative sd ``s`` of the largest possible (Beta, Dirichlet). ``q_init`` is split evenly over the ``M``
+clients' factors, ``t_m = (q_init - q_prior) / M`` in natural parameters, so that
+``q = q_prior + sum_m t_m = q_init`` and every cavity ``q - t_m = q_prior / M + (M - 1) q_init / M`` is a
+convex combination of two valid members, hence valid: the valid natural parameters of every family here
+form a convex set (a positive-definite precision; Gamma ``shape > 0, rate > 0``; Beta and Dirichlet
+concentrations ``> 0``, each a half-space in ``eta``).
 """
 
 from __future__ import annotations
@@ -17,7 +31,7 @@ import jax
 import jax.numpy as jnp
 from numpyro import handlers
 
-from numpyro_pvi.families import Family, NatParams, SiteFamilies
+from numpyro_pvi.families import NatParams
 
 DEFAULT_SCALE = 0.1  # NumPyro's autoguides' init_scale
 
@@ -35,14 +49,11 @@ def initial_loc(model: Callable, problem: Any, rng_key: jax.Array, init_loc_fn: 
 
 
 def initial_q(family: Any, loc: jax.Array, scale: float) -> NatParams:
-    """The Gaussian (or block-Gaussian) ``q`` with mean ``loc`` and sd ``scale`` in every coordinate."""
-    if isinstance(family, Family):
-        return family.from_loc_scale(loc, scale * family.identity(loc.shape[-1]))
-    if isinstance(family, SiteFamilies) and all(isinstance(b[0], Family) for b in family.blocks):
-        return family.join([block.from_loc_scale(loc[a:b], scale * block.identity(b - a))
-                            for block, a, b, _ in family.blocks])
-    raise NotImplementedError(f"init_loc_fn / init_scale need Gaussian factors; {family!r} has exponential-family "
-                              "blocks, which start at the prior.")
+    """The family's chosen start at ``loc`` with spread ``scale`` (``family.initial_q``; see the module docstring).
+
+    **Example:** ``initial_q(pvi.Gamma(), jnp.array([2.0]), 0.1)`` is a Gamma with mean 2 and sd 0.2.
+    """
+    return family.initial_q(loc, scale)
 
 
 def chosen_start(family: Any, model: Callable, problem: Any, prior_q: NatParams, rng_key: jax.Array,

@@ -170,3 +170,68 @@ def test_moment_matching_is_exact_for_a_conjugate_likelihood(model, family):
                         local_update=pvi.MomentMatchingUpdate(num_samples=64))
     result = inference.run(random.PRNGKey(1), 1, y=y, progress_bar=False)
     np.testing.assert_allclose(np.concatenate(family.to_params(result.state.q)), expected, rtol=1e-4)
+
+
+def test_refusals_name_the_site_the_family_and_the_alternative():
+    """An exponential-family block has no prior factor: a LogNormal prior in a Gamma block is refused naming the site,
+    the family and the Gaussian alternative; a batch of simplices in one Dirichlet and EP with NUTS are refused too."""
+    def lognormal_rate(y=None):
+        rate = numpyro.sample("rate", dist.LogNormal(0.0, 1.0))
+        with pvi.partition_plate("data", y.shape[0]):
+            numpyro.sample("y", dist.Poisson(rate), obs=y)
+
+    y = jnp.ones(N)
+    inference = pvi.PVI(lognormal_rate, pvi.SiteFamilies({"rate": pvi.Gamma()}), partitions=PARTS,
+                        local_update=pvi.NaturalGradientUpdate())
+    with pytest.raises(ValueError, match=r"\['rate'\].*Gamma\(\).*Gaussian family"):
+        inference.build(y=y)
+    family = pvi.Dirichlet()
+    family.check_shapes([(4,)])
+    with pytest.raises(ValueError, match="give each simplex site its own"):
+        family.check_shapes([(3,)])
+    inference = pvi.PVI(poisson_model, pvi.Gamma(), partitions=PARTS,
+                        local_update=pvi.MomentMatchingUpdate(tilted="nuts"))
+    with pytest.raises(ValueError, match="tilted='nuts' needs a Gaussian family"):
+        inference.build(y=y)
+
+
+def test_moment_matching_with_the_cavity_proposal():
+    """proposal="cavity" is honoured (importance sampling from the cavity, not the regression site): no longer exact
+    for a conjugate likelihood (the weights are not uniform), but close with 4096 draws for 5 clients' Poisson counts.
+    Measured over seeds 1-8 after 2 sequential rounds: E[rate] within 0.35 % of the exact posterior's, its shape
+    within 9.2 % (the shape rests on E[log rate], which the importance weights estimate less well); asserted at
+    1 % and 20 %."""
+    y = random.poisson(random.PRNGKey(0), 3.0, (N,)).astype(jnp.float32)
+    exact = np.array([2.0 + float(y.sum()), 0.5 + N])
+    inference = pvi.PVI(poisson_model, pvi.Gamma(), partitions=PARTS, server=pvi.Sequential(),
+                        local_update=pvi.MomentMatchingUpdate(num_samples=4096, proposal="cavity"))
+    result = inference.run(random.PRNGKey(1), 2, y=y, progress_bar=False)
+    shape, rate = pvi.Gamma().to_params(result.state.q)
+    np.testing.assert_allclose(float(shape[0] / rate[0]), exact[0] / exact[1], rtol=0.01)
+    np.testing.assert_allclose(float(shape[0]), exact[0], rtol=0.2)
+
+
+def batched_categorical_model(group, y=None):
+    probs = numpyro.sample("probs", dist.Dirichlet(jnp.array([[1.0, 2.0, 0.5], [3.0, 1.0, 1.0]])).to_event(1))
+    with pvi.partition_plate("data", y.shape[0]):
+        numpyro.sample("y", dist.Categorical(probs[group]), obs=y)
+
+
+def test_batched_dirichlet_is_exact_in_one_round():
+    """A (2, 3) batch of simplices (one per group) with categorical counts: each row's posterior is its prior's
+    concentrations plus its group's counts, after one synchronous CVI round (float32 precision, as above)."""
+    group = (jnp.arange(N) % 2).astype(jnp.int32)
+    y = random.categorical(random.PRNGKey(0), jnp.log(jnp.array([0.2, 0.3, 0.5])), shape=(N,))
+    counts = np.zeros((2, 3))
+    np.add.at(counts, (np.asarray(group), np.asarray(y)), 1.0)
+    family = pvi.Dirichlet()
+    result = one_round(batched_categorical_model, family, group=group, y=y)
+    expected = np.array([[1.0, 2.0, 0.5], [3.0, 1.0, 1.0]]) + counts
+    np.testing.assert_allclose(family.to_params(result.state.q)[0], expected.reshape(-1), rtol=1e-5)
+    marg = family.marginals(result.state.q)
+    np.testing.assert_allclose(marg.mean.reshape(2, 3), expected / expected.sum(1, keepdims=True), rtol=1e-5)
+    samples = result.sample_posterior(random.PRNGKey(3), 100)["probs"]
+    assert samples.shape == (100, 2, 3)
+    np.testing.assert_allclose(samples.sum(-1), 1.0, rtol=1e-5)
+    start = family.initial_q(jnp.array([0.2, 0.3, 0.5, 1.0, 1.0, 2.0]), 0.1)  # per-row means, alpha_0 = 99
+    np.testing.assert_allclose(start.eta1 + 1.0, 99.0 * np.array([0.2, 0.3, 0.5, 0.25, 0.25, 0.5]), rtol=1e-5)

@@ -13,201 +13,30 @@ family        density of ``q``                       ``(T1, T2)``               
 
 Products and quotients are sums and differences of natural parameters, as for the Gaussians, so the
 merge, cavities and damping are unchanged. ``Gamma`` and ``Beta`` are elementwise over every coordinate;
-``Dirichlet`` is one simplex of ``K`` coordinates. A prior of the same family is exact; a conjugate
-likelihood (Poisson / exponential / Normal-precision for ``Gamma``, Bernoulli / binomial for ``Beta``,
-categorical / multinomial for ``Dirichlet``) has a site that is exactly linear in ``T``, which
-:meth:`ExponentialFamily.site_from_draws` recovers exactly by least squares (the natural gradient of
-``E_q[f]`` is the regression coefficient of ``f`` on ``T`` under ``q``: Salimans & Knowles 2013).
+``Dirichlet`` is one simplex site of shape ``(K,)`` or ``(..., K)`` (independent simplices). A prior of
+the same family is exact; a conjugate likelihood (Poisson / exponential / Normal-precision for ``Gamma``,
+Bernoulli / binomial for ``Beta``, categorical / multinomial for ``Dirichlet``) has a site that is exactly
+linear in ``T``, which :meth:`ExponentialFamily.site_from_draws` recovers exactly by least squares (the
+natural gradient of ``E_q[f]`` is the regression coefficient of ``f`` on ``T`` under ``q``: Salimans & Knowles 2013).
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import numpyro
 import numpyro.distributions as dist
 from jax.scipy.special import digamma
 from numpyro.distributions import constraints
-from numpyro.distributions.transforms import (
-    ExpTransform,
-    IdentityTransform,
-    IndependentTransform,
-    SigmoidTransform,
-    StickBreakingTransform,
-)
+from numpyro.distributions.kl import kl_divergence
+from numpyro.distributions.transforms import ExpTransform, SigmoidTransform, StickBreakingTransform
 
-from numpyro_pvi.families.params import Marginals, NatParams
+from numpyro_pvi.families.exponential_family import ExponentialFamily, regression_site, unit_scale
+from numpyro_pvi.families.params import NatParams
 
-
-def regression_site(stats: jax.Array, values: jax.Array) -> jax.Array:
-    """Least-squares coefficients of ``values`` ``(S,)`` on ``[1, stats]`` ``(S, P)``, intercept dropped: ``(P,)``.
-
-    Exact (to float precision) when ``values`` is an affine function of the statistics.
-
-    **Example:**
-
-    .. doctest::
-
-        >>> import jax.numpy as jnp
-        >>> from numpyro_pvi.families.exponential import regression_site
-        >>> x = jnp.array([[1.0, 2.0], [2.0, 1.0], [3.0, 5.0], [0.5, 0.1]])
-        >>> regression_site(x, 4.0 + x @ jnp.array([2.0, -1.0])).round(4)
-        Array([ 2., -1.], dtype=float32)
-    """
-    center, spread = jnp.mean(stats, axis=0), jnp.std(stats, axis=0)
-    spread = jnp.where(spread > 0, spread, 1.0)
-    design = jnp.concatenate([jnp.ones_like(values)[:, None], (stats - center) / spread], axis=1)
-    coef, *_ = jnp.linalg.lstsq(design, values - jnp.mean(values))
-    return coef[1:] / spread
-
-
-def _base_transform(transform: Any) -> Any:
-    while isinstance(transform, IndependentTransform):
-        transform = transform.base_transform
-    return transform
-
-
-class ExponentialFamily:
-    """What :class:`Gamma`, :class:`Beta` and :class:`Dirichlet` share (a subclass gives the members below).
-
-    Subclasses set ``support`` (the constraint of the site values they hold), ``transform_type`` (the type
-    of ``biject_to(support)`` a fitting site has) and ``param_names``, and implement :meth:`to_params`,
-    :meth:`from_params`, :meth:`stats`, :meth:`base` and :meth:`mean_var`.
-    """
-
-    support: constraints.Constraint
-    transform_type: type
-    param_names: tuple
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}()"
-
-    # ------------------------------------------------------------------ what a subclass gives
-    def to_params(self, nat: NatParams) -> tuple:
-        """The distribution's parameters (e.g. concentration and rate)."""
-        raise NotImplementedError
-
-    def from_params(self, *params: jax.Array) -> NatParams:
-        """Natural parameters from the distribution's parameters."""
-        raise NotImplementedError
-
-    def stats(self, theta: jax.Array) -> jax.Array:
-        """Sufficient statistics ``(S, P)`` of draws ``(S, D)``, ordered as ``concatenate([eta1, eta2])``."""
-        raise NotImplementedError
-
-    def base(self, *params: jax.Array) -> dist.Distribution:
-        """The NumPyro distribution over ``(D,)`` with these parameters."""
-        raise NotImplementedError
-
-    def mean_var(self, params: tuple) -> tuple[np.ndarray, np.ndarray]:
-        """Marginal means and variances (float64 numpy) of valid parameters."""
-        raise NotImplementedError
-
-    def mean_stats(self, params: tuple) -> jax.Array:
-        """``E[T]`` ``(P,)`` of the member with these parameters, ordered as :meth:`stats`."""
-        raise NotImplementedError
-
-    def check_sizes(self, sizes: list) -> None:
-        """Raise ``ValueError`` if the family cannot hold sites of these flat sizes."""
-
-    # ------------------------------------------------------------------ core
-    def zeros(self, dim: int) -> NatParams:
-        """The flat factor ``t = 1``."""
-        return NatParams(jnp.zeros(dim), jnp.zeros(self._eta2_size(dim)))
-
-    def _eta2_size(self, dim: int) -> int:
-        return dim
-
-    def is_valid(self, nat: NatParams) -> jax.Array:
-        """Whether ``nat`` is a proper, finite member (every parameter positive)."""
-        params = self.to_params(nat)
-        finite = jnp.all(jnp.isfinite(nat.eta1)) & jnp.all(jnp.isfinite(nat.eta2))
-        return finite & jnp.all(jnp.stack([jnp.all(p > 0) for p in params]))
-
-    def to_dist(self, nat: NatParams) -> dist.Distribution:
-        """``q`` as a NumPyro distribution over the block's values."""
-        return self.base(*self.to_params(nat))
-
-    def marginals(self, nat: Any) -> Marginals:
-        """Marginal means and variances in float64 numpy (NaN where improper); ``precision`` is ``1 / variance``."""
-        params = tuple(np.asarray(p, dtype=np.float64) for p in self.to_params(NatParams(
-            np.asarray(nat.eta1, dtype=np.float64), np.asarray(nat.eta2, dtype=np.float64))))
-        proper = np.all([np.all(p > 0) for p in params])
-        if not proper:
-            nan = np.full(np.shape(nat.eta1), np.nan)
-            return Marginals(nan, nan, nan)
-        mean, var = self.mean_var(params)
-        return Marginals(mean, var, 1.0 / var)
-
-    def prepare_sites(self, sites: Any) -> Any:
-        """Every global site in its own space (identity transform); ``ValueError`` if one has another support."""
-        out = []
-        for site in sites.globals:
-            if not isinstance(_base_transform(site.transform), self.transform_type):
-                raise ValueError(f"{self!r} holds sites with support {self.support}, but global site '{site.name}' "
-                                 f"has a prior on another support (transform {site.transform}). Give it another "
-                                 "family with pvi.SiteFamilies({...}).")
-            out.append(replace(site, flat_shape=tuple(site.shape), transform=IdentityTransform()))
-        self.check_sizes([int(np.prod(s.shape, dtype=np.int64)) for s in sites.globals])
-        gaussian = {k: v for k, v in sites.gaussian_prior.items() if k not in {s.name for s in out}}
-        return replace(sites, globals=tuple(out), gaussian_prior=gaussian)
-
-    # ------------------------------------------------------------------ guide
-    def guide_params(self, nat: NatParams) -> tuple:
-        """The distribution's parameters."""
-        return self.to_params(nat)
-
-    def params_distribution(self, params: tuple) -> dist.Distribution:
-        """The distribution with these parameters."""
-        return self.base(*params)
-
-    def guide(self, prefix: str, params: tuple) -> dist.Distribution:
-        """``numpyro.param`` sites ``prefix + name`` per parameter, ``positive`` (optimised in log space)."""
-        values = [numpyro.param(prefix + name, value, constraint=constraints.positive)
-                  for name, value in zip(self.param_names, params)]
-        return self.base(*values)
-
-    def from_guide(self, prefix: str, values: dict) -> NatParams:
-        """From the guide's constrained parameters."""
-        return self.from_params(*(values[prefix + name] for name in self.param_names))
-
-    # ------------------------------------------------------------------ natural-gradient site
-    def draw(self, nat: NatParams, rng_key: jax.Array, pairs: int) -> jax.Array:
-        """``pairs`` draws from ``q``, each twice (so that they pair with a Gaussian block's antithetic draws)."""
-        half = self.to_dist(nat).sample(rng_key, (pairs,))
-        return jnp.concatenate([half, half])
-
-    def site_from_draws(self, nat: NatParams, zeta: jax.Array, values: jax.Array, grads: jax.Array,
-                        hessians: jax.Array | None) -> NatParams:
-        """``grad_mu E_q[f]``: the least-squares coefficients of ``f`` on the sufficient statistics under ``q``."""
-        coef = regression_site(self.stats(zeta), values)
-        dim = zeta.shape[-1]
-        return NatParams(coef[:dim], coef[dim:])
-
-    # ------------------------------------------------------------------ moment matching
-    def match_moments(self, proposal: NatParams, zeta: jax.Array, weights: jax.Array) -> NatParams:
-        """The member with ``E[T]`` = the weighted mean of ``T`` (control variate: the proposal's exact ``E[T]``)."""
-        stats = self.stats(zeta)
-        target = self.mean_stats(self.to_params(proposal)) + (weights - 1.0 / weights.shape[0]) @ stats
-        return self.from_mean_stats(target, proposal)
-
-    def from_mean_stats(self, target: jax.Array, start: NatParams, num_newton: int = 30) -> NatParams:
-        """The member with ``E[T] = target``, by Newton steps in the log parameters from ``start``."""
-        count = len(self.param_names)
-
-        def residual(x: jax.Array) -> jax.Array:
-            return self.mean_stats(tuple(jnp.split(jnp.exp(x), count))) - target
-
-        def newton(x: jax.Array, _: None) -> tuple[jax.Array, None]:
-            step = jnp.linalg.solve(jax.jacfwd(residual)(x), residual(x))
-            return x - jnp.clip(step, -1.0, 1.0), None
-
-        x, _ = jax.lax.scan(newton, jnp.log(jnp.concatenate(self.to_params(start))), None, length=num_newton)
-        return self.from_params(*jnp.split(jnp.exp(x), count))
+__all__ = ["Beta", "Dirichlet", "ExponentialFamily", "Gamma", "regression_site", "unit_scale"]
 
 
 class Gamma(ExponentialFamily):
@@ -256,6 +85,16 @@ class Gamma(ExponentialFamily):
         a, b = params
         return a / b, a / b**2
 
+    def params_at(self, loc: jax.Array, scale: float) -> tuple:
+        """Mean ``loc`` and coefficient of variation ``scale`` (sd ``scale * loc``): shape ``1 / scale^2``.
+
+        For small ``scale`` this is about a sd of ``scale`` in ``log theta``, as a Gaussian start in
+        unconstrained space with the same ``init_scale``.
+        """
+        mean = jnp.maximum(loc, jnp.finfo(jnp.result_type(float)).tiny)
+        shape = jnp.full_like(mean, 1.0 / scale**2)
+        return shape, shape / mean
+
 
 class Beta(ExponentialFamily):
     """Beta factors over unit-interval sites, elementwise: ``eta1 = a - 1``, ``eta2 = b - 1``.
@@ -301,11 +140,81 @@ class Beta(ExponentialFamily):
         a, b = params
         return a / (a + b), a * b / ((a + b) ** 2 * (a + b + 1.0))
 
+    def params_at(self, loc: jax.Array, scale: float) -> tuple:
+        """Mean ``loc`` and sd ``scale * sqrt(loc (1 - loc))`` (``scale`` times the largest sd a distribution
+        on ``[0, 1]`` with that mean can have): ``a + b = 1 / scale^2 - 1``; ``scale`` must be below 1."""
+        total = 1.0 / scale**2 - 1.0
+        mean = jnp.clip(loc, 1e-6, 1.0 - 1e-6)
+        return total * mean, total * (1.0 - mean)
+
+    def checked_scale(self, scale: float) -> float:
+        """``scale`` in ``(0, 1)``."""
+        return unit_scale(self, scale)
+
+
+class FlatDirichlets(dist.Distribution):
+    """Independent Dirichlets over the rows of ``(..., K)`` simplices, flattened to one ``(D,)`` event.
+
+    **Example:**
+
+    .. doctest::
+
+        >>> import jax.numpy as jnp
+        >>> from numpyro_pvi.families.exponential import FlatDirichlets
+        >>> d = FlatDirichlets(jnp.array([1.0, 1.0, 2.0, 1.0, 1.0, 2.0]), 3)  # two simplices of 3
+        >>> d.event_shape, d.mean[:3]
+        ((6,), Array([0.25, 0.25, 0.5 ], dtype=float32))
+    """
+
+    arg_constraints: dict = {}
+    support = constraints.real_vector
+    reparametrized_params = ["concentration"]
+    pytree_data_fields = ("concentration",)
+    pytree_aux_fields = ("simplex_size",)
+
+    def __init__(self, concentration: jax.Array, simplex_size: int, validate_args: bool | None = None) -> None:
+        self.concentration, self.simplex_size = concentration, int(simplex_size)
+        super().__init__(batch_shape=(), event_shape=concentration.shape[-1:], validate_args=validate_args)
+
+    @property
+    def rows(self) -> dist.Dirichlet:
+        return dist.Dirichlet(self.concentration.reshape(-1, self.simplex_size))
+
+    def _flat(self, x: jax.Array) -> jax.Array:
+        return x.reshape(x.shape[:-2] + (-1,))
+
+    def sample(self, key: jax.Array, sample_shape: tuple = ()) -> jax.Array:
+        return self._flat(self.rows.sample(key, sample_shape))
+
+    def rsample(self, key: jax.Array, sample_shape: tuple = ()) -> jax.Array:
+        return self.sample(key, sample_shape)
+
+    def log_prob(self, value: jax.Array) -> jax.Array:
+        return jnp.sum(self.rows.log_prob(value.reshape(value.shape[:-1] + (-1, self.simplex_size))), axis=-1)
+
+    def entropy(self) -> jax.Array:
+        return jnp.sum(self.rows.entropy(), axis=-1)
+
+    @property
+    def mean(self) -> jax.Array:
+        return self._flat(self.rows.mean)
+
+    @property
+    def variance(self) -> jax.Array:
+        return self._flat(self.rows.variance)
+
+
+@kl_divergence.register(FlatDirichlets, FlatDirichlets)
+def _kl_flat_dirichlets(p: FlatDirichlets, q: FlatDirichlets) -> jax.Array:
+    return jnp.sum(kl_divergence(p.rows, q.rows), axis=-1)
+
 
 class Dirichlet(ExponentialFamily):
-    """Dirichlet factors over one simplex site of ``K`` coordinates: ``eta1 = alpha - 1`` (``eta2`` is empty).
+    """Dirichlet factors over one simplex site of shape ``(K,)`` or ``(..., K)`` (a batch of simplices, independent
+    rows): ``eta1 = alpha - 1`` flattened (``eta2`` is empty).
 
-    Conjugate to categorical and multinomial likelihoods of the probabilities.
+    Conjugate to categorical and multinomial likelihoods of the probabilities. The site's shape is read when
+    PVI builds its problem: an instance serves one site (give each simplex site its own ``pvi.Dirichlet()``).
 
     **Example:** ``pvi.SiteFamilies({"probs": pvi.Dirichlet()})``.
 
@@ -320,21 +229,32 @@ class Dirichlet(ExponentialFamily):
     transform_type = StickBreakingTransform
     param_names = ("concentration",)
 
+    def __init__(self) -> None:
+        self.shape: tuple | None = None  # the site's shape, once laid out
+
     def _eta2_size(self, dim: int) -> int:
         return 0
 
-    def check_sizes(self, sizes: list) -> None:
-        """One simplex site."""
-        if len(sizes) != 1:
-            raise ValueError(f"Dirichlet() holds one simplex site of shape (K,); got {len(sizes)} sites: give each "
-                             "its own Dirichlet() in pvi.SiteFamilies({...}).")
+    def check_shapes(self, shapes: list) -> None:
+        """One simplex site, of shape ``(K,)`` or ``(..., K)``; records it."""
+        if len(shapes) != 1:
+            raise ValueError(f"Dirichlet() holds one simplex site; got {len(shapes)} sites: give each its own "
+                             "Dirichlet() in pvi.SiteFamilies({...}).")
+        if self.shape is not None and self.shape != tuple(shapes[0]):
+            raise ValueError(f"This Dirichlet() instance holds a simplex site of shape {self.shape}, not "
+                             f"{tuple(shapes[0])}: give each simplex site its own pvi.Dirichlet().")
+        self.shape = tuple(shapes[0])
+
+    def _rows(self, x: Any) -> Any:
+        """``(D,)`` -> ``(B, K)``: the simplices (one row unless the site is a batch of them)."""
+        return x.reshape(-1, x.shape[-1] if self.shape is None else self.shape[-1])
 
     def to_params(self, nat: NatParams) -> tuple:
         """``(alpha,)``."""
         return (nat.eta1 + 1.0,)
 
     def from_params(self, concentration: jax.Array) -> NatParams:
-        """From the concentrations ``alpha`` ``(K,)``."""
+        """From the (flattened) concentrations ``alpha`` ``(D,)``."""
         return NatParams(concentration - 1.0, jnp.zeros(concentration.shape[:-1] + (0,), concentration.dtype))
 
     def stats(self, theta: jax.Array) -> jax.Array:
@@ -342,16 +262,29 @@ class Dirichlet(ExponentialFamily):
         return jnp.log(theta)
 
     def mean_stats(self, params: tuple) -> jax.Array:
-        """``digamma(alpha) - digamma(sum alpha)``."""
-        (alpha,) = params
-        return digamma(alpha) - digamma(jnp.sum(alpha))
+        """``digamma(alpha) - digamma(sum alpha)`` per simplex."""
+        rows = self._rows(params[0])
+        return (digamma(rows) - digamma(jnp.sum(rows, axis=-1, keepdims=True))).reshape(-1)
 
     def base(self, concentration: jax.Array) -> dist.Distribution:
-        """``Dirichlet(alpha)`` over ``(K,)``."""
-        return dist.Dirichlet(concentration)
+        """``Dirichlet(alpha)`` over ``(K,)``, or :class:`FlatDirichlets` over a batch of simplices."""
+        if self.shape is None or len(self.shape) == 1:
+            return dist.Dirichlet(concentration)
+        return FlatDirichlets(concentration, self.shape[-1])
 
     def mean_var(self, params: tuple) -> tuple[np.ndarray, np.ndarray]:
-        """``alpha / alpha_0`` and ``alpha (alpha_0 - alpha) / (alpha_0^2 (alpha_0 + 1))``."""
-        (alpha,) = params
-        total = np.sum(alpha)
-        return alpha / total, alpha * (total - alpha) / (total**2 * (total + 1.0))
+        """``alpha / alpha_0`` and ``alpha (alpha_0 - alpha) / (alpha_0^2 (alpha_0 + 1))`` per simplex."""
+        alpha = self._rows(np.asarray(params[0]))
+        total = np.sum(alpha, axis=-1, keepdims=True)
+        mean, var = alpha / total, alpha * (total - alpha) / (total**2 * (total + 1.0))
+        return mean.reshape(-1), var.reshape(-1)
+
+    def params_at(self, loc: jax.Array, scale: float) -> tuple:
+        """Mean ``loc / sum(loc)`` (per simplex) and sd ``scale * sqrt(m_k (1 - m_k))`` in every coordinate (as
+        :class:`Beta`): ``alpha_0 = 1 / scale^2 - 1``; ``scale`` must be below 1."""
+        mean = self._rows(jnp.clip(loc, 1e-6, None))
+        return ((1.0 / scale**2 - 1.0) * (mean / jnp.sum(mean, axis=-1, keepdims=True)).reshape(-1),)
+
+    def checked_scale(self, scale: float) -> float:
+        """``scale`` in ``(0, 1)``."""
+        return unit_scale(self, scale)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Callable, Protocol, runtime_checkable
 
 import jax
 import numpyro.distributions as dist
@@ -24,6 +24,10 @@ class FactorFamily(Protocol):
       :meth:`from_guide`.
     * **Natural-gradient site** (CVI): :meth:`draw`, :meth:`site_from_draws`.
     * **Moment matching** (EP): :meth:`match_moments`.
+    * **Start and prior** (PVI's chosen start, the exact prior ``lambda_0`` and the prior factor ``t_0``):
+      :meth:`initial_q`, :meth:`reference_draws`, :meth:`exact_prior`, :meth:`standard_normal`,
+      :meth:`draws_at`, :meth:`prior_site`. A family that cannot hold a prior factor (the exponential
+      families) raises ``ValueError`` from :meth:`standard_normal` and :meth:`prior_site` when asked for one.
 
     **Example:**
 
@@ -89,4 +93,41 @@ class FactorFamily(Protocol):
         ``proposal`` (self-normalised ``weights`` ``(S,)``), with ``proposal``'s exact moments as control
         variate: uniform weights give ``proposal`` itself (EP is exact when the tilted distribution is in
         the family)."""
+        ...
+
+    def initial_q(self, loc: jax.Array, scale: float) -> NatParams:
+        """The chosen start: the member with mean ``loc`` (``(D,)``, the block's coordinates) and spread ``scale``
+        (``ValueError`` if the family cannot take it); see :mod:`numpyro_pvi.start` for each family's meaning."""
+        ...
+
+    def reference_draws(self, dim: int) -> jax.Array:
+        """``(S, dim)`` fixed points in the family's space at which a prior is read off."""
+        ...
+
+    def exact_prior(self, sites: Any, prior_values: Callable) -> tuple[NatParams, tuple]:
+        """``(lambda_0, rest)``: the prior over the sites the family holds exactly, and the names of the others
+        (fitted by the prior factor ``t_0``); ``ValueError`` if a site's prior can be neither.
+
+        :param sites: the sites (as :meth:`prepare_sites` laid them out) of this family's coordinates.
+        :param prior_values: ``names -> (values (S,), points (S, D))``, the prior's log density of the sites
+            ``names`` at :meth:`reference_draws` points.
+        """
+        ...
+
+    def standard_normal(self, mask: Any) -> NatParams:
+        """``N(0, 1)`` where the ``(D,)`` boolean ``mask`` is true, flat elsewhere (where ``t_0`` starts)."""
+        ...
+
+    def draws_at(self, nat: NatParams, eps: jax.Array) -> jax.Array:
+        """Draws ``(S, D)`` of valid ``nat`` that are a deterministic function of ``nat`` and the fixed standard-normal
+        points ``eps`` ``(S, D)``."""
+        ...
+
+    def prior_site(self, q: NatParams, eps: jax.Array, log_density: Callable, mask: Any,
+                   use_hessian: bool) -> NatParams:
+        """``grad_mu E_q[log_density(zeta)]`` at :meth:`draws_at` points: the prior factor ``t_0``'s target.
+
+        :param mask: ``(D,)`` boolean, the coordinates ``log_density`` depends on (the sites ``t_0`` fits).
+        :param use_hessian: whether to use Hessians (else Stein's lemma from gradients).
+        """
         ...

@@ -11,6 +11,8 @@ import numpyro.distributions as dist
 
 from numpyro_pvi.families.protocol import Family, NatParams
 
+NUM_PRIOR_DRAWS = 256  # points at which a block's prior is read off (see ExponentialFamily.exact_prior)
+
 
 class GaussianFamily:
     """The code every Gaussian family shares; a family subclasses it and implements the rest of :class:`Family`."""
@@ -77,6 +79,50 @@ class GaussianFamily:
         shift = extra @ d
         cov = cov + self.outer_sum(d * extra[:, None], d) - self.outer(shift, shift)
         return self.from_moments(loc + shift, self.sym(cov))
+
+
+    # ------------------------------------------------------------------ start and prior
+    def initial_q(self, loc: jax.Array, scale: float) -> NatParams:
+        """The chosen start: mean ``loc`` (unconstrained) and sd ``scale`` in every coordinate, independent."""
+        return self.from_loc_scale(loc, scale * self.identity(loc.shape[-1]))
+
+    def reference_draws(self, dim: int) -> jax.Array:
+        """``(NUM_PRIOR_DRAWS, dim)`` standard-normal points (a Gaussian block's prior is read off its sites)."""
+        return jax.random.normal(jax.random.PRNGKey(0), (NUM_PRIOR_DRAWS, dim))
+
+    def exact_prior(self, sites: Any, prior_values: Callable) -> tuple[NatParams, tuple]:
+        """``lambda_0`` over the sites whose prior is Gaussian in unconstrained space and fits the family
+        (:meth:`with_block`), and the names of the others (the prior factor ``t_0`` fits them). The sites' Gaussian
+        priors were read from the model (``sites.gaussian_prior``): ``prior_values`` is not needed."""
+        slices = sites.slices()
+        loc, precision = jnp.zeros(sites.dim), self.precision(self.zeros(sites.dim))
+        rest = []
+        for site in sites.globals:
+            block = sites.gaussian_prior.get(site.name)
+            embedded = None if block is None else self.with_block(precision, slices[site.name], block[1])
+            if embedded is None:
+                rest.append(site.name)
+                continue
+            loc, precision = loc.at[slices[site.name]].set(block[0]), embedded
+        return self.from_mean_precision(loc, precision), tuple(rest)
+
+    def standard_normal(self, mask: Any) -> NatParams:
+        """``N(0, 1)`` on the coordinates where ``mask`` ``(D,)`` is true, flat elsewhere (where ``t_0`` starts)."""
+        mask = jnp.asarray(mask).astype(jnp.result_type(float))
+        return self.from_mean_precision(jnp.zeros(mask.shape), self.from_dense(jnp.diag(mask)))
+
+    def draws_at(self, nat: NatParams, eps: jax.Array) -> jax.Array:
+        """Draws of valid ``nat`` at fixed standard-normal points ``eps`` ``(S, D)``: ``loc + L eps``."""
+        return self.unwhiten(*self.loc_scale(nat), eps)
+
+    def prior_site(self, q: NatParams, eps: jax.Array, log_density: Callable, mask: Any,
+                   use_hessian: bool) -> NatParams:
+        """``grad_mu E_q[log_density]`` at ``zeta = draws_at(q, eps)`` (:func:`expected_site`): ``t_0``'s target.
+
+        ``mask`` (the coordinates ``log_density`` depends on) is not needed: the site is zero elsewhere.
+        """
+        hessian = jax.vmap(jax.hessian(log_density)) if use_hessian else None
+        return expected_site(self, q, eps, jax.vmap(jax.grad(log_density)), hessian)
 
 
 def expected_site(family: Family, q: NatParams, eps: jax.Array, grad: Callable,

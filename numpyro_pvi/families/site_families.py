@@ -12,7 +12,7 @@ checkpoints are unchanged. Every other member maps over the blocks.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -99,10 +99,11 @@ class SiteFamilies:
     The layout is read from the model when :class:`~numpyro_pvi.PVI` builds its problem; an instance
     serves one model (its sites' names and shapes).
 
-    Each block's prior must be exact in its family: a Gaussian in unconstrained space (``Normal``,
-    ``LogNormal``, ``MultivariateNormal`` with fixed parameters) for a Gaussian block, a prior of the
-    family itself (``Gamma``, ``Beta``, ``Dirichlet``) for an exponential-family block.
-    ``GradientUpdate`` and ``NaturalGradientUpdate`` support it.
+    A Gaussian block holds its Gaussian priors (``Normal``, ``LogNormal``, ``MultivariateNormal`` with fixed
+    parameters) exactly and fits the others (a ``HalfNormal`` scale...) by its part of the prior factor
+    ``t_0``, as a plain Gaussian family does; an exponential-family block's prior must be of the family
+    itself (``Gamma``, ``Beta``, ``Dirichlet``: ``ValueError`` otherwise). ``GradientUpdate``,
+    ``NaturalGradientUpdate`` and ``MomentMatchingUpdate`` support it.
 
     :param families: site name (or tuple of names) -> family.
     :param default: the family of every other global site (one block); default ``MeanFieldGaussian()``.
@@ -252,6 +253,60 @@ class SiteFamilies:
         """Each block matched to its marginal weighted moments."""
         return self.join([family.match_moments(part, zeta[:, a:b], weights)
                           for (family, a, b, _), part in zip(self._laid_out(), self.split(proposal))])
+
+
+    # ------------------------------------------------------------------ start and prior
+    def initial_q(self, loc: jax.Array, scale: float) -> NatParams:
+        """Each block's chosen start (its family's :meth:`initial_q` at its slice of ``loc``)."""
+        return self.join([family.initial_q(loc[a:b], scale) for family, a, b, _ in self._laid_out()])
+
+    def reference_draws(self, dim: int) -> jax.Array:
+        """The blocks' reference points, concatenated: ``(S, D)``."""
+        return jnp.concatenate([family.reference_draws(b - a) for family, a, b, _ in self._laid_out()], axis=1)
+
+    def exact_prior(self, sites: Any, prior_values: Callable) -> tuple[NatParams, tuple]:
+        """Each block's exact prior; the sites no block holds exactly (a Gaussian block's non-Gaussian priors)
+        are returned for the prior factor ``t_0``. ``prior_values(names) -> (values, points)`` as
+        :meth:`ExponentialFamily.exact_prior <numpyro_pvi.families.ExponentialFamily.exact_prior>` (``points``
+        over every block; each block gets its slice)."""
+        parts, rest = [], []
+        for family, a, b, names in self._laid_out():
+            sub = replace(sites, globals=tuple(s for s in sites.globals if s.name in names))
+
+            def block_values(names_: tuple, a: int = a, b: int = b) -> tuple:
+                values, points = prior_values(names_)
+                return values, points[:, a:b]
+
+            part, block_rest = family.exact_prior(sub, block_values)
+            parts.append(part)
+            rest.extend(block_rest)
+        return self.join(parts), tuple(rest)
+
+    def standard_normal(self, mask: Any) -> NatParams:
+        """Each block's :meth:`standard_normal` of its slice of ``mask``."""
+        mask = np.asarray(mask)
+        return self.join([family.standard_normal(mask[a:b]) for family, a, b, _ in self._laid_out()])
+
+    def draws_at(self, nat: NatParams, eps: jax.Array) -> jax.Array:
+        """Each block's draws at its slice of ``eps``, concatenated."""
+        return jnp.concatenate([family.draws_at(part, eps[:, a:b])
+                                for (family, a, b, _), part in zip(self._laid_out(), self.split(nat))], axis=-1)
+
+    def prior_site(self, q: NatParams, eps: jax.Array, log_density: Callable, mask: Any,
+                   use_hessian: bool) -> NatParams:
+        """Each block's site of ``log_density`` from the joint draws :meth:`draws_at` (:meth:`site_from_draws`),
+        flat in the blocks ``log_density`` does not depend on (no coordinate in ``mask``)."""
+        mask = np.asarray(mask)
+        for family, a, b, _ in self._laid_out():
+            family.standard_normal(mask[a:b])  # ValueError if a block without a prior factor is asked for one
+        zeta = self.draws_at(q, eps)
+        values = jax.vmap(log_density)(zeta)
+        grads = jax.vmap(jax.grad(log_density))(zeta)
+        hessians = jax.vmap(jax.hessian(log_density))(zeta) if use_hessian else None
+        site = self.split(self.site_from_draws(q, zeta, values, grads, hessians))
+        flat = self.split(self.zeros(q.eta1.shape[-1]))
+        return self.join([part if np.any(mask[a:b]) else zero
+                          for (_, a, b, _), part, zero in zip(self._laid_out(), site, flat)])
 
 
 def _name(family: Any) -> str:

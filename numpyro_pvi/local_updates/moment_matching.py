@@ -136,8 +136,9 @@ class MomentMatchingUpdate:
     likelihood and keeps the tilted distribution closer to ``q``. With ``Synchronous`` and
     ``tilted="nuts"`` this is distributed EP as in ep-stan (Vehtari et al. 2020). With ``SiteFamilies``,
     ``Gamma``, ``Beta`` or ``Dirichlet`` the family's expected sufficient statistics are matched, by
-    importance sampling from the client's natural-gradient site (exact for a conjugate likelihood;
-    ``tilted``, ``proposal`` and the NUTS options do not apply).
+    importance sampling from the cavity times the client's natural-gradient site (exact for a conjugate
+    likelihood; that is ``proposal="laplace"`` there, ``proposal="cavity"`` samples the cavity), and
+    ``tilted="nuts"`` is refused with a ``ValueError`` (the NUTS options do not apply).
 
     :param float alpha: the power, in ``(0, 1]``.
     :param str tilted: ``"importance"`` (self-normalised importance sampling from a Laplace approximation of
@@ -198,7 +199,12 @@ class MomentMatchingUpdate:
         """Return the pure ``client_update(rng_key, client, cavity, q, state, hyper=()) -> ClientResult``."""
         family, alpha, max_backtracks = problem.family, self.alpha, self.max_backtracks
         if not isinstance(family, Family):  # SiteFamilies, Gamma, Beta, Dirichlet: match sufficient statistics
-            return bind_site_families(problem, alpha, self.num_samples, self.min_ess, _safe_step, max_backtracks)
+            if self.tilted != "importance":
+                raise ValueError(f"MomentMatchingUpdate: tilted={self.tilted!r} needs a Gaussian family (NUTS runs in "
+                                 f"unconstrained space); {family!r} matches its sufficient statistics by importance "
+                                 "sampling: use tilted='importance'.")
+            return bind_site_families(problem, alpha, self.num_samples, self.min_ess, _safe_step, max_backtracks,
+                                      self.proposal)
 
         def client_update(rng_key: jax.Array, client: Client, cavity: NatParams, q: NatParams,
                           state: Any, hyper: Any = ()) -> ClientResult:
