@@ -52,8 +52,8 @@ def test_row_norms_from_zeta_gradients_equal_the_direct_norms(linear_data, famil
     cp, client, params = _setup(family, X, y)
     eps = random.normal(random.PRNGKey(6), (2, cp.dim))
     zeta = dp_clipping.reparameterise(cp, eps)(params)
-    blocks = [g / 2 for g in dp_clipping.zeta_row_gradients(cp, zeta, client)]
-    got = dp_clipping.row_squared_norms(cp, params, eps, blocks)
+    grads = [[g / 2 for g in blocks] for blocks in dp_clipping.zeta_row_gradients(cp, zeta, client)]
+    got = dp_clipping.row_squared_norms(cp, params, eps, grads)
     direct = dp_clipping.row_gradients(cp, params, eps, client)
     expected = sum(jnp.sum(g.reshape(g.shape[0], -1) ** 2, axis=1) for g in direct)
     np.testing.assert_allclose(got, expected, rtol=1e-4)

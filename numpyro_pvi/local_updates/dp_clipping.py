@@ -72,24 +72,29 @@ def site_cuts(problem: ClientProblem) -> list[int]:
 
 
 def zeta_row_gradients(problem: ClientProblem, zeta: jax.Array, client: Client) -> list:
-    """Per site block ``k``, ``(rows, S, size_k)``: ``grad log p(y_i | zeta_s)`` of every (padded) row at every draw.
+    """``grads[s][k]``, ``(rows, size_k)``: ``grad log p(y_i | zeta_s)`` of every (padded) row at draw ``s``,
+    in the block of global site ``k``.
 
-    The log-likelihood is differentiated with respect to the blocks of ``zeta`` (one per global site), so a
-    row's gradient never gets padded into the flat vector. Masked rows give 0.
+    Each block is differentiated on its own (the others held fixed), so a row's gradient is never padded into
+    the flat vector; the draws stay separate arrays (no stacking along a small middle axis). Masked rows give 0.
 
-    **Example:** ``blocks = zeta_row_gradients(problem, zeta, client)``; ``jnp.concatenate(blocks, -1)`` is
-    ``(rows, S, D)``.
+    **Example:** ``grads = zeta_row_gradients(problem, zeta, client)``; ``jnp.concatenate(grads[0], -1)`` is
+    ``(rows, D)``.
     """
     rows = [a[:, None] if row else a for a, row in zip(client.arrays, problem.is_row)]
     axes = [0 if row else None for row in problem.is_row]
     cuts = site_cuts(problem)
 
-    def row(blocks: list, arrays: list, mask: jax.Array) -> jax.Array:
-        return problem.log_likelihood(jnp.concatenate(blocks), Client(arrays, mask, client.size))
+    def row(block: jax.Array, k: int, blocks: list, arrays: list, mask: jax.Array) -> jax.Array:
+        zeta = jnp.concatenate([block if j == k else b for j, b in enumerate(blocks)])
+        return problem.log_likelihood(zeta, Client(arrays, mask, client.size))
 
-    per_row = jax.vmap(jax.grad(row), in_axes=(None, axes, 0))
-    draws = [per_row(jnp.split(z, cuts), rows, client.mask[:, None]) for z in zeta]  # S is small and static
-    return [jnp.stack([d[k] for d in draws], axis=1) for k in range(len(cuts) + 1)]
+    def block_gradients(z: jax.Array) -> list:  # one block at a time: the others are constants, so the
+        blocks = jnp.split(z, cuts)              # cotangent is never padded into the flat vector
+        return [jax.vmap(jax.grad(row), in_axes=(None, None, None, axes, 0))(
+            blocks[k], k, blocks, rows, client.mask[:, None]) for k in range(len(blocks))]
+
+    return [block_gradients(z) for z in zeta]  # S is small and static
 
 
 def row_log_likelihoods(problem: ClientProblem, client: Client) -> Callable:
@@ -106,28 +111,30 @@ def row_log_likelihoods(problem: ClientProblem, client: Client) -> Callable:
     return lambda zeta: jax.vmap(row, in_axes=(None, axes, 0))(zeta, rows, client.mask[:, None])
 
 
-def row_squared_norms(problem: ClientProblem, params: tuple, eps: jax.Array, blocks: list) -> jax.Array:
+def row_squared_norms(problem: ClientProblem, params: tuple, eps: jax.Array, grads: list) -> jax.Array:
     """``(rows,)``: ``||J^T g_i||^2``, each row's squared gradient norm in ``params`` from its ``zeta`` gradients.
 
-    ``blocks`` are :func:`zeta_row_gradients` divided by ``S``. Mean-field: ``sum_k a_ik^2 + (b_ik dscale_k)^2``
+    ``grads`` are :func:`zeta_row_gradients` divided by ``S``. Mean-field: ``sum_k a_ik^2 + (b_ik dscale_k)^2``
     with ``a_i = sum_s g_is`` and ``b_i = sum_s g_is eps_s`` (row sums as matrix-vector products); otherwise
     ``J^T`` is applied to every row by ``jax.vjp``.
     """
     if not isinstance(problem.family, MeanFieldGaussian):
         _, pullback = jax.vjp(reparameterise(problem, eps), params)
-        per_row = jax.vmap(lambda g: pullback(g)[0])(jnp.concatenate(blocks, axis=-1))
+        stacked = jnp.stack([jnp.concatenate(blocks, axis=-1) for blocks in grads], axis=1)  # (rows, S, D)
+        per_row = jax.vmap(lambda g: pullback(g)[0])(stacked)
         return sum(jnp.sum(leaf.reshape(leaf.shape[0], -1) ** 2, axis=1) for leaf in jax.tree.leaves(per_row))
     constrain = biject_to(problem.family.scale_constraint)
     _, dscale = jax.jvp(constrain, (params[1],), (jnp.ones_like(params[1]),))  # elementwise d scale / d u
-    eps_blocks = jnp.split(eps, site_cuts(problem), axis=-1)
-    dscale_blocks = jnp.split(dscale, site_cuts(problem))
+    cuts = site_cuts(problem)
+    eps_blocks = [jnp.split(e, cuts) for e in eps]
     total = 0.0
-    for g, e, d in zip(blocks, eps_blocks, dscale_blocks):
-        if eps.shape[0] == 1:  # one draw: a_i = b_i / eps, a single matrix-vector product
-            total = total + (g[:, 0] ** 2) @ (1.0 + (e[0] * d) ** 2)
+    for k, d in enumerate(jnp.split(dscale, cuts)):
+        if len(grads) == 1:  # one draw: b_i = a_i * eps, a single matrix-vector product
+            total = total + (grads[0][k] ** 2) @ (1.0 + (eps_blocks[0][k] * d) ** 2)
         else:
-            a, b = jnp.sum(g, axis=1), jnp.sum(g * e, axis=1)
-            total = total + (a * a) @ jnp.ones_like(d) + (b * b) @ (d * d)
+            a = sum(g[k] for g in grads)
+            b = sum(g[k] * e[k] for g, e in zip(grads, eps_blocks))
+            total = total + jnp.sum(a * a, axis=1) + (b * b) @ (d * d)
     return total
 
 
@@ -140,8 +147,8 @@ def clipped_sum(problem: ClientProblem, params: tuple, eps: jax.Array, client: C
     """
     num_draws = eps.shape[0]
     zeta, pullback = jax.vjp(reparameterise(problem, eps), params)
-    blocks = [g / num_draws for g in zeta_row_gradients(problem, zeta, client)]
-    factors = factors_from_squares(row_squared_norms(problem, params, eps, blocks), clip_norm)
+    grads = [[g / num_draws for g in blocks] for blocks in zeta_row_gradients(problem, zeta, client)]
+    factors = factors_from_squares(row_squared_norms(problem, params, eps, grads), clip_norm)
     weights = jax.lax.stop_gradient(jnp.where(chosen, factors, 0.0))
     loglik = row_log_likelihoods(problem, client)
     reweighted = jnp.stack([jax.vjp(loglik, z)[1](weights.astype(z.dtype))[0] for z in zeta])
