@@ -5,7 +5,8 @@ padded rows, so the shapes are fixed and the update ``jit``\\ s and ``vmap``\\ s
 per-row gradients of the data term ``E_q[log p(y_i | zeta)]`` with ``jax.vmap``, clips each to
 ``clip_norm``, sums them and adds Gaussian noise of sd ``noise_multiplier * clip_norm``; the sum is
 scaled by ``1 / q`` (the DP-SGD average times ``n_m``) to estimate the data term's gradient. The KL to
-the cavity touches no data and is added without noise. Its privacy accounting is in
+the cavity touches no data and is added without noise. The per-row clipping goes through the
+reparameterised draws (:mod:`numpyro_pvi.local_updates.dp_clipping`); the privacy accounting is in
 :mod:`numpyro_pvi.privacy`.
 """
 
@@ -109,8 +110,10 @@ class DPGradientUpdate:
     added per coordinate, divided by ``q``. The KL to the cavity (no data) is exact. One release per
     client visit: ``num_steps`` subsampled Gaussian mechanisms (:func:`numpyro_pvi.privacy.dp_sgd_event`).
 
-    The cost of a step is one per-row gradient for every padded row (Poisson sampling under fixed
-    shapes), whatever ``batch_size``. The reported ``free_energy`` is ``-KL(q_new || cavity)`` only: the
+    The cost of a step is one per-row gradient in ``zeta`` for every padded row (Poisson sampling under
+    fixed shapes), whatever ``batch_size``, plus one ordinary backward pass for the clipped sum
+    (:func:`~numpyro_pvi.local_updates.dp_clipping.clipped_sum`); a ``batch_size`` of at least the padded
+    rows takes every row without drawing (rate 1). The reported ``free_energy`` is ``-KL(q_new || cavity)`` only: the
     data term would leak, and is not released. With ``privacy_budget=(epsilon, delta)``, a client whose
     next release would spend more returns a zero delta and :attr:`Rejection.BUDGET
     <numpyro_pvi.Rejection>`. Models with local latent variables or hyperparameters are not supported.
