@@ -97,33 +97,6 @@ def zeta_row_gradients(problem: ClientProblem, zeta: jax.Array, client: Client) 
     return [block_gradients(z) for z in zeta]  # S is small and static
 
 
-def directional_row_gradients(problem: ClientProblem, zeta: jax.Array, directions: jax.Array, client: Client) -> list:
-    """Per site block ``k``, ``(rows, size_k)``: ``sum_s g_is * directions_s`` in block ``k``, with ``g_is`` the row's
-    gradient at draw ``zeta_s`` divided by ``S``.
-
-    Taken as the per-row gradient at ``v = 0`` of ``mean_s log p(y_i | zeta_s + v * directions_s)`` (one block of
-    ``v`` at a time), so the draws are summed inside each row's backward pass and never stored apart.
-
-    **Example:** ``a = directional_row_gradients(problem, zeta, jnp.ones_like(zeta), client)`` (loc's gradients).
-    """
-    rows = [a[:, None] if row else a for a, row in zip(client.arrays, problem.is_row)]
-    axes = [0 if row else None for row in problem.is_row]
-    cuts = site_cuts(problem)
-    zeta_blocks = [jnp.split(z, cuts) for z in zeta]
-    direction_blocks = [jnp.split(d, cuts) for d in directions]
-
-    def row(v: jax.Array, k: int, arrays: list, mask: jax.Array) -> jax.Array:
-        row_client = Client(arrays, mask, client.size)
-        total = 0.0
-        for blocks, direction in zip(zeta_blocks, direction_blocks):
-            moved = [b + v * direction[k] if j == k else b for j, b in enumerate(blocks)]
-            total = total + problem.log_likelihood(jnp.concatenate(moved), row_client)
-        return total / len(zeta_blocks)
-
-    return [jax.vmap(jax.grad(row), in_axes=(None, None, axes, 0))(jnp.zeros(size), k, rows, client.mask[:, None])
-            for k, size in enumerate(np.diff([0, *cuts, zeta.shape[1]]))]
-
-
 def row_log_likelihoods(problem: ClientProblem, client: Client) -> Callable:
     """``zeta -> (rows,)``: the log-likelihood of each (padded) row at ``zeta`` (masked rows give 0).
 
@@ -141,9 +114,11 @@ def row_log_likelihoods(problem: ClientProblem, client: Client) -> Callable:
 def row_squared_norms(problem: ClientProblem, params: tuple, eps: jax.Array, client: Client) -> jax.Array:
     """``(rows,)``: ``||J^T g_i||^2``, each row's squared gradient norm in ``params`` from its gradients in ``zeta``.
 
-    Mean-field: ``sum_k a_ik^2 + (b_ik dscale_k)^2`` with ``a_i = sum_s g_is`` (loc's gradient) and
-    ``b_i = sum_s g_is eps_s`` (:func:`directional_row_gradients`; for one draw ``b_i = a_i eps`` and the sum is
-    one matrix-vector product); otherwise ``J^T`` is applied to every row's ``(S, D)`` gradients by ``jax.vjp``.
+    Mean-field: loc's gradient is ``a_i = sum_s g_is / S`` and ``u``'s ``b_i * dscale/du`` with
+    ``b_i = sum_s g_is eps_s / S``, so ``||a_i||^2 + ||b_i dscale||^2 = sum_{s,t} (g_is * g_it) @ (1 + eps_s eps_t
+    dscale^2) / S^2``: one matrix-vector product per pair of draws (one in all for a single draw), from the
+    per-draw gradients of :func:`zeta_row_gradients`. Otherwise ``J^T`` is applied to every row's ``(S, D)``
+    gradients by ``jax.vjp``.
 
     **Example:** ``row_squared_norms(problem, (loc, u), eps, client)`` is ``(rows,)``.
     """
@@ -156,13 +131,14 @@ def row_squared_norms(problem: ClientProblem, params: tuple, eps: jax.Array, cli
         return sum(jnp.sum(leaf.reshape(leaf.shape[0], -1) ** 2, axis=1) for leaf in jax.tree.leaves(per_row))
     constrain, cuts = biject_to(problem.family.scale_constraint), site_cuts(problem)
     _, dscale = jax.jvp(constrain, (params[1],), (jnp.ones_like(params[1]),))  # elementwise d scale / d u
-    if num_draws == 1:
-        grads = zeta_row_gradients(problem, zeta, client)[0]
-        return sum((g * g) @ (1.0 + (e * d) ** 2) for g, e, d in zip(grads, jnp.split(eps[0], cuts),
-                                                                      jnp.split(dscale, cuts)))
-    a = directional_row_gradients(problem, zeta, jnp.ones_like(eps), client)
-    b = directional_row_gradients(problem, zeta, eps, client)
-    return sum(jnp.sum(a_k * a_k, axis=1) + (b_k * b_k) @ (d * d) for a_k, b_k, d in zip(a, b, jnp.split(dscale, cuts)))
+    grads, eps_blocks = zeta_row_gradients(problem, zeta, client), [jnp.split(e, cuts) for e in eps]
+    total = 0.0
+    for k, d in enumerate(jnp.split(dscale, cuts)):  # sum over pairs of draws s <= t
+        for s in range(num_draws):
+            for t in range(s, num_draws):
+                weight = (1.0 + eps_blocks[s][k] * eps_blocks[t][k] * d * d) * ((1.0 if s == t else 2.0) / num_draws**2)
+                total = total + (grads[s][k] * grads[t][k]) @ weight
+    return total
 
 
 def clipped_sum(problem: ClientProblem, params: tuple, eps: jax.Array, client: Client, chosen: jax.Array,
