@@ -15,6 +15,18 @@ loss over a run is the composition of the releases it made, which the RDP accoun
 The number of releases of client ``m`` is read from the run's history: the updates it sent
 (``history.attempts[:, m]``), less the rounds whose update was refused for its budget
 (``Rejection.BUDGET``, which releases nothing). Every sent update counts, merged or not: the server saw it.
+
+**Client sampling** (``Synchronous(clients_per_round=K)``): if the draw of each round's clients is random,
+independent of the data and unpredictable to the adversary, a round is, for one row of client ``m``, the
+mechanism "with probability ``p_m`` run the client's release, otherwise release nothing" (``p_m = K / M``
+for uniform sampling). It is *not* dp-accounting's ``PoissonSampledDpEvent(p_m, release)``: that event
+subsamples records while the mechanism still runs on the others, whereas here the whole client is in or
+out and its absence is visible; the Poisson pair is a post-processing of this one (map "nothing" to a run
+without the row), so its epsilon can be smaller than the truth. The Renyi divergence of order ``alpha``
+of the "run or nothing" pair is exactly ``log(1 - p + p exp((alpha - 1) D_alpha(release))) / (alpha - 1)``
+(the "nothing" outcome has the same probability on both sides): :func:`client_sampled_rdp` applies it to
+the release's RDP curve from dp-accounting, composes it over the rounds and converts it with
+``dp_accounting.rdp.compute_epsilon`` (:func:`client_sampled_epsilon`).
 """
 
 from __future__ import annotations
@@ -112,7 +124,8 @@ def within_budget(update: PrivateUpdate, budget: tuple[float, float], num_rows: 
     return num_releases == 0 or epsilon(update.dp_event(num_rows, num_releases), budget[1]) <= budget[0]
 
 
-def calibrate_noise_multiplier(target_epsilon: float, delta: float, sampling_rate: float, num_steps: int) -> float:
+def calibrate_noise_multiplier(target_epsilon: float, delta: float, sampling_rate: float, num_steps: int, *,
+                               client_sampling_rate: float = 1.0, num_rounds: int = 1) -> float:
     """The smallest noise multiplier for which ``num_steps`` Poisson-subsampled Gaussian steps at
     ``sampling_rate`` are ``(target_epsilon, delta)``-DP (RDP accountant; ``dp_accounting.calibrate_dp_mechanism``).
 
@@ -120,7 +133,14 @@ def calibrate_noise_multiplier(target_epsilon: float, delta: float, sampling_rat
     steps per round times rounds. For :class:`~numpyro_pvi.DPLocalAveraging` (one Gaussian mechanism per
     round): ``sampling_rate=1.0`` and ``num_steps`` = rounds.
 
-    **Example:** ``sigma = pvi.calibrate_noise_multiplier(1.0, 1e-5, sampling_rate=0.2, num_steps=500)``.
+    With ``client_sampling_rate=p < 1`` (the client's chance of being drawn in a round, ``K / M`` for
+    ``Synchronous(clients_per_round=K)``; valid only when that draw is secret, see
+    :func:`client_sampled_epsilon`), the ``num_steps`` are spread over ``num_rounds`` rounds (``num_steps /
+    num_rounds`` steps a release) and every round counts as "with probability ``p`` a release"; the noise
+    multiplier is then found by bisection on :func:`client_sampled_epsilon`.
+
+    **Example:** ``sigma = pvi.calibrate_noise_multiplier(1.0, 1e-5, sampling_rate=0.2, num_steps=500)``;
+    ``pvi.calibrate_noise_multiplier(1.0, 1e-5, 0.2, 500, client_sampling_rate=0.1, num_rounds=10)``.
     """
     if not (isinstance(target_epsilon, (int, float)) and target_epsilon > 0):
         raise ValueError(f"target_epsilon must be positive, got {target_epsilon!r}.")
@@ -129,6 +149,9 @@ def calibrate_noise_multiplier(target_epsilon: float, delta: float, sampling_rat
         raise ValueError(f"sampling_rate must be in (0, 1], got {sampling_rate!r}.")
     if not (isinstance(num_steps, int) and num_steps >= 1):
         raise ValueError(f"num_steps must be a positive integer, got {num_steps!r}.")
+    if client_sampling_rate != 1.0:
+        return _calibrate_client_sampled(target_epsilon, delta, sampling_rate, num_steps, client_sampling_rate,
+                                         num_rounds)
     accounting = _accounting()
     return float(accounting.calibrate_dp_mechanism(
         lambda: accounting.rdp.RdpAccountant(orders=list(RDP_ORDERS)),
@@ -149,16 +172,126 @@ def releases(result: PVIRunResult) -> np.ndarray:
     return np.sum(np.where(refused, 0, attempts), axis=0).astype(int)
 
 
-def privacy_spent(result: PVIRunResult, delta: float) -> np.ndarray:
-    """``(M,)`` each client's ``epsilon`` at ``delta`` over every release it made in the run (0 if none).
+def privacy_spent(result: PVIRunResult, delta: float, client_sampling: str = "known",
+                  client_rates: Any = None) -> np.ndarray:
+    """``(M,)`` each client's ``epsilon`` at ``delta`` (0 if it released nothing).
 
-    **Example:** ``result.privacy_spent(1e-5)`` (the method delegates here).
+    ``client_sampling="known"`` (the default, conservative): every release the client made in the run,
+    composed; valid however the clients were chosen. ``client_sampling="secret"``: a ``Synchronous`` run's
+    every round counts as "with probability ``p_m`` a release" (:func:`client_sampled_epsilon`,
+    ``p_m`` from :func:`client_sampling_rates` or ``client_rates``); valid only if the draw of each
+    round's clients is random, independent of the data and unpredictable to the adversary.
+
+    **Example:** ``result.privacy_spent(1e-5)``; ``result.privacy_spent(1e-5, client_sampling="secret")``.
     """
     update = result.inference.local_update
     if not isinstance(update, PrivateUpdate):
         raise TypeError(f"privacy_spent: the run's local update {type(update).__name__} is not differentially private "
                         "(use pvi.DPGradientUpdate or pvi.DPLocalAveraging).")
     check_delta(delta)
-    sizes = result.problem.sizes
+    if client_sampling not in ("known", "secret"):
+        raise ValueError(f"client_sampling must be 'known' or 'secret', got {client_sampling!r}.")
+    sizes, released = result.problem.sizes, releases(result)
+    if client_sampling == "secret":
+        rates, rounds = client_sampling_rates(result, client_rates), len(np.asarray(result.history.attempts))
+        return np.array([client_sampled_epsilon(update.dp_event(int(n), 1), float(p), rounds, delta) if r > 0 else 0.0
+                         for n, p, r in zip(sizes, rates, released)])
     return np.array([epsilon(update.dp_event(int(n), int(r)), delta) if r > 0 else 0.0
-                     for n, r in zip(sizes, releases(result))])
+                     for n, r in zip(sizes, released)])
+
+def rdp_curve(event: Any) -> np.ndarray:
+    """The RDP of ``event`` at the orders :data:`RDP_ORDERS` (dp-accounting's RDP accountant).
+
+    **Example:** ``rdp_curve(gaussian_event(2.0, 1))`` is ``alpha / (2 * 2.0**2)`` at each order ``alpha``.
+    """
+    return np.asarray(_accounting().rdp.RdpAccountant(orders=list(RDP_ORDERS)).compose(event).rdp, float)
+
+
+def client_sampled_rdp(release_rdp: np.ndarray, rate: float) -> np.ndarray:
+    """The RDP of "with probability ``rate`` a release of RDP ``release_rdp``, otherwise nothing".
+
+    ``log(1 - rate + rate * exp((alpha - 1) * release_rdp)) / (alpha - 1)`` at each order ``alpha`` of
+    :data:`RDP_ORDERS`: exact for the pair of mixtures that share the "nothing" outcome (see the module
+    docstring), computed in log space; ``rate=1`` gives ``release_rdp``.
+
+    **Example:** ``client_sampled_rdp(rdp_curve(gaussian_event(2.0, 1)), 0.1)``.
+    """
+    orders = np.asarray(RDP_ORDERS, float)
+    release_rdp = np.asarray(release_rdp, float)
+    if rate == 1.0:
+        return release_rdp
+    with np.errstate(over="ignore"):  # an infinite release RDP stays infinite
+        return np.logaddexp(np.log1p(-rate), np.log(rate) + (orders - 1) * release_rdp) / (orders - 1)
+
+
+def client_sampled_epsilon(release: Any, rate: float, num_rounds: int, delta: float) -> float:
+    """``epsilon`` at ``delta`` of ``num_rounds`` rounds that each make the ``release`` (a ``DpEvent``) with
+    probability ``rate``, independently: client sampling's amplification.
+
+    Valid only if the draw of the round's clients is random, independent of the data and unknown to the
+    adversary beforehand (whoever holds the run's key can predict it); the outcome (who took part) may
+    be seen. ``rate=1`` is ``num_rounds`` releases, exactly as ``epsilon(SelfComposed(release, num_rounds))``.
+
+    **Example:** ``client_sampled_epsilon(update.dp_event(100, 1), 0.1, 50, 1e-5)``.
+    """
+    check_delta(delta)
+    if not 0.0 < rate <= 1.0:
+        raise ValueError(f"client sampling rate must be in (0, 1], got {rate!r}.")
+    rdp = num_rounds * client_sampled_rdp(rdp_curve(release), rate)
+    return float(_accounting().rdp.compute_epsilon(list(RDP_ORDERS), rdp, delta)[0])
+
+
+def _calibrate_client_sampled(target_epsilon: float, delta: float, sampling_rate: float, num_steps: int,
+                              rate: float, num_rounds: int) -> float:
+    """Bisection (in ``log sigma``, to 1e-4 relative) for :func:`calibrate_noise_multiplier` with client sampling."""
+    client_rate_checked(rate)
+    if not (isinstance(num_rounds, int) and num_rounds >= 1):
+        raise ValueError(f"num_rounds must be a positive integer, got {num_rounds!r}.")
+    if num_steps % num_rounds:
+        raise ValueError(f"num_steps={num_steps} must be a multiple of num_rounds={num_rounds} (steps per release).")
+
+    def eps(sigma: float) -> float:
+        return client_sampled_epsilon(dp_sgd_event(sampling_rate, sigma, num_steps // num_rounds), rate, num_rounds,
+                                      delta)
+
+    low, high = 1.0, 1.0
+    while eps(high) > target_epsilon:
+        high *= 2.0
+    while low > 1e-3 and eps(low) <= target_epsilon:
+        low /= 2.0
+    while high / low > 1.0 + 1e-4:
+        middle = float(np.sqrt(low * high))
+        low, high = (low, middle) if eps(middle) <= target_epsilon else (middle, high)
+    return high
+
+
+def client_rate_checked(rate: float) -> float:
+    """``rate`` if it is a probability in ``(0, 1]``; a ``ValueError`` naming it otherwise."""
+    if not (isinstance(rate, (int, float)) and 0.0 < rate <= 1.0):
+        raise ValueError(f"client_sampling_rate must be in (0, 1], got {rate!r}.")
+    return float(rate)
+
+
+def client_sampling_rates(result: PVIRunResult, client_rates: Any = None) -> np.ndarray:
+    """``(M,)`` each client's probability of being drawn in a round of the run's ``Synchronous`` server.
+
+    ``K / M`` for uniform ``clients_per_round=K`` (1 without sampling). With ``client_weights`` the
+    inclusion probability of drawing ``K`` without replacement is not ``K w_m``: pass it as ``client_rates``.
+
+    **Example:** ``pvi.privacy.client_sampling_rates(result)`` is ``[0.2, 0.2, ...]`` for 2 of 10 clients.
+    """
+    from numpyro_pvi.servers import Synchronous
+
+    server, num_clients = result.inference.server, result.num_clients
+    if not isinstance(server, Synchronous):
+        raise ValueError(f"client_sampling='secret' is derived for Synchronous rounds (a fresh draw of clients "
+                         f"each round), not {type(server).__name__}.")
+    if client_rates is not None:
+        rates = np.asarray(client_rates, float)
+        if rates.shape != (num_clients,) or not np.all((rates > 0) & (rates <= 1)):
+            raise ValueError(f"client_rates must be {num_clients} probabilities in (0, 1], got {client_rates!r}.")
+        return rates
+    if server.sampling.client_weights is not None:
+        raise ValueError("client_sampling='secret' with client_weights: pass client_rates=, each client's "
+                         "probability of being drawn in a round (weighted sampling without replacement).")
+    return np.full(num_clients, server.sampling.num_sampled(num_clients) / num_clients)

@@ -150,16 +150,17 @@ class PVIRunResult(NamedTuple):
         """``q`` over the flat unconstrained vector."""
         return self.family.to_dist(self.state.q)
 
-    def privacy_spent(self, delta: float) -> Any:
+    def privacy_spent(self, delta: float, client_sampling: str = "known", client_rates: Any = None) -> Any:
         """``(M,)`` each client's ``epsilon`` at ``delta`` over every update it released (DP local updates only).
 
-        See :func:`numpyro_pvi.privacy.privacy_spent` (RDP accountant of ``dp-accounting``, extra ``dp``).
+        See :func:`numpyro_pvi.privacy.privacy_spent` (RDP accountant of ``dp-accounting``, extra ``dp``);
+        ``client_sampling="secret"`` credits a ``Synchronous`` server's random draw of clients.
 
         **Example:** ``result.privacy_spent(1e-5)`` is e.g. ``array([0.98, 0.98, ...])``.
         """
         from numpyro_pvi.privacy import privacy_spent
 
-        return privacy_spent(self, delta)
+        return privacy_spent(self, delta, client_sampling, client_rates)
 
     def to_arviz(self, num_samples: int = 1000, rng_key: jax.Array | None = None, **kwargs: Any) -> Any:
         """The run as an ``arviz.InferenceData``: draws from ``q`` and the per-round history.

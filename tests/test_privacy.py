@@ -5,6 +5,7 @@ import optax
 import pytest
 from jax import random
 from scipy import optimize, stats
+from scipy.integrate import quad
 
 import numpyro_pvi as pvi
 from numpyro_pvi import privacy
@@ -140,3 +141,114 @@ def test_bad_requests_are_named(budget_run):
         linear_model, pvi.MeanFieldGaussian(), PARTS, pvi.GradientUpdate(optax.adam(1e-2), 10), pvi.Sequential()))
     with pytest.raises(TypeError, match="not differentially private"):
         plain.privacy_spent(DELTA)
+
+
+# ---------------------------------------------------------------- client sampling (Synchronous, clients_per_round)
+def _run_or_nothing_rdp(release_rdp, rate):
+    """log(1 - p + p exp((a - 1) rho(a))) / (a - 1): the Renyi divergence of 'w.p. p the release, else nothing'."""
+    alphas = np.asarray(privacy.RDP_ORDERS, float)
+    with np.errstate(over="ignore"):  # huge orders: the exponential overflows to inf, the divergence is inf
+        return np.log(1 - rate + rate * np.exp((alphas - 1) * np.asarray(release_rdp))) / (alphas - 1)
+
+
+@pytest.mark.parametrize("alpha", [2, 4, 10])
+def test_client_sampled_rdp_is_the_renyi_divergence_of_run_or_nothing(alpha):
+    """Integrate D_alpha(Q || P) for P = (1-p) nothing + p N(0, s^2), Q = (1-p) nothing + p N(1, s^2)
+    numerically (the 'nothing' atom contributes (1-p) on both sides) and compare with the formula's value."""
+    sigma, rate = 2.0, 0.2
+    def integrand(x):
+        return np.exp(alpha * stats.norm.logpdf(x, 1, sigma) + (1 - alpha) * stats.norm.logpdf(x, 0, sigma))
+
+    integral = (1 - rate) + rate * quad(integrand, -np.inf, np.inf)[0]
+    numeric = np.log(integral) / (alpha - 1)
+    got = privacy.client_sampled_rdp(privacy.rdp_curve(privacy.gaussian_event(sigma, 1)), rate)
+    assert got[privacy.RDP_ORDERS.index(alpha)] == pytest.approx(numeric, rel=1e-8)
+
+
+def test_client_sampled_epsilon_equals_dp_accountings_and_is_amplified():
+    rounds, sigma = 20, 2.0
+    accountant = lambda: dpa.rdp.RdpAccountant(orders=list(privacy.RDP_ORDERS))  # noqa: E731
+    dp_sgd = dpa.SelfComposedDpEvent(dpa.PoissonSampledDpEvent(0.1, dpa.GaussianDpEvent(1.2)), 10)  # one release
+    for release in (dpa.GaussianDpEvent(sigma), dp_sgd):
+        unamplified = accountant().compose(dpa.SelfComposedDpEvent(release, rounds)).get_epsilon(DELTA)
+        # rate 1: every round a release, exactly dp-accounting's composed event
+        assert privacy.client_sampled_epsilon(release, 1.0, rounds, DELTA) == pytest.approx(unamplified, rel=1e-12)
+        for rate in (0.5, 0.1):  # the run-or-nothing RDP of the release's curve (dp-accounting's), composed, converted
+            rho = _run_or_nothing_rdp(accountant().compose(release).rdp, rate)
+            expected = dpa.rdp.compute_epsilon(list(privacy.RDP_ORDERS), rounds * rho, DELTA)[0]
+            amplified = privacy.client_sampled_epsilon(release, rate, rounds, DELTA)
+            assert amplified == pytest.approx(expected, rel=1e-10)
+            assert amplified < unamplified
+    # dp-accounting's record-level PoissonSampled(p, Gaussian) is a post-processing of run-or-nothing: it would
+    # report less than the truth for a client that is in or out as a whole, hence not used
+    poisson = accountant().compose(dpa.SelfComposedDpEvent(dpa.PoissonSampledDpEvent(0.1, dpa.GaussianDpEvent(sigma)),
+                                                           rounds)).get_epsilon(DELTA)
+    assert poisson < privacy.client_sampled_epsilon(dpa.GaussianDpEvent(sigma), 0.1, rounds, DELTA)
+
+
+@pytest.fixture(scope="module")
+def sampled_run(linear_data):
+    """Synchronous PVI drawing 2 of the 3 clients a round, DP-SGD, no budget."""
+    X, y = linear_data
+    update = pvi.DPGradientUpdate(optax.adam(1e-2), num_steps=STEPS, batch_size=BATCH, clip_norm=1.0,
+                                  noise_multiplier=SIGMA)
+    inference = pvi.PVI(linear_model, pvi.MeanFieldGaussian(), PARTS, update,
+                        pvi.Synchronous(damping=0.5, clients_per_round=2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", pvi.PVIWarning)
+        return inference.run(random.PRNGKey(0), ROUNDS, X, y=y, progress_bar=False)
+
+
+def test_secret_client_sampling_credits_every_round_at_rate_k_over_m(sampled_run):
+    result = sampled_run
+    released = privacy.releases(result)
+    assert released.sum() == 2 * ROUNDS and np.all(released > 0)  # 2 of 3 clients a round, every one drawn
+    secret = result.privacy_spent(DELTA, client_sampling="secret")
+    for n, eps in zip(SIZES, secret):
+        release = dpa.SelfComposedDpEvent(dpa.PoissonSampledDpEvent(BATCH / n, dpa.GaussianDpEvent(SIGMA)), STEPS)
+        rho = _run_or_nothing_rdp(dpa.rdp.RdpAccountant(orders=list(privacy.RDP_ORDERS)).compose(release).rdp, 2 / 3)
+        assert eps == pytest.approx(dpa.rdp.compute_epsilon(list(privacy.RDP_ORDERS), ROUNDS * rho, DELTA)[0],
+                                    rel=1e-10)
+        assert eps < _dp_sgd_epsilon(n, ROUNDS)  # the same schedule without credit for the sampling
+    known = [_dp_sgd_epsilon(n, int(r)) for n, r in zip(SIZES, released)]
+    np.testing.assert_allclose(result.privacy_spent(DELTA), known, rtol=1e-12)  # the default counts the releases made
+
+
+def test_secret_client_sampling_of_all_clients_is_the_unamplified_epsilon(sampled_run):
+    result = sampled_run  # the same history read as K = M: every client took part in every round
+    every = result.history._replace(attempts=np.ones((ROUNDS, 3), int), rejection=np.zeros((ROUNDS, 3), int))
+    everyone = result._replace(history=every, inference=result.inference.__class__(
+        linear_model, pvi.MeanFieldGaussian(), PARTS, result.inference.local_update, pvi.Synchronous(damping=0.5)))
+    np.testing.assert_allclose(everyone.privacy_spent(DELTA, client_sampling="secret"),
+                               everyone.privacy_spent(DELTA), rtol=1e-12)
+    np.testing.assert_allclose(everyone.privacy_spent(DELTA), [_dp_sgd_epsilon(n, ROUNDS) for n in SIZES], rtol=1e-12)
+
+
+def test_client_sampling_requests_that_cannot_be_credited_are_named(sampled_run, budget_run):
+    result = sampled_run
+    with pytest.raises(ValueError, match="'known' or 'secret'"):
+        result.privacy_spent(DELTA, client_sampling="hidden")
+    with pytest.raises(ValueError, match="Synchronous rounds"):
+        budget_run[0].privacy_spent(DELTA, client_sampling="secret")  # a Sequential run
+    weighted = result._replace(inference=result.inference.__class__(
+        linear_model, pvi.MeanFieldGaussian(), PARTS, result.inference.local_update,
+        pvi.Synchronous(damping=0.5, clients_per_round=2, client_weights=[1.0, 2.0, 3.0])))
+    with pytest.raises(ValueError, match="client_rates"):
+        weighted.privacy_spent(DELTA, client_sampling="secret")
+    spent = weighted.privacy_spent(DELTA, client_sampling="secret", client_rates=[0.4, 0.7, 0.9])
+    update = result.inference.local_update
+    np.testing.assert_allclose(spent, [privacy.client_sampled_epsilon(update.dp_event(n, 1), p, ROUNDS, DELTA)
+                                       for n, p in zip(SIZES, (0.4, 0.7, 0.9))], rtol=1e-12)  # the given rates
+    with pytest.raises(ValueError, match="client_rates"):
+        weighted.privacy_spent(DELTA, client_sampling="secret", client_rates=[0.4, 1.7, 0.9])
+
+
+def test_calibration_with_client_sampling_meets_the_target_with_less_noise():
+    plain = pvi.calibrate_noise_multiplier(1.0, DELTA, sampling_rate=0.1, num_steps=200)
+    sigma = pvi.calibrate_noise_multiplier(1.0, DELTA, 0.1, 200, client_sampling_rate=0.2, num_rounds=10)
+    release = lambda s: privacy.dp_sgd_event(0.1, s, 20)  # noqa: E731
+    assert privacy.client_sampled_epsilon(release(sigma), 0.2, 10, DELTA) <= 1.0
+    assert privacy.client_sampled_epsilon(release(0.999 * sigma), 0.2, 10, DELTA) > 1.0
+    assert sigma < plain
+    with pytest.raises(ValueError, match="multiple of num_rounds"):
+        pvi.calibrate_noise_multiplier(1.0, DELTA, 0.1, 200, client_sampling_rate=0.2, num_rounds=7)

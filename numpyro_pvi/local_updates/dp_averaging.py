@@ -23,11 +23,11 @@ from numpyro.distributions import kl_divergence
 from numpyro_pvi import privacy
 from numpyro_pvi.families import NatParams
 from numpyro_pvi.local_updates.base import Client, ClientProblem, ClientResult, LocalUpdate
+from numpyro_pvi.local_updates.dp_clipping import clip_rows
 from numpyro_pvi.local_updates.dp_gradient import (
     DPState,
     budget_gate,
     check_dp_arguments,
-    clip_rows,
     gated_result,
     gaussian_noise,
 )

@@ -5,7 +5,8 @@ padded rows, so the shapes are fixed and the update ``jit``\\ s and ``vmap``\\ s
 per-row gradients of the data term ``E_q[log p(y_i | zeta)]`` with ``jax.vmap``, clips each to
 ``clip_norm``, sums them and adds Gaussian noise of sd ``noise_multiplier * clip_norm``; the sum is
 scaled by ``1 / q`` (the DP-SGD average times ``n_m``) to estimate the data term's gradient. The KL to
-the cavity touches no data and is added without noise. Its privacy accounting is in
+the cavity touches no data and is added without noise. The per-row clipping goes through the
+reparameterised draws (:mod:`numpyro_pvi.local_updates.dp_clipping`); the privacy accounting is in
 :mod:`numpyro_pvi.privacy`.
 """
 
@@ -24,6 +25,7 @@ from numpyro.distributions.transforms import biject_to
 from numpyro_pvi import privacy
 from numpyro_pvi.families import NatParams
 from numpyro_pvi.local_updates.base import Client, ClientProblem, ClientResult
+from numpyro_pvi.local_updates.dp_clipping import clipped_sum
 from numpyro_pvi.local_updates.gradient import check_step_arguments, running_average
 from numpyro_pvi.state import Rejection
 
@@ -47,26 +49,6 @@ def check_dp_arguments(name: str, clip_norm: float, noise_multiplier: float) -> 
         raise ValueError(f"{name}: clip_norm must be positive and finite, got {clip_norm!r}.")
     if not (isinstance(noise_multiplier, (int, float)) and 0 <= noise_multiplier < float("inf")):
         raise ValueError(f"{name}: noise_multiplier must be non-negative and finite, got {noise_multiplier!r}.")
-
-
-def clip_factors(grads: Any, clip_norm: float) -> jax.Array:
-    """``(rows,)`` the factors ``min(1, clip_norm / ||row||)`` that clip each row (leading axis) of the pytree
-    ``grads`` (its norm taken over all leaves) to Euclidean norm at most ``clip_norm``.
-
-    **Example:** ``clip_factors((jnp.ones((3, 4)),), 1.0)`` is ``[0.5, 0.5, 0.5]``.
-    """
-    leaves = jax.tree.leaves(grads)
-    norms = jnp.sqrt(sum(jnp.sum(leaf.reshape(leaf.shape[0], -1) ** 2, axis=1) for leaf in leaves))
-    return jnp.minimum(1.0, clip_norm / jnp.maximum(norms, 1e-30))
-
-
-def clip_rows(grads: Any, clip_norm: float) -> Any:
-    """Scale each row (leading axis) of the pytree ``grads`` to Euclidean norm at most ``clip_norm``.
-
-    **Example:** ``clip_rows((jnp.ones((3, 4)),), 1.0)`` gives rows of norm 1.
-    """
-    factor = clip_factors(grads, clip_norm)
-    return jax.tree.map(lambda g: g * factor.reshape((-1,) + (1,) * (g.ndim - 1)), grads)
 
 
 def gaussian_noise(rng_key: jax.Array, like: Any, sd: float) -> Any:
@@ -118,29 +100,6 @@ def gated_result(allowed: jax.Array, delta: NatParams, free_energy: jax.Array, s
                         clamped, (), failure)
 
 
-def row_gradients(problem: ClientProblem, params: tuple, eps: jax.Array, client: Client) -> tuple:
-    """Per-row gradients (``jax.vmap``) of the data term ``E_q[log p(y_i | zeta)]`` with respect to ``params``.
-
-    ``params = (loc, u)`` are the guide's unconstrained parameters (``scale = biject_to(constraint)(u)``), the
-    expectation is over ``zeta = loc + scale @ eps`` for the standard-normal draws ``eps`` ``(S, D)``, shared
-    by all rows. Each leaf gains a leading axis of the client's (padded) rows.
-
-    **Example:** ``grads = row_gradients(problem, (loc, u), eps, client)``; ``grads[0]`` is ``(rows, D)``.
-    """
-    family, is_row = problem.family, problem.is_row
-    constrain = biject_to(family.scale_constraint)
-
-    def row_term(params: tuple, arrays: list, mask: jax.Array) -> jax.Array:
-        loc, scale = params[0], constrain(params[1])
-        zeta = jax.vmap(lambda u: family.unwhiten(loc, scale, u))(eps)
-        row = Client(arrays, mask, client.size)
-        return jnp.mean(jax.vmap(lambda z: problem.log_likelihood(z, row))(zeta))
-
-    rows = [a[:, None] if row else a for a, row in zip(client.arrays, is_row)]
-    axes = [0 if row else None for row in is_row]
-    return jax.vmap(jax.grad(row_term), in_axes=(None, axes, 0))(params, rows, client.mask[:, None])
-
-
 class DPGradientUpdate:
     """Optimise the local free energy by DP-SGD: per-row clipped, noised gradients of the data term.
 
@@ -151,8 +110,10 @@ class DPGradientUpdate:
     added per coordinate, divided by ``q``. The KL to the cavity (no data) is exact. One release per
     client visit: ``num_steps`` subsampled Gaussian mechanisms (:func:`numpyro_pvi.privacy.dp_sgd_event`).
 
-    The cost of a step is one per-row gradient for every padded row (Poisson sampling under fixed
-    shapes), whatever ``batch_size``. The reported ``free_energy`` is ``-KL(q_new || cavity)`` only: the
+    The cost of a step is one per-row gradient in ``zeta`` for every padded row (Poisson sampling under
+    fixed shapes), whatever ``batch_size``, plus one ordinary backward pass for the clipped sum
+    (:func:`~numpyro_pvi.local_updates.dp_clipping.clipped_sum`); a ``batch_size`` of at least the padded
+    rows takes every row without drawing (rate 1). The reported ``free_energy`` is ``-KL(q_new || cavity)`` only: the
     data term would leak, and is not released. With ``privacy_budget=(epsilon, delta)``, a client whose
     next release would spend more returns a zero delta and :attr:`Rejection.BUDGET
     <numpyro_pvi.Rejection>`. Models with local latent variables or hyperparameters are not supported.
@@ -254,11 +215,12 @@ class DPGradientUpdate:
 
         def gradient(rng_key: jax.Array, params: tuple, client: Client, rate: jax.Array) -> tuple:
             sample_key, draw_key, noise_key = jax.random.split(rng_key, 3)
-            chosen = client.mask & (jax.random.uniform(sample_key, client.mask.shape) < rate)
+            if self.batch_size >= client.mask.shape[0]:  # rate 1 (n_m <= padded rows <= batch): every real row
+                chosen = client.mask
+            else:
+                chosen = client.mask & (jax.random.uniform(sample_key, client.mask.shape) < rate)
             eps = jax.random.normal(draw_key, (self.num_particles, dim))
-            grads = row_gradients(problem, params, eps, client)
-            weights = jnp.where(chosen, clip_factors(grads, clip_norm), 0.0)  # clip and sum in one contraction
-            summed = jax.tree.map(lambda g: jnp.tensordot(weights.astype(g.dtype), g, axes=1), grads)
+            summed = clipped_sum(problem, params, eps, client, chosen, clip_norm)
             noise = gaussian_noise(noise_key, summed, sd)
             return jax.tree.map(lambda s, n: (s + n) / rate, summed, noise)
 
