@@ -7,12 +7,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import numpyro
 import numpyro.distributions as dist
 from jax.scipy.linalg import cho_solve, solve_triangular
 from numpyro.distributions import constraints
 
 from numpyro_pvi.families.gaussian import GaussianFamily
 from numpyro_pvi.families.protocol import Marginals, NatParams
+from numpyro_pvi.families.whitened import CavityWhitenedNormal, PrecisionMultivariateNormal
 
 
 def _sym(matrix: jax.Array) -> jax.Array:
@@ -27,9 +29,13 @@ def _inverse_tril(scale_tril: jax.Array) -> jax.Array:
 class FullRankGaussian(GaussianFamily):
     """Full-covariance Gaussian factors and approximation, like ``AutoMultivariateNormal``.
 
-    The client guide is ``MultivariateNormal(loc, scale_tril=L)`` with ``L`` constrained
-    ``scaled_unit_lower_cholesky``, as in NumPyro's ``AutoMultivariateNormal``. Every matrix is stored
-    ``(D, D)``. Implements :class:`~numpyro_pvi.families.Family`.
+    Its guide (:meth:`guide`) is ``MultivariateNormal(loc, scale_tril=L)`` with ``L`` constrained
+    ``scaled_unit_lower_cholesky``, as in NumPyro's ``AutoMultivariateNormal``. ``GradientUpdate``'s client
+    guide is instead whitened by the cavity (:class:`~numpyro_pvi.families.tilted.CavityGuideFamily`):
+    ``zeta = loc + C^{-T} W^T eps`` with ``C C^T`` the cavity's precision and ``W`` lower triangular
+    (``scaled_unit_lower_cholesky``), so that every SVI step costs ``O(D^2)`` and a client visit a few
+    ``O(D^3)`` factorisations (:mod:`numpyro_pvi.families.whitened`). Every matrix is stored ``(D, D)``.
+    Implements :class:`~numpyro_pvi.families.Family`.
 
     **Example:** ``pvi.PVI(model, family=pvi.FullRankGaussian(), ...)``
 
@@ -82,6 +88,35 @@ class FullRankGaussian(GaussianFamily):
     def distribution(self, loc: jax.Array, scale_tril: jax.Array) -> dist.Distribution:
         """``MultivariateNormal(loc, scale_tril=L)``."""
         return dist.MultivariateNormal(loc, scale_tril=scale_tril)
+
+    # ------------------------------------------------------------------ GradientUpdate's guide, whitened by the cavity
+    def tilted_params(self, cavity: NatParams, q: NatParams) -> tuple[tuple, tuple]:
+        """``((mu_c, C), (mu_q, C_q^{-1} C))``: the cavity in precision form ``Lambda_c = C C^T`` and ``q`` in
+        the guide's whitened form (``W = C_q^{-1} C`` gives ``q``'s covariance ``C^{-T} W^T W C^{-1}``).
+
+        ``q``'s Cholesky and its inverse do not depend on the client (computed once under ``vmap``).
+        """
+        chol = jnp.linalg.cholesky(self.precision(cavity))
+        chol_q = jnp.linalg.cholesky(self.precision(q))
+        loc, loc_q = cho_solve((chol, True), cavity.eta1), cho_solve((chol_q, True), q.eta1)
+        return (loc, chol), (loc_q, _inverse_tril(chol_q) @ chol)
+
+    def cavity_distribution(self, cavity_params: tuple) -> dist.Distribution:
+        """The cavity ``PrecisionMultivariateNormal(mu_c, C)``."""
+        return PrecisionMultivariateNormal(*cavity_params)
+
+    def cavity_guide(self, prefix: str, cavity_params: tuple, params: tuple) -> dist.Distribution:
+        """``numpyro.param`` sites ``prefix + "loc"`` and ``prefix + "white_tril"``; ``CavityWhitenedNormal``."""
+        loc = numpyro.param(prefix + "loc", params[0])
+        white = numpyro.param(prefix + "white_tril", params[1], constraint=self.scale_constraint)
+        return CavityWhitenedNormal(loc, white, cavity_params[1])
+
+    def from_cavity_guide(self, prefix: str, cavity_params: tuple, values: dict) -> NatParams:
+        """``Lambda = B B^T`` with ``B = C W^{-1}``: one triangular solve and one product."""
+        loc, white = values[prefix + "loc"], values[prefix + "white_tril"]
+        root_t = solve_triangular(white, cavity_params[1].T, lower=True, trans=1)  # B^T = W^{-T} C^T
+        precision = root_t.T @ root_t
+        return NatParams(precision @ loc, -0.5 * precision)
 
     # ------------------------------------------------------------------ moments
     def moments(self, nat: NatParams) -> tuple[jax.Array, jax.Array]:

@@ -13,6 +13,7 @@ from numpyro.infer.elbo import ELBO
 from numpyro.optim import _NumPyroOptim  # the base class of numpyro.optim's optimisers (no public name)
 
 from numpyro_pvi.families import NatParams
+from numpyro_pvi.families.tilted import cavity_distribution, client_guide, from_client_guide, tilted_params
 from numpyro_pvi.local_latents import init_local_state, local_guide, state_from_params
 from numpyro_pvi.local_updates.base import Client, ClientProblem, ClientResult
 
@@ -92,7 +93,7 @@ class GradientUpdate:
 
         def client_update(rng_key: jax.Array, client: Client, cavity: NatParams, q: NatParams,
                           state: Any, hyper: Any = ()) -> ClientResult:
-            cavity_params, q_params = family.guide_params(cavity), family.guide_params(q)
+            cavity_params, q_params = tilted_params(family, cavity, q)
             init_key, batch_key = jax.random.split(rng_key)
             extra = (state, hyper)
             # a batch as large as the (padded) client is the whole client: no sampling needed
@@ -112,7 +113,7 @@ class GradientUpdate:
             xs = (jnp.arange(num_steps), jax.random.split(batch_key, num_steps))
             (svi_state, average), losses = jax.lax.scan(step, (svi_state, get(svi_state.optim_state)), xs)
             params = svi.constrain_fn(average)
-            q_new = family.from_guide("_pvi_", params)
+            q_new = from_client_guide(family, "_pvi_", cavity_params, params)
             new_state = state_from_params(sites, params) if live else state
             hyper_grad = ()
             if has_hyper:  # d F_m / d hyper at the new q (and local guides), by the reparameterised ELBO
@@ -156,14 +157,14 @@ def _tilted_model_and_guide(problem: ClientProblem) -> tuple[Callable, Callable]
     family, sites, live = problem.family, problem.sites, problem.has_local
 
     def tilted_model(client: Client, scale: jax.Array, cavity: tuple, q: tuple, local: Any, hyper: Any) -> None:
-        zeta = numpyro.sample("_pvi_zeta", family.params_distribution(cavity))
+        zeta = numpyro.sample("_pvi_zeta", cavity_distribution(family, cavity))
         if live:  # the model itself: its local latents and observations are sites of this ELBO
             problem.local_model(zeta, client, hyper)
         else:
             numpyro.factor("_pvi_loglik", scale * problem.log_likelihood(zeta, client, hyper))
 
     def tilted_guide(client: Client, scale: jax.Array, cavity: tuple, q: tuple, local: Any, hyper: Any) -> None:
-        numpyro.sample("_pvi_zeta", family.guide("_pvi_", q))
+        numpyro.sample("_pvi_zeta", client_guide(family, "_pvi_", cavity, q))
         if live:
             local_guide(sites, client.mask, local)
 
