@@ -14,7 +14,7 @@ from numpyro.distributions import constraints
 
 from numpyro_pvi.families.gaussian import GaussianFamily
 from numpyro_pvi.families.protocol import Marginals, NatParams
-from numpyro_pvi.families.whitened import CavityWhitenedNormal, PrecisionMultivariateNormal
+from numpyro_pvi.families.whitened import CavityWhitenedNormal, PrecisionMultivariateNormal, inverse_tril
 
 
 def _sym(matrix: jax.Array) -> jax.Array:
@@ -91,15 +91,18 @@ class FullRankGaussian(GaussianFamily):
 
     # ------------------------------------------------------------------ GradientUpdate's guide, whitened by the cavity
     def tilted_params(self, cavity: NatParams, q: NatParams) -> tuple[tuple, tuple]:
-        """``((mu_c, C), (mu_q, C_q^{-1} C))``: the cavity in precision form ``Lambda_c = C C^T`` and ``q`` in
-        the guide's whitened form (``W = C_q^{-1} C`` gives ``q``'s covariance ``C^{-T} W^T W C^{-1}``).
+        """``((mu_c, C, C^{-1}), (mu_q, C_q^{-1} C))``: the cavity in precision form ``Lambda_c = C C^T`` and
+        ``q`` in the guide's whitened form (``W = C_q^{-1} C`` gives ``q``'s covariance ``C^{-T} W^T W C^{-1}``).
 
-        ``q``'s Cholesky and its inverse do not depend on the client (computed once under ``vmap``).
+        One Cholesky, one triangular inverse (:func:`~numpyro_pvi.families.whitened.inverse_tril`, by
+        matrix products) and one product per client; ``q``'s own do not depend on the client (under
+        ``vmap`` over clients with ``q`` shared they are computed once).
         """
         chol = jnp.linalg.cholesky(self.precision(cavity))
-        chol_q = jnp.linalg.cholesky(self.precision(q))
-        loc, loc_q = cho_solve((chol, True), cavity.eta1), cho_solve((chol_q, True), q.eta1)
-        return (loc, chol), (loc_q, _inverse_tril(chol_q) @ chol)
+        chol_inv = inverse_tril(chol)
+        chol_q_inv = inverse_tril(jnp.linalg.cholesky(self.precision(q)))
+        loc, loc_q = (chol_inv @ cavity.eta1) @ chol_inv, (chol_q_inv @ q.eta1) @ chol_q_inv
+        return (loc, chol, chol_inv), (loc_q, chol_q_inv @ chol)
 
     def cavity_distribution(self, cavity_params: tuple) -> dist.Distribution:
         """The cavity ``PrecisionMultivariateNormal(mu_c, C)``."""
@@ -109,13 +112,13 @@ class FullRankGaussian(GaussianFamily):
         """``numpyro.param`` sites ``prefix + "loc"`` and ``prefix + "white_tril"``; ``CavityWhitenedNormal``."""
         loc = numpyro.param(prefix + "loc", params[0])
         white = numpyro.param(prefix + "white_tril", params[1], constraint=self.scale_constraint)
-        return CavityWhitenedNormal(loc, white, cavity_params[1])
+        return CavityWhitenedNormal(loc, white, cavity_params[1], cavity_params[2])
 
     def from_cavity_guide(self, prefix: str, cavity_params: tuple, values: dict) -> NatParams:
-        """``Lambda = B B^T`` with ``B = C W^{-1}``: one triangular solve and one product."""
+        """``Lambda = B B^T`` with ``B = C W^{-1}``: one triangular inverse and two products."""
         loc, white = values[prefix + "loc"], values[prefix + "white_tril"]
-        root_t = solve_triangular(white, cavity_params[1].T, lower=True, trans=1)  # B^T = W^{-T} C^T
-        precision = root_t.T @ root_t
+        root = cavity_params[1] @ inverse_tril(white)
+        precision = root @ root.T
         return NatParams(precision @ loc, -0.5 * precision)
 
     # ------------------------------------------------------------------ moments

@@ -23,6 +23,33 @@ from numpyro.distributions import constraints
 from numpyro.distributions.kl import kl_divergence
 
 
+def inverse_tril(tril: jax.Array, block: int = 8) -> jax.Array:
+    """``L^{-1}`` of a lower-triangular ``L`` ``(..., D, D)`` by recursive 2 x 2 blocks, i.e. by matrix products.
+
+    ``[[A, 0], [C, B]]^{-1} = [[A^{-1}, 0], [-B^{-1} C A^{-1}, B^{-1}]]``, down to blocks of at most ``block``
+    rows (triangular solves). On CPU, batched over clients, this is an order of magnitude faster than
+    ``solve_triangular(L, I)``, whose batched form is slow.
+
+    **Example:**
+
+    .. doctest::
+
+        >>> import jax.numpy as jnp
+        >>> from numpyro_pvi.families.whitened import inverse_tril
+        >>> inverse_tril(jnp.array([[2.0, 0.0], [1.0, 1.0]]), block=1)
+        Array([[ 0.5,  0. ],
+               [-0.5,  1. ]], dtype=float32)
+    """
+    dim = tril.shape[-1]
+    if dim <= block:
+        return solve_triangular(tril, jnp.broadcast_to(jnp.eye(dim, dtype=tril.dtype), tril.shape), lower=True)
+    half = dim // 2
+    top_inv, bottom_inv = inverse_tril(tril[..., :half, :half], block), inverse_tril(tril[..., half:, half:], block)
+    lower = -bottom_inv @ tril[..., half:, :half] @ top_inv
+    top = jnp.concatenate([top_inv, jnp.zeros(tril.shape[:-2] + (half, dim - half), tril.dtype)], axis=-1)
+    return jnp.concatenate([top, jnp.concatenate([lower, bottom_inv], axis=-1)], axis=-2)
+
+
 def _solve_upper(tril: jax.Array, values: jax.Array) -> jax.Array:
     """``tril^{-T} v`` for every row ``v`` of ``values`` ``(..., D)`` (``tril`` unbatched, lower triangular)."""
     flat = values.reshape(-1, values.shape[-1])
@@ -45,7 +72,9 @@ class PrecisionMultivariateNormal(dist.Distribution):
     """``N(loc, (C C^T)^{-1})`` given by the lower Cholesky factor ``C`` of its *precision*.
 
     The tilted model's prior of ``zeta`` in :class:`~numpyro_pvi.FullRankGaussian`'s ``GradientUpdate``:
-    the cavity, converted with one Cholesky. Unbatched: ``loc`` ``(D,)``, ``precision_tril`` ``(D, D)``.
+    the cavity, converted with one Cholesky. Unbatched: ``loc`` ``(D,)``, ``precision_tril`` ``(D, D)``;
+    ``precision_tril_inv`` is ``C^{-1}`` if known (computed by :func:`inverse_tril` otherwise), so that a
+    draw ``loc + C^{-T} eps`` is a matrix-vector product.
 
     **Example:**
 
@@ -54,23 +83,26 @@ class PrecisionMultivariateNormal(dist.Distribution):
         >>> import jax.numpy as jnp
         >>> from numpyro_pvi.families.whitened import PrecisionMultivariateNormal
         >>> d = PrecisionMultivariateNormal(jnp.zeros(2), 2.0 * jnp.eye(2))  # precision 4 I
-        >>> round(float(d.log_prob(jnp.zeros(2))), 4)  # log(4 / (2 pi))
-        0.4647
+        >>> round(float(d.log_prob(jnp.zeros(2))), 4)  # log(4 / (2 pi)), the density of N(0, I / 4) at 0
+        -0.4516
     """
 
-    arg_constraints = {"loc": constraints.real_vector, "precision_tril": constraints.lower_cholesky}
+    arg_constraints = {"loc": constraints.real_vector, "precision_tril": constraints.lower_cholesky,
+                       "precision_tril_inv": constraints.lower_cholesky}
     support = constraints.real_vector
-    reparametrized_params = ["loc", "precision_tril"]
-    pytree_data_fields = ("loc", "precision_tril")
+    reparametrized_params = ["loc", "precision_tril", "precision_tril_inv"]
+    pytree_data_fields = ("loc", "precision_tril", "precision_tril_inv")
 
-    def __init__(self, loc: jax.Array, precision_tril: jax.Array, validate_args: bool | None = None) -> None:
-        _check_unbatched("PrecisionMultivariateNormal", loc, precision_tril)
-        self.loc, self.precision_tril = loc, precision_tril
+    def __init__(self, loc: jax.Array, precision_tril: jax.Array, precision_tril_inv: jax.Array | None = None,
+                 validate_args: bool | None = None) -> None:
+        precision_tril_inv = inverse_tril(precision_tril) if precision_tril_inv is None else precision_tril_inv
+        _check_unbatched("PrecisionMultivariateNormal", loc, precision_tril, precision_tril_inv)
+        self.loc, self.precision_tril, self.precision_tril_inv = loc, precision_tril, precision_tril_inv
         super().__init__(batch_shape=(), event_shape=jnp.shape(loc), validate_args=validate_args)
 
     def sample(self, key: jax.Array, sample_shape: tuple = ()) -> jax.Array:
         eps = jax.random.normal(key, tuple(sample_shape) + self.event_shape, jnp.result_type(self.loc))
-        return self.loc + _solve_upper(self.precision_tril, eps)
+        return self.loc + eps @ self.precision_tril_inv  # rows of C^{-T} eps
 
     def log_prob(self, value: jax.Array) -> jax.Array:
         white = (value - self.loc) @ self.precision_tril
@@ -82,8 +114,7 @@ class PrecisionMultivariateNormal(dist.Distribution):
 
     @property
     def covariance_matrix(self) -> jax.Array:
-        inv = solve_triangular(self.precision_tril, jnp.eye(self.loc.shape[-1], dtype=self.loc.dtype), lower=True)
-        return inv.T @ inv
+        return self.precision_tril_inv.T @ self.precision_tril_inv
 
     @property
     def variance(self) -> jax.Array:
@@ -97,7 +128,9 @@ class CavityWhitenedNormal(dist.Distribution):
     ``L = I`` is the cavity's covariance, and for ``kl_divergence`` against a
     :class:`PrecisionMultivariateNormal` whose ``precision_tril`` *is* ``cavity_tril`` (the same array
     object, as in the tilted model and guide of one client) the KL costs ``O(D^2)``; against any other, the
-    general ``O(D^3)`` formula is used. Unbatched: ``loc`` ``(D,)``, both factors ``(D, D)``.
+    general ``O(D^3)`` formula is used. Unbatched: ``loc`` ``(D,)``, the factors ``(D, D)``;
+    ``cavity_tril_inv`` is ``C^{-1}`` if known (computed by :func:`inverse_tril` otherwise), so that a draw
+    is two matrix-vector products.
 
     **Example:**
 
@@ -113,20 +146,22 @@ class CavityWhitenedNormal(dist.Distribution):
     """
 
     arg_constraints = {"loc": constraints.real_vector, "white_tril": constraints.lower_cholesky,
-                       "cavity_tril": constraints.lower_cholesky}
+                       "cavity_tril": constraints.lower_cholesky, "cavity_tril_inv": constraints.lower_cholesky}
     support = constraints.real_vector
-    reparametrized_params = ["loc", "white_tril", "cavity_tril"]
-    pytree_data_fields = ("loc", "white_tril", "cavity_tril")
+    reparametrized_params = ["loc", "white_tril", "cavity_tril", "cavity_tril_inv"]
+    pytree_data_fields = ("loc", "white_tril", "cavity_tril", "cavity_tril_inv")
 
     def __init__(self, loc: jax.Array, white_tril: jax.Array, cavity_tril: jax.Array,
-                 validate_args: bool | None = None) -> None:
-        _check_unbatched("CavityWhitenedNormal", loc, white_tril, cavity_tril)
-        self.loc, self.white_tril, self.cavity_tril = loc, white_tril, cavity_tril
+                 cavity_tril_inv: jax.Array | None = None, validate_args: bool | None = None) -> None:
+        cavity_tril_inv = inverse_tril(cavity_tril) if cavity_tril_inv is None else cavity_tril_inv
+        _check_unbatched("CavityWhitenedNormal", loc, white_tril, cavity_tril, cavity_tril_inv)
+        self.loc, self.white_tril = loc, white_tril
+        self.cavity_tril, self.cavity_tril_inv = cavity_tril, cavity_tril_inv
         super().__init__(batch_shape=(), event_shape=jnp.shape(loc), validate_args=validate_args)
 
     def sample(self, key: jax.Array, sample_shape: tuple = ()) -> jax.Array:
         eps = jax.random.normal(key, tuple(sample_shape) + self.event_shape, jnp.result_type(self.loc))
-        return self.loc + _solve_upper(self.cavity_tril, eps @ self.white_tril)
+        return self.loc + (eps @ self.white_tril) @ self.cavity_tril_inv  # rows of C^{-T} W^T eps
 
     def log_prob(self, value: jax.Array) -> jax.Array:
         # eps = L^{-T} C^T (zeta - loc); log |det C^{-T} L^T| = sum log diag L - sum log diag C
@@ -141,7 +176,7 @@ class CavityWhitenedNormal(dist.Distribution):
     @property
     def scale_tril_upper(self) -> jax.Array:
         """``C^{-T} L^T``, an upper-triangular root of the covariance."""
-        return _solve_upper(self.cavity_tril, self.white_tril).T
+        return self.cavity_tril_inv.T @ self.white_tril.T
 
     @property
     def covariance_matrix(self) -> jax.Array:
