@@ -14,7 +14,13 @@ from numpyro.distributions import constraints
 
 from numpyro_pvi.families.gaussian import GaussianFamily
 from numpyro_pvi.families.protocol import Marginals, NatParams
-from numpyro_pvi.families.whitened import CavityWhitenedNormal, PrecisionMultivariateNormal, inverse_tril
+from numpyro_pvi.families.whitened import (
+    CavityWhitenedNormal,
+    PrecisionMultivariateNormal,
+    inverse_tril,
+    white_raw,
+    white_tril,
+)
 
 
 def _sym(matrix: jax.Array) -> jax.Array:
@@ -109,14 +115,15 @@ class FullRankGaussian(GaussianFamily):
         return PrecisionMultivariateNormal(*cavity_params)
 
     def cavity_guide(self, prefix: str, cavity_params: tuple, params: tuple) -> dist.Distribution:
-        """``numpyro.param`` sites ``prefix + "loc"`` and ``prefix + "white_tril"``; ``CavityWhitenedNormal``."""
+        """``numpyro.param`` sites ``prefix + "loc"`` and ``prefix + "white_raw"`` (``W`` as a dense unconstrained
+        matrix, :func:`~numpyro_pvi.families.whitened.white_tril`); ``CavityWhitenedNormal``."""
         loc = numpyro.param(prefix + "loc", params[0])
-        white = numpyro.param(prefix + "white_tril", params[1], constraint=self.scale_constraint)
-        return CavityWhitenedNormal(loc, white, cavity_params[1], cavity_params[2])
+        raw = numpyro.param(prefix + "white_raw", white_raw(params[1]))
+        return CavityWhitenedNormal(loc, white_tril(raw), cavity_params[1], cavity_params[2])
 
     def from_cavity_guide(self, prefix: str, cavity_params: tuple, values: dict) -> NatParams:
         """``Lambda = B B^T`` with ``B = C W^{-1}``: one triangular inverse and two products."""
-        loc, white = values[prefix + "loc"], values[prefix + "white_tril"]
+        loc, white = values[prefix + "loc"], white_tril(values[prefix + "white_raw"])
         root = cavity_params[1] @ inverse_tril(white)
         precision = root @ root.T
         return NatParams(precision @ loc, -0.5 * precision)

@@ -50,6 +50,29 @@ def inverse_tril(tril: jax.Array, block: int = 8) -> jax.Array:
     return jnp.concatenate([top, jnp.concatenate([lower, bottom_inv], axis=-1)], axis=-2)
 
 
+def white_tril(raw: jax.Array) -> jax.Array:
+    """The lower-triangular ``W`` with a positive diagonal stored as a dense unconstrained ``(D, D)`` matrix:
+    its strict lower triangle, ``softplus`` of its diagonal (the upper triangle is unused).
+
+    Dense storage makes a step's transform a mask, not the scatter of ``vec_to_tril_matrix`` (slow on CPU
+    batched over clients); :func:`white_raw` is its inverse.
+
+    **Example:** ``white_tril(white_raw(w))`` is ``w`` for lower-triangular ``w`` with positive diagonal.
+    """
+    eye = jnp.eye(raw.shape[-1], dtype=raw.dtype)
+    return jnp.tril(raw, -1) + eye * jax.nn.softplus(jnp.diagonal(raw, axis1=-2, axis2=-1))[..., None]
+
+
+def white_raw(tril: jax.Array) -> jax.Array:
+    """The dense unconstrained matrix of a lower-triangular ``W`` with positive diagonal (see :func:`white_tril`).
+
+    **Example:** ``white_raw(jnp.eye(2))`` has ``log(e - 1)`` on its diagonal, zeros elsewhere.
+    """
+    eye = jnp.eye(tril.shape[-1], dtype=tril.dtype)
+    diagonal = eye * tril
+    return jnp.tril(tril, -1) + eye * jnp.log(jnp.expm1(jnp.where(eye > 0, diagonal, 1.0)))
+
+
 def _solve_upper(tril: jax.Array, values: jax.Array) -> jax.Array:
     """``tril^{-T} v`` for every row ``v`` of ``values`` ``(..., D)`` (``tril`` unbatched, lower triangular)."""
     flat = values.reshape(-1, values.shape[-1])
