@@ -62,8 +62,11 @@ def test_kl_log_prob_and_moments_equal_numpyros_multivariate_normal(seed):
 
 
 def test_inverse_tril_and_the_dense_parameterisation_are_exact():
-    tril = _random_tril(random.PRNGKey(5), 37)  # odd sizes at every level of the recursion
-    np.testing.assert_allclose(inverse_tril(tril) @ tril, np.eye(37), atol=1e-5)
+    for dim in (1, 7, 8, 37):  # 37: odd sizes at every level of the recursion
+        draws = random.normal(random.PRNGKey(dim), (dim, 2 * dim))
+        tril = jnp.linalg.cholesky(draws @ draws.T / dim + 0.1 * jnp.eye(dim))  # a precision's Cholesky factor
+        np.testing.assert_allclose(inverse_tril(tril) @ tril, np.eye(dim), atol=1e-5)
+    tril = _random_tril(random.PRNGKey(5), 37)
     np.testing.assert_allclose(white_tril(white_raw(tril)), tril, atol=1e-5)
 
 

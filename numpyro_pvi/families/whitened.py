@@ -42,12 +42,27 @@ def inverse_tril(tril: jax.Array, block: int = 8) -> jax.Array:
     """
     dim = tril.shape[-1]
     if dim <= block:
-        return solve_triangular(tril, jnp.broadcast_to(jnp.eye(dim, dtype=tril.dtype), tril.shape), lower=True)
+        return _inverse_small_tril(tril)
     half = dim // 2
     top_inv, bottom_inv = inverse_tril(tril[..., :half, :half], block), inverse_tril(tril[..., half:, half:], block)
     lower = -bottom_inv @ tril[..., half:, :half] @ top_inv
     top = jnp.concatenate([top_inv, jnp.zeros(tril.shape[:-2] + (half, dim - half), tril.dtype)], axis=-1)
     return jnp.concatenate([top, jnp.concatenate([lower, bottom_inv], axis=-1)], axis=-2)
+
+
+def _inverse_small_tril(tril: jax.Array) -> jax.Array:
+    """``L^{-1}`` of a small lower-triangular ``L = D (I + N)``: ``(I + N)^{-1} D^{-1}`` with the finite series
+    ``(I + N)^{-1} = (I - N)(I + N^2)(I + N^4)...`` (``N`` strictly lower triangular, so ``N^k = 0`` for
+    ``k >= dim``): matrix products only (a batched ``solve_triangular`` here hung XLA's CPU runtime)."""
+    dim = tril.shape[-1]
+    diagonal = jnp.diagonal(tril, axis1=-2, axis2=-1)
+    eye = jnp.eye(dim, dtype=tril.dtype)
+    nilpotent = jnp.tril(tril, -1) / diagonal[..., :, None]
+    inverse, power = eye - nilpotent, nilpotent @ nilpotent
+    for _ in range(max(0, (dim - 1).bit_length() - 1)):
+        inverse = inverse + inverse @ power
+        power = power @ power
+    return inverse / diagonal[..., None, :]
 
 
 def white_tril(raw: jax.Array) -> jax.Array:

@@ -23,11 +23,14 @@ class GradientUpdate:
 
     The client fits ``q_new`` on the *tilted model*: the cavity ``q / t_m`` as the prior over the flat
     unconstrained vector, times its own likelihood ``p(y_m | theta)``, i.e. it maximises
-    ``F_m(q) = E_q[log p(y_m | theta)] - KL(q || cavity)``. The guide (``Normal(loc, scale)`` or
-    ``MultivariateNormal(loc, scale_tril)``, parameterised like NumPyro's autoguides) starts at the
-    current ``q``; for another family (:class:`~numpyro_pvi.SiteFamilies`, ``Gamma``...) its own
-    reparameterised guide (:meth:`~numpyro_pvi.families.FactorFamily.guide`); ``num_steps`` of
-    ``SVI.update`` run in one ``lax.scan``.
+    ``F_m(q) = E_q[log p(y_m | theta)] - KL(q || cavity)``. The guide starts at the current ``q``:
+    ``Normal(loc, scale)`` for mean field (parameterised like ``AutoNormal``); for full rank a Gaussian
+    whitened by the cavity, ``zeta = loc + C^{-T} W^T eps`` with ``C C^T`` the cavity's precision and
+    ``W`` lower triangular, so that the KL to the cavity and a draw cost ``O(D^2)`` per step and a visit
+    a few ``O(D^3)`` factorisations (:mod:`numpyro_pvi.families.whitened`; a family chooses its guide
+    through :mod:`numpyro_pvi.families.tilted`); for another family (:class:`~numpyro_pvi.SiteFamilies`,
+    ``Gamma``...) its own reparameterised guide (:meth:`~numpyro_pvi.families.FactorFamily.guide`).
+    ``num_steps`` of ``SVI.update`` run in one ``lax.scan``.
 
     Any NumPyro model (see :mod:`numpyro_pvi.local_latents`): local latent sites get the client's own
     ``AutoNormal``-like guide, optimised jointly with ``q`` and kept in the client's state (never in
