@@ -7,12 +7,20 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import numpyro
 import numpyro.distributions as dist
 from jax.scipy.linalg import cho_solve, solve_triangular
 from numpyro.distributions import constraints
 
 from numpyro_pvi.families.gaussian import GaussianFamily
 from numpyro_pvi.families.protocol import Marginals, NatParams
+from numpyro_pvi.families.whitened import (
+    CavityWhitenedNormal,
+    PrecisionMultivariateNormal,
+    inverse_tril,
+    white_raw,
+    white_tril,
+)
 
 
 def _sym(matrix: jax.Array) -> jax.Array:
@@ -27,9 +35,13 @@ def _inverse_tril(scale_tril: jax.Array) -> jax.Array:
 class FullRankGaussian(GaussianFamily):
     """Full-covariance Gaussian factors and approximation, like ``AutoMultivariateNormal``.
 
-    The client guide is ``MultivariateNormal(loc, scale_tril=L)`` with ``L`` constrained
-    ``scaled_unit_lower_cholesky``, as in NumPyro's ``AutoMultivariateNormal``. Every matrix is stored
-    ``(D, D)``. Implements :class:`~numpyro_pvi.families.Family`.
+    Its guide (:meth:`guide`) is ``MultivariateNormal(loc, scale_tril=L)`` with ``L`` constrained
+    ``scaled_unit_lower_cholesky``, as in NumPyro's ``AutoMultivariateNormal``. ``GradientUpdate``'s client
+    guide is instead whitened by the cavity (:class:`~numpyro_pvi.families.tilted.CavityGuideFamily`):
+    ``zeta = loc + C^{-T} W^T eps`` with ``C C^T`` the cavity's precision and ``W`` lower triangular
+    (``scaled_unit_lower_cholesky``), so that every SVI step costs ``O(D^2)`` and a client visit a few
+    ``O(D^3)`` factorisations (:mod:`numpyro_pvi.families.whitened`). Every matrix is stored ``(D, D)``.
+    Implements :class:`~numpyro_pvi.families.Family`.
 
     **Example:** ``pvi.PVI(model, family=pvi.FullRankGaussian(), ...)``
 
@@ -82,6 +94,39 @@ class FullRankGaussian(GaussianFamily):
     def distribution(self, loc: jax.Array, scale_tril: jax.Array) -> dist.Distribution:
         """``MultivariateNormal(loc, scale_tril=L)``."""
         return dist.MultivariateNormal(loc, scale_tril=scale_tril)
+
+    # ------------------------------------------------------------------ GradientUpdate's guide, whitened by the cavity
+    def tilted_params(self, cavity: NatParams, q: NatParams) -> tuple[tuple, tuple]:
+        """``((mu_c, C, C^{-1}), (mu_q, C_q^{-1} C))``: the cavity in precision form ``Lambda_c = C C^T`` and
+        ``q`` in the guide's whitened form (``W = C_q^{-1} C`` gives ``q``'s covariance ``C^{-T} W^T W C^{-1}``).
+
+        One Cholesky, one triangular inverse (:func:`~numpyro_pvi.families.whitened.inverse_tril`, by
+        matrix products) and one product per client; ``q``'s own do not depend on the client (under
+        ``vmap`` over clients with ``q`` shared they are computed once).
+        """
+        chol = jnp.linalg.cholesky(self.precision(cavity))
+        chol_inv = inverse_tril(chol)
+        chol_q_inv = inverse_tril(jnp.linalg.cholesky(self.precision(q)))
+        loc, loc_q = (chol_inv @ cavity.eta1) @ chol_inv, (chol_q_inv @ q.eta1) @ chol_q_inv
+        return (loc, chol, chol_inv), (loc_q, chol_q_inv @ chol)
+
+    def cavity_distribution(self, cavity_params: tuple) -> dist.Distribution:
+        """The cavity ``PrecisionMultivariateNormal(mu_c, C)``."""
+        return PrecisionMultivariateNormal(*cavity_params)
+
+    def cavity_guide(self, prefix: str, cavity_params: tuple, params: tuple) -> dist.Distribution:
+        """``numpyro.param`` sites ``prefix + "loc"`` and ``prefix + "white_raw"`` (``W`` as a dense unconstrained
+        matrix, :func:`~numpyro_pvi.families.whitened.white_tril`); ``CavityWhitenedNormal``."""
+        loc = numpyro.param(prefix + "loc", params[0])
+        raw = numpyro.param(prefix + "white_raw", white_raw(params[1]))
+        return CavityWhitenedNormal(loc, white_tril(raw), cavity_params[1], cavity_params[2])
+
+    def from_cavity_guide(self, prefix: str, cavity_params: tuple, values: dict) -> NatParams:
+        """``Lambda = B B^T`` with ``B = C W^{-1}``: one triangular inverse and two products."""
+        loc, white = values[prefix + "loc"], white_tril(values[prefix + "white_raw"])
+        root = cavity_params[1] @ inverse_tril(white)
+        precision = root @ root.T
+        return NatParams(precision @ loc, -0.5 * precision)
 
     # ------------------------------------------------------------------ moments
     def moments(self, nat: NatParams) -> tuple[jax.Array, jax.Array]:

@@ -21,6 +21,7 @@ import numpyro.distributions as dist
 from numpyro.distributions import constraints
 from numpyro.distributions.kl import kl_divergence
 
+from numpyro_pvi.families import tilted
 from numpyro_pvi.families.factor import FactorFamily
 from numpyro_pvi.families.mean_field import MeanFieldGaussian
 from numpyro_pvi.families.params import Marginals, NatParams
@@ -233,6 +234,28 @@ class SiteFamilies:
         """From the blocks' guide parameters."""
         prefixes = [f"{prefix}{i}_" for i in range(len(self._laid_out()))]
         return self.join(self._map("from_guide", prefixes, [values] * len(prefixes)))
+
+    # ------------------------------------------------------------------ GradientUpdate's guide against the cavity
+    def tilted_params(self, cavity: NatParams, q: NatParams) -> tuple[tuple, tuple]:
+        """Each block's ``(cavity_params, guide_params)`` (:func:`~numpyro_pvi.families.tilted.tilted_params`)."""
+        pairs = [tilted.tilted_params(block[0], c, b) for block, c, b in
+                 zip(self._laid_out(), self.split(cavity), self.split(q))]
+        return tuple(p[0] for p in pairs), tuple(p[1] for p in pairs)
+
+    def cavity_distribution(self, cavity_params: tuple) -> dist.Distribution:
+        """The product of the blocks' cavities."""
+        return BlockDistribution([tilted.cavity_distribution(block[0], p)
+                                  for block, p in zip(self._laid_out(), cavity_params)])
+
+    def cavity_guide(self, prefix: str, cavity_params: tuple, params: tuple) -> dist.Distribution:
+        """Each block's guide against its cavity, its sites prefixed ``prefix + "<block>_"``."""
+        return BlockDistribution([tilted.client_guide(block[0], f"{prefix}{i}_", c, p) for i, (block, c, p)
+                                  in enumerate(zip(self._laid_out(), cavity_params, params))])
+
+    def from_cavity_guide(self, prefix: str, cavity_params: tuple, values: dict) -> NatParams:
+        """From the blocks' guide parameters."""
+        return self.join([tilted.from_client_guide(block[0], f"{prefix}{i}_", c, values)
+                          for i, (block, c) in enumerate(zip(self._laid_out(), cavity_params))])
 
     # ------------------------------------------------------------------ natural-gradient site
     def draw(self, nat: NatParams, rng_key: jax.Array, pairs: int) -> jax.Array:

@@ -14,6 +14,7 @@ from numpyro.infer.elbo import ELBO
 from numpyro.optim import _NumPyroOptim  # the base class of numpyro.optim's optimisers (no public name)
 
 from numpyro_pvi.families import NatParams
+from numpyro_pvi.families.tilted import cavity_distribution, client_guide, from_client_guide, tilted_params
 from numpyro_pvi.local_latents import init_local_state, local_guide, state_from_params
 from numpyro_pvi.local_updates.base import Client, ClientProblem, ClientResult
 
@@ -23,11 +24,14 @@ class GradientUpdate:
 
     The client fits ``q_new`` on the *tilted model*: the cavity ``q / t_m`` as the prior over the flat
     unconstrained vector, times its own likelihood ``p(y_m | theta)``, i.e. it maximises
-    ``F_m(q) = E_q[log p(y_m | theta)] - KL(q || cavity)``. The guide (``Normal(loc, scale)`` or
-    ``MultivariateNormal(loc, scale_tril)``, parameterised like NumPyro's autoguides) starts at the
-    current ``q``; for another family (:class:`~numpyro_pvi.SiteFamilies`, ``Gamma``...) its own
-    reparameterised guide (:meth:`~numpyro_pvi.families.FactorFamily.guide`); ``num_steps`` of
-    ``SVI.update`` run in one ``lax.scan``.
+    ``F_m(q) = E_q[log p(y_m | theta)] - KL(q || cavity)``. The guide starts at the current ``q``:
+    ``Normal(loc, scale)`` for mean field (parameterised like ``AutoNormal``); for full rank a Gaussian
+    whitened by the cavity, ``zeta = loc + C^{-T} W^T eps`` with ``C C^T`` the cavity's precision and
+    ``W`` lower triangular, so that the KL to the cavity and a draw cost ``O(D^2)`` per step and a visit
+    a few ``O(D^3)`` factorisations (:mod:`numpyro_pvi.families.whitened`; a family chooses its guide
+    through :mod:`numpyro_pvi.families.tilted`); for another family (:class:`~numpyro_pvi.SiteFamilies`,
+    ``Gamma``...) its own reparameterised guide (:meth:`~numpyro_pvi.families.FactorFamily.guide`).
+    ``num_steps`` of ``SVI.update`` run in one ``lax.scan``.
 
     **Steps that follow a client's size.** With ``num_epochs=E`` (and ``batch_size=B``) in place of
     ``num_steps``, a client of ``n_m`` real rows takes ``ceil(E n_m / min(B, n_m))`` steps (:meth:`steps_for`):
@@ -121,7 +125,7 @@ class GradientUpdate:
 
         def client_update(rng_key: jax.Array, client: Client, cavity: NatParams, q: NatParams,
                           state: Any, hyper: Any = ()) -> ClientResult:
-            cavity_params, q_params = family.guide_params(cavity), family.guide_params(q)
+            cavity_params, q_params = tilted_params(family, cavity, q)
             init_key, batch_key = jax.random.split(rng_key)
             extra = (state, hyper)
             # a batch as large as the (padded) client is the whole client: no sampling needed
@@ -155,7 +159,7 @@ class GradientUpdate:
             xs = (jnp.arange(length), jax.random.split(batch_key, length))
             (svi_state, average), losses = jax.lax.scan(step, (svi_state, get(svi_state.optim_state)), xs)
             params = svi.constrain_fn(average)
-            q_new = family.from_guide("_pvi_", params)
+            q_new = from_client_guide(family, "_pvi_", cavity_params, params)
             new_state = state_from_params(sites, params) if live else state
             hyper_grad = ()
             if has_hyper:  # d F_m / d hyper at the new q (and local guides), by the reparameterised ELBO
@@ -279,14 +283,14 @@ def _tilted_model_and_guide(problem: ClientProblem) -> tuple[Callable, Callable]
     family, sites, live = problem.family, problem.sites, problem.has_local
 
     def tilted_model(client: Client, scale: jax.Array, cavity: tuple, q: tuple, local: Any, hyper: Any) -> None:
-        zeta = numpyro.sample("_pvi_zeta", family.params_distribution(cavity))
+        zeta = numpyro.sample("_pvi_zeta", cavity_distribution(family, cavity))
         if live:  # the model itself: its local latents and observations are sites of this ELBO
             problem.local_model(zeta, client, hyper)
         else:
             numpyro.factor("_pvi_loglik", scale * problem.log_likelihood(zeta, client, hyper))
 
     def tilted_guide(client: Client, scale: jax.Array, cavity: tuple, q: tuple, local: Any, hyper: Any) -> None:
-        numpyro.sample("_pvi_zeta", family.guide("_pvi_", q))
+        numpyro.sample("_pvi_zeta", client_guide(family, "_pvi_", cavity, q))
         if live:
             local_guide(sites, client.mask, local)
 
