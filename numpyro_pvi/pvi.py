@@ -32,7 +32,7 @@ from numpyro_pvi.rounds import InFlight, Round, cancel_in_flight
 from numpyro_pvi.servers import Server, Synchronous
 from numpyro_pvi.sites import ModelSites
 from numpyro_pvi.start import chosen_start
-from numpyro_pvi.state import PVIState, Rejection, RoundInfo
+from numpyro_pvi.state import PVIState, RoundInfo
 
 MEMO_SIZE = 4  # problems remembered by the identity of their data
 ELBO_KEY = jax.random.PRNGKey(1)  # RoundInfo.elbo's draws, the same every round
@@ -222,10 +222,9 @@ class PVI:
         round = Round(steps, problem.buckets, round_key, problem.num_clients, problem.capacity, in_flight, sample_key)
         before = state
         state = self.server.run_round(state, round, problem.num_clients)
-        backtracked = bool(np.any(round.rejection == Rejection.INVALID) or
-                           np.any((round.accepted > 0) & (round.damping < rho * (1 - 1e-6))))
-        clean = bool(np.all(round.accepted[:problem.num_clients] > 0)) and not backtracked
-        state = damping.accelerate(self.server.damping, self.family, before, state, clean, rho)
+        backtracked = round.backtracked(rho)
+        state = damping.accelerate(self.server.damping, self.family, before, state,
+                                   round.every_client_merged() and not backtracked, rho)
         if steps.hyper_step is not None and round.hyper_grad:
             grads = state.hyper_grads
             for m, grad in round.hyper_grad.items():

@@ -25,7 +25,7 @@ from numpyro_pvi.backends import ConcurrentRunner, take
 from numpyro_pvi.clients import Bucket
 from numpyro_pvi.families import NatParams
 from numpyro_pvi.local_updates.base import Client
-from numpyro_pvi.state import ClientOutcome, PVIState
+from numpyro_pvi.state import ClientOutcome, PVIState, Rejection
 from numpyro_pvi.steps import Group, Steps
 
 
@@ -87,6 +87,16 @@ class Round:
     def record(self) -> tuple:
         """``(free_energy, attempts, accepted, damping, clamped)`` for :class:`~numpyro_pvi.RoundInfo`."""
         return self.free_energy, self.attempts, self.accepted, self.damping, self.clamped
+
+    def backtracked(self, rho: float) -> bool:
+        """Whether a merge of this round had to backtrack: an update rejected as ``INVALID``, or one merged with a
+        damping below ``rho`` (the damping the round started from)."""
+        below = (self.accepted > 0) & (self.damping < rho * (1 - 1e-6))
+        return bool(np.any(self.rejection == Rejection.INVALID) or np.any(below))
+
+    def every_client_merged(self) -> bool:
+        """Whether every client ran and was merged in this round (a round :class:`~numpyro_pvi.HeavyBall` can use)."""
+        return bool(np.all(self.accepted > 0))
 
     def note_stale(self, staleness: int) -> None:
         """The server rejects an update computed against a ``q`` ``staleness`` merges old."""

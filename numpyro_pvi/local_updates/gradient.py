@@ -163,11 +163,9 @@ class GradientUpdate:
             new_state = state_from_params(sites, params) if live else state
             hyper_grad = ()
             if has_hyper:  # d F_m / d hyper at the new q (and local guides), by the reparameterised ELBO
-                def free_energy(h: Any) -> jax.Array:
-                    return -elbo.loss(jax.random.fold_in(rng_key, 2), params, tilted_model, tilted_guide, client, 1.0,
-                                      cavity_params, q_params, new_state, h)
-
-                hyper_grad = jax.grad(free_energy)(hyper)
+                hyper_grad = jax.grad(lambda h: -elbo.loss(jax.random.fold_in(rng_key, 2), params, tilted_model,
+                                                           tilted_guide, client, 1.0, cavity_params, q_params,
+                                                           new_state, h))(hyper)
             return ClientResult(q_new - q, -window_mean(losses, count, num_average), new_state, 0, hyper_grad)
 
         return client_update
