@@ -50,18 +50,18 @@ def _data():
 
 
 @pytest.fixture(scope="module")
-def flower_run():
+def by_value():
+    """The sites run in Ray workers, which cannot import the test modules: ship this module's models by value."""
     import ray.cloudpickle
 
-    # the sites run in Ray workers, which cannot import the test modules: ship the model by value
-    modules = [sys.modules[__name__]]
-    for module in modules:
-        ray.cloudpickle.register_pickle_by_value(module)
-    try:
-        yield run_flower()
-    finally:
-        for module in modules:
-            ray.cloudpickle.unregister_pickle_by_value(module)
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    yield
+    ray.cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
+
+
+@pytest.fixture(scope="module")
+def flower_run(by_value):
+    return run_flower()
 
 
 def run_flower():
@@ -227,3 +227,47 @@ def test_server_merges_good_deltas_and_rejects_the_rest(monkeypatch):
     sent = {int(m.content.config_records["pvi"]["client"]): int(m.content.config_records["pvi"]["accepted"])
             for m in strategy.configure_train(2, None, flwr.app.ConfigRecord(), None)}
     assert sent == {0: 1, 1: 0, 2: 0, 3: 0}
+
+
+def normal_gamma_model(X, y=None):
+    """Linear regression with an unknown noise precision: a full-rank Gaussian block over w, a Gamma block over tau."""
+    w = numpyro.sample("w", dist.Normal(0.0, 2.0).expand([2]).to_event(1))
+    tau = numpyro.sample("tau", dist.Gamma(2.0, 1.0))
+    with pvi.partition_plate("data", X.shape[0]):
+        numpyro.sample("y", dist.Normal(X @ w, 1.0 / jnp.sqrt(tau)), obs=y)
+
+
+def site_families():
+    return pvi.SiteFamilies({"w": pvi.FullRankGaussian(), "tau": pvi.Gamma()})
+
+
+def test_flower_site_families_match_in_process(by_value):
+    """SiteFamilies over Flower: the server's copy of the family is laid out from the sites' report (it has no
+    data), q's leaves (one eta2 per block) equal the in-process vmap run's (same tolerance as above), and a site
+    whose layout differs is refused by name."""
+    X = random.normal(random.PRNGKey(4), (24, 2))
+    y = X @ jnp.array([1.0, -0.5]) + 0.7 * random.normal(random.PRNGKey(5), (24,))
+    parts = pvi.split_iid(random.PRNGKey(1), 24, 3)
+    update = pvi.NaturalGradientUpdate(step_size=1.0, num_particles=8)
+    strategy = PVIStrategy(site_families(), 3, random.PRNGKey(2), pvi.Synchronous(DAMPING))
+    app = ServerApp()
+
+    @app.main()
+    def main(grid, context):
+        strategy.start(grid, num_rounds=2, timeout=600)
+
+    def load_data(context):
+        p = parts[int(context.node_config["partition-id"])]
+        return (np.asarray(X[p]),), {"y": np.asarray(y[p])}
+
+    run_simulation(app, client_app(normal_gamma_model, site_families(), update, load_data), num_supernodes=3,
+                   backend_config={"init_args": {"num_cpus": 1}, "client_resources": {"num_cpus": 1}})
+    inference = pvi.PVI(normal_gamma_model, site_families(), parts, update, pvi.Synchronous(DAMPING))
+    reference = inference.run(random.PRNGKey(2), 2, X, y=y, progress_bar=False)
+    assert len(strategy.state.q.eta2) == 2
+    for got, want in zip(jax.tree.leaves((strategy.state.q, strategy.state.factors)),
+                         jax.tree.leaves((reference.state.q, reference.state.factors))):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    np.testing.assert_array_equal(strategy.history.rejection, reference.history.rejection)
+    with pytest.raises(ValueError, match="same SiteFamilies"):
+        site_families().adopt_layout([[["w", "tau"], 3]], {"w": (2,), "tau": ()})  # w and tau in one block

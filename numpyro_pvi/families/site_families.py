@@ -12,7 +12,7 @@ checkpoints are unchanged. Every other member maps over the blocks.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +22,7 @@ from numpyro.distributions import constraints
 from numpyro.distributions.kl import kl_divergence
 
 from numpyro_pvi.families import tilted
+from numpyro_pvi.families.exponential_family import ExponentialFamily
 from numpyro_pvi.families.factor import FactorFamily
 from numpyro_pvi.families.mean_field import MeanFieldGaussian
 from numpyro_pvi.families.params import Marginals, NatParams
@@ -168,12 +169,46 @@ class SiteFamilies:
             blocks.append((family, start, start + size, tuple(s.name for s in sub.globals)))
             globals_.extend(sub.globals)
             start += size
-        layout = tuple((b[1], b[2], b[3]) for b in blocks)
-        if self.blocks is not None and tuple((b[1], b[2], b[3]) for b in self.blocks) != layout:
+        self._set_blocks(tuple(blocks))
+        return replace(sites, globals=tuple(globals_), gaussian_prior=gaussian)
+
+    def layout(self) -> tuple:
+        """The laid-out blocks as ``((names, size), ...)``: what :meth:`adopt_layout` needs to lay out another
+        instance with the same groups identically, without the model (e.g. a Flower server, which has no data).
+
+        **Example:** ``SiteFamilies({"w": pvi.FullRankGaussian(), "tau": pvi.Gamma()})`` laid out for a model with
+        ``w`` of shape ``(2,)`` and ``tau`` has the layout ``((("w",), 2), (("tau",), 1))``.
+        """
+        return tuple((names, b - a) for _, a, b, names in self._laid_out())
+
+    def adopt_layout(self, layout: Iterable, shapes: dict) -> None:
+        """Lay out as another instance with the same groups was (its :meth:`layout`).
+
+        :param layout: ``((names, size), ...)`` per block, as :meth:`layout` gives it.
+        :param shapes: site name -> the site's shape (a ``Dirichlet`` block records its site's shape).
+        :raises ValueError: if a block's sites are not one group of this instance, or this instance was laid
+            out otherwise before.
+        """
+        blocks, start = [], 0
+        for names, size in layout:
+            names = tuple(names)
+            groups = {next((g for g in self.groups if n in g), None) for n in names}
+            if len(groups) != 1 or any(n not in shapes for n in names):
+                raise ValueError(f"SiteFamilies: the block {names} of the layout is not one group of {self!r} "
+                                 "(were both ends configured with the same SiteFamilies?).")
+            group = groups.pop()
+            family = self.default if group is None else self.groups[group]
+            if isinstance(family, ExponentialFamily):
+                family.check_shapes([tuple(shapes[n]) for n in names])
+            blocks.append((family, start, start + int(size), names))
+            start += int(size)
+        self._set_blocks(tuple(blocks))
+
+    def _set_blocks(self, blocks: tuple) -> None:
+        if self.blocks is not None and tuple(b[1:] for b in self.blocks) != tuple(b[1:] for b in blocks):
             raise ValueError("This SiteFamilies instance was laid out for another model's sites; make a new "
                              "pvi.SiteFamilies({...}) for each model.")
-        self.blocks = tuple(blocks)
-        return replace(sites, globals=tuple(globals_), gaussian_prior=gaussian)
+        self.blocks = blocks
 
     def _laid_out(self) -> tuple:
         if self.blocks is None:

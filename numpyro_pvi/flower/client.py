@@ -20,8 +20,8 @@ from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from numpyro_pvi.backends import failed_result, take
-from numpyro_pvi.families import Family
-from numpyro_pvi.flower.wire import key_from_record, tree_from_record, tree_to_record
+from numpyro_pvi.families import FactorFamily
+from numpyro_pvi.flower.wire import key_from_record, layout_to_text, tree_from_record, tree_to_record
 from numpyro_pvi.local_updates.base import Client, LocalUpdate
 from numpyro_pvi.problem import Problem
 from numpyro_pvi.pvi import PVI
@@ -65,13 +65,14 @@ class Site:
     **Example:** ``site = Site(model, pvi.MeanFieldGaussian(), pvi.GradientUpdate(optax.adam(0.05), 100), load)``
     """
 
-    def __init__(self, model: Callable, family: Family, local_update: LocalUpdate, load_data: LoadData,
+    def __init__(self, model: Callable, family: FactorFamily, local_update: LocalUpdate, load_data: LoadData,
                  client_id: Callable[[Context], int] | None = None) -> None:
         if not isinstance(local_update, LocalUpdate):
             raise TypeError(f"local_update must be a local update such as pvi.GradientUpdate(...), "
                             f"got {local_update!r}.")
-        if not isinstance(family, Family):
-            raise TypeError(f"family must be a pvi family such as pvi.MeanFieldGaussian(), got {family!r}.")
+        if not isinstance(family, FactorFamily):
+            raise TypeError(f"family must be a pvi family such as pvi.MeanFieldGaussian(), pvi.SiteFamilies({{...}}) "
+                            f"or pvi.Gamma(), got {family!r}.")
         self.model, self.family, self.local_update = model, family, local_update
         self.load_data, self.client_id = load_data, partition_id if client_id is None else client_id
 
@@ -105,13 +106,14 @@ class Site:
         unsupported = {"fitted-prior-sites": ",".join(problem.rest),
                        "hyper-sites": ",".join(h.name for h in problem.sites.hyper)}
         info = ConfigRecord({"client": prep.client_id, "dim": int(problem.sites.dim),
+                             "layout": layout_to_text(problem.client_problem.family, problem.sites),
                              **{k: v for k, v in unsupported.items() if v}})  # Flower rejects empty strings
         return Message(RecordDict({"q0": tree_to_record(q0), "pvi": info}), reply_to=message)
 
     def train(self, message: Message, context: Context) -> Message:
         """One local update against the cavity in ``message``; reply with the delta and the free energy."""
         prep = self.prepare(context)
-        like = self.family.zeros(prep.problem.sites.dim)
+        like = prep.problem.client_problem.family.zeros(prep.problem.sites.dim)  # the family as laid out for the site
         content, config = message.content, message.content.config_records["pvi"]
         cavity = tree_from_record(content.array_records["cavity"], like, "cavity")
         q = tree_from_record(content.array_records["q"], like, "q")
@@ -141,7 +143,7 @@ _INFERENCES: dict[int, PVI] = {}  # run -> a PVI whose cache lets sites of the s
 _UPDATES: dict[int, tuple] = {}  # id(client problem) -> (client problem, jitted client_update)
 
 
-def client_app(model: Callable, family: Family, local_update: LocalUpdate, load_data: LoadData,
+def client_app(model: Callable, family: FactorFamily, local_update: LocalUpdate, load_data: LoadData,
                client_id: Callable[[Context], int] | None = None) -> ClientApp:
     """A Flower ``ClientApp`` running PVI's local update at a site that holds its own data (:class:`Site`).
 

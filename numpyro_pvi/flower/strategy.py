@@ -29,8 +29,8 @@ from flwr.supercore import log
 from numpyro_pvi.backends import stack
 from numpyro_pvi.checkpoint import save
 from numpyro_pvi.damping import AdaptiveDamping
-from numpyro_pvi.families import Family, NatParams
-from numpyro_pvi.flower.wire import content_bytes, key_to_record, tree_from_record, tree_to_record
+from numpyro_pvi.families import FactorFamily, NatParams
+from numpyro_pvi.flower.wire import adopt_layout, content_bytes, key_to_record, tree_from_record, tree_to_record
 from numpyro_pvi.heavy_ball import HeavyBall
 from numpyro_pvi.merge import merge, rejection_codes, screen
 from numpyro_pvi.monitor import RunMonitor, q_change
@@ -61,11 +61,12 @@ class PVIStrategy(Strategy):
     ``ServerApp`` from :func:`server_app`.
     """
 
-    def __init__(self, family: Family, num_clients: int, rng_key: jax.Array,
+    def __init__(self, family: FactorFamily, num_clients: int, rng_key: jax.Array,
                  server: Synchronous | Sequential | None = None) -> None:
         server = Synchronous(1.0) if server is None else server
-        if not isinstance(family, Family):
-            raise TypeError(f"family must be a pvi family such as pvi.MeanFieldGaussian(), got {family!r}.")
+        if not isinstance(family, FactorFamily):
+            raise TypeError(f"family must be a pvi family such as pvi.MeanFieldGaussian(), pvi.SiteFamilies({{...}}) "
+                            f"or pvi.Gamma(), got {family!r}.")
         if not isinstance(num_clients, int) or isinstance(num_clients, bool) or num_clients < 1:
             raise ValueError(f"num_clients must be a positive integer, got {num_clients!r}.")
         if type(server) not in (Synchronous, Sequential):
@@ -138,6 +139,11 @@ class PVIStrategy(Strategy):
                     "PVIStrategy handles global sites with a Gaussian prior in unconstrained space and no "
                     f"hyperparameters; this model has prior-fitted sites [{c.get('fitted-prior-sites', '')}] and "
                     f"hyperparameters [{c.get('hyper-sites', '')}]. Run it in process (pvi.PVI) instead.")
+        layouts = {str(c["layout"]) for c in info.values()}
+        if len(layouts) != 1:
+            raise ValueError("The sites report different global sites or family layouts: do they run the same model "
+                             "and family?")
+        adopt_layout(self.family, layouts.pop())  # a SiteFamilies (a Dirichlet) is laid out as the sites' own
         like = self.family.zeros(int(next(iter(info.values()))["dim"]))
         priors = [tree_from_record(r.content.array_records["q0"], like, "prior") for r in replies]
         if not all(all(np.allclose(a, b) for a, b in zip(jax.tree.leaves(priors[0]), jax.tree.leaves(p)))

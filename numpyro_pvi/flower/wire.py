@@ -6,12 +6,15 @@ structure (both ends hold the family and the dimension), so only arrays travel, 
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flwr.app import Array, ArrayRecord, RecordDict
+
+from numpyro_pvi.families import ExponentialFamily, SiteFamilies
 
 RAW_KEY = "raw"  # the PRNG name sent for a raw uint32 key (Flower cannot count the bytes of an empty string)
 
@@ -65,3 +68,27 @@ def content_bytes(content: RecordDict) -> int:
     **Example:** ``content_bytes(message.content)``
     """
     return int(sum(record.count_bytes() for record in content.values()))
+
+
+def layout_to_text(family: Any, sites: Any) -> str:
+    """What the server needs to lay out its copy of ``family`` as the site's: the global sites' shapes and, for a
+    :class:`~numpyro_pvi.SiteFamilies`, its blocks (:meth:`~numpyro_pvi.SiteFamilies.layout`), as JSON.
+
+    **Example:** ``layout_to_text(family, problem.sites)``; the server calls :func:`adopt_layout` with it.
+    """
+    blocks = [[list(names), int(size)] for names, size in family.layout()] if isinstance(family, SiteFamilies) \
+        else None
+    return json.dumps({"shapes": {s.name: list(s.shape) for s in sites.globals}, "blocks": blocks})
+
+
+def adopt_layout(family: Any, text: str) -> None:
+    """Lay ``family`` out as :func:`layout_to_text` described a site's (a no-op for a Gaussian family).
+
+    **Example:** ``adopt_layout(strategy.family, config["layout"])``.
+    """
+    layout = json.loads(text)
+    shapes = {name: tuple(shape) for name, shape in layout["shapes"].items()}
+    if isinstance(family, SiteFamilies):
+        family.adopt_layout(layout["blocks"], shapes)
+    elif isinstance(family, ExponentialFamily):  # a Dirichlet records its site's shape (a batch of simplices)
+        family.check_shapes(list(shapes.values()))
