@@ -9,7 +9,7 @@ from test_site_families import normal_gamma_model
 
 import numpyro_pvi as pvi
 
-from conftest import linear_model
+from conftest import assert_checkpoint_resumes, linear_model
 
 PARTS = pvi.split_iid(random.PRNGKey(5), 300, 3)  # three clients of 100 rows
 
@@ -137,14 +137,7 @@ def test_site_families_clip_every_block_and_checkpoint_resumes_exactly(tmp_path)
     assert len(leaves) == 3 and all(np.any(leaf != 0) for leaf in leaves)  # eta1, w's eta2 (2 x 2), tau's eta2
     np.testing.assert_allclose(np.sqrt(sum(np.sum(leaf**2) for leaf in leaves)), 0.5, rtol=1e-5)
     assert bool(family.is_valid(result.state.q))
-    pvi.save(result, tmp_path / "run.npz")
-    loaded = pvi.load(tmp_path / "run.npz", inference, result.problem)
-    for a, b in zip(jax.tree.leaves(result.state), jax.tree.leaves(loaded)):
-        np.testing.assert_array_equal(a, b)
-    resumed, _ = inference.update(loaded, result.problem)
-    direct, _ = inference.update(result.state, result.problem)
-    for a, b in zip(jax.tree.leaves(resumed.q), jax.tree.leaves(direct.q)):
-        np.testing.assert_array_equal(a, b)
+    assert_checkpoint_resumes(inference, result, tmp_path / "run.npz")
 
 
 class _GaussianOnlyUpdate:
