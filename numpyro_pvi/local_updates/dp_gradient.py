@@ -110,6 +110,11 @@ class DPGradientUpdate:
     added per coordinate, divided by ``q``. The KL to the cavity (no data) is exact. One release per
     client visit: ``num_steps`` subsampled Gaussian mechanisms (:func:`numpyro_pvi.privacy.dp_sgd_event`).
 
+    Every family: a Gaussian one optimises ``(loc, u)``; any other (:class:`~numpyro_pvi.SiteFamilies`,
+    ``Gamma``, ``Beta``, ``Dirichlet``) the unconstrained values of its guide's ``numpyro.param`` sites, with the
+    guide's reparameterised draws (:mod:`numpyro_pvi.local_updates.dp_params`); the clipping, the noise and the
+    accounting are the same.
+
     The cost of a step is one per-row gradient in ``zeta`` for every padded row (Poisson sampling under
     fixed shapes), whatever ``batch_size``, plus one ordinary backward pass for the clipped sum
     (:func:`~numpyro_pvi.local_updates.dp_clipping.clipped_sum`); a ``batch_size`` of at least the padded
