@@ -167,11 +167,12 @@ def clipped_sum(problem: ClientProblem, params: tuple, eps: jax.Array, client: C
 def row_gradients(problem: ClientProblem, params: tuple, eps: jax.Array, client: Client) -> tuple:
     """Per-row gradients (``jax.vmap`` of ``jax.grad``) of ``E_q[log p(y_i | zeta)]`` with respect to ``params``.
 
-    The direct computation, each row differentiated through the draws ``zeta_s = loc + scale @ eps_s``:
+    The direct computation, each row differentiated through the draws (:func:`reparameterise`):
     the reference :func:`clipped_sum` and :func:`row_squared_norms` are tested against. Each leaf gains a
     leading axis of the client's (padded) rows.
 
-    **Example:** ``grads = row_gradients(problem, (loc, u), eps, client)``; ``grads[0]`` is ``(rows, D)``.
+    **Example:** ``grads = row_gradients(problem, (loc, u), eps, client)``; ``grads[0]`` is ``(rows, D)`` (a
+    Gaussian family).
     """
     draws = reparameterise(problem, eps)
     rows = [a[:, None] if row else a for a, row in zip(client.arrays, problem.is_row)]
