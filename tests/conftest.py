@@ -62,3 +62,15 @@ def logistic_data():
     logits = X @ jnp.array([1.5, -1.0, 0.5]) - 0.3
     y = random.bernoulli(random.PRNGKey(3), jax.nn.sigmoid(logits)).astype(jnp.float32)
     return X, y
+
+
+def assert_checkpoint_resumes(inference, result, path):
+    """Save ``result``, load it back (identical state) and take one more round from both: identical ``q``."""
+    pvi.save(result, path)
+    loaded = pvi.load(path, inference, result.problem)
+    for a, b in zip(jax.tree.leaves(result.state), jax.tree.leaves(loaded)):
+        np.testing.assert_array_equal(a, b)
+    resumed, _ = inference.update(loaded, result.problem)
+    direct, _ = inference.update(result.state, result.problem)
+    for a, b in zip(jax.tree.leaves(resumed.q), jax.tree.leaves(direct.q)):
+        np.testing.assert_array_equal(a, b)

@@ -4,10 +4,12 @@ import numpy as np
 import optax
 import pytest
 from jax import random
+from test_exponential_families import poisson_model
+from test_site_families import normal_gamma_model
 
 import numpyro_pvi as pvi
 
-from conftest import linear_model
+from conftest import assert_checkpoint_resumes, linear_model
 
 PARTS = pvi.split_iid(random.PRNGKey(5), 300, 3)  # three clients of 100 rows
 
@@ -95,3 +97,63 @@ def test_bad_arguments_are_named():
         pvi.DPLocalAveraging(inner, 0, 1.0, 1.0)
     with pytest.raises(ValueError, match="clip_norm"):
         pvi.DPLocalAveraging(inner, 2, -1.0, 1.0)
+
+
+# ---------------------------------------------------------------- any family the wrapped update supports
+def _cvi(num_particles=16):
+    return pvi.NaturalGradientUpdate(step_size=1.0, num_particles=num_particles)
+
+
+def test_conjugate_shards_release_the_whole_clients_delta_and_the_exact_posterior():
+    """Poisson-Gamma with ``pvi.Gamma()`` and CVI (step 1): each shard's site is exactly linear in (log rate, rate)
+    and its likelihood is scaled by S, so the mean of the shards' deltas is the whole client's non-private delta, its
+    conjugate statistics ``(sum y_m, -n_m)`` (empty shards included), and one round gives the exact Gamma posterior
+    (float32 rounding: ~1e-6 relative)."""
+    y = random.poisson(random.PRNGKey(0), 3.0, (40,)).astype(jnp.float32)
+    averaged = pvi.DPLocalAveraging(_cvi(), num_shards=4, clip_norm=1e9, noise_multiplier=0.0)
+    parts = [np.arange(0, 12), np.arange(12, 40)]
+    result = pvi.PVI(poisson_model, pvi.Gamma(), parts, averaged, pvi.Synchronous(1.0)).run(
+        random.PRNGKey(3), 1, y=y, progress_bar=False)
+    factors = result.state.factors  # one round from t_m = 0 with damping 1: each factor is the released delta
+    np.testing.assert_allclose(factors.eta1[:2, 0], [float(y[p].sum()) for p in parts], rtol=1e-5)
+    np.testing.assert_allclose(factors.eta2[:2, 0], [-12.0, -28.0], rtol=1e-5)
+    shape, rate = pvi.Gamma().to_params(result.state.q)
+    np.testing.assert_allclose(shape, [2.0 + float(y.sum())], rtol=1e-5)
+    np.testing.assert_allclose(rate, [0.5 + 40], rtol=1e-5)
+
+
+def test_site_families_clip_every_block_and_checkpoint_resumes_exactly(tmp_path):
+    """Normal-Gamma regression, ``SiteFamilies`` (full-rank w, Gamma tau), one client, one shard clipped to C = 0.5:
+    the first round's factor (the released delta) has norm C over every leaf (eta1 and each block's eta2: the whole
+    client's delta is far longer) with no leaf zeroed; the run resumes exactly from a checkpoint."""
+    X = random.normal(random.PRNGKey(4), (40, 2))
+    y = X @ jnp.array([1.0, -0.5]) + 0.7 * random.normal(random.PRNGKey(5), (40,))
+    family = pvi.SiteFamilies({"w": pvi.FullRankGaussian(), "tau": pvi.Gamma()})
+    inner = pvi.GradientUpdate(optax.adam(0.05), num_steps=50)  # CVI's steps from the prior are often clamped here
+    update = pvi.DPLocalAveraging(inner, num_shards=1, clip_norm=0.5, noise_multiplier=0.0)
+    inference = pvi.PVI(normal_gamma_model, family, [np.arange(40)], update, pvi.Sequential())
+    result = inference.run(random.PRNGKey(7), 1, X, y=y, progress_bar=False)
+    leaves = [np.asarray(leaf[0], np.float64) for leaf in jax.tree.leaves(result.state.factors)]
+    assert len(leaves) == 3 and all(np.any(leaf != 0) for leaf in leaves)  # eta1, w's eta2 (2 x 2), tau's eta2
+    np.testing.assert_allclose(np.sqrt(sum(np.sum(leaf**2) for leaf in leaves)), 0.5, rtol=1e-5)
+    assert bool(family.is_valid(result.state.q))
+    assert_checkpoint_resumes(inference, result, tmp_path / "run.npz")
+
+
+class _GaussianOnlyUpdate:
+    """A local update that declares no support for non-Gaussian families (no ``supports_factor_families``)."""
+
+    def init_state(self, problem):
+        return ()
+
+    def bind(self, problem):
+        raise AssertionError("not reached: PVI refuses the family first")
+
+
+def test_factor_family_support_is_the_wrapped_updates():
+    assert pvi.DPLocalAveraging(_cvi(), 2, 1.0, 1.0).supports_factor_families
+    assert not pvi.DPLocalAveraging(_GaussianOnlyUpdate(), 2, 1.0, 1.0).supports_factor_families
+    inference = pvi.PVI(poisson_model, pvi.Gamma(), [np.arange(4)], pvi.DPLocalAveraging(_GaussianOnlyUpdate(), 2, 1.0,
+                                                                                        1.0), pvi.Synchronous(1.0))
+    with pytest.raises(NotImplementedError, match="DPLocalAveraging needs a Gaussian family"):
+        inference.build(y=jnp.ones(4))

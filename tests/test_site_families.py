@@ -20,6 +20,8 @@ from scipy.optimize import minimize
 
 import numpyro_pvi as pvi
 
+from conftest import assert_checkpoint_resumes
+
 NOISE = 0.5
 N = 48
 PARTS = np.split(np.arange(N), [5, 14, 30])  # four uneven clients
@@ -91,14 +93,7 @@ def test_backends_agree_and_checkpoint_resumes_exactly(data, tmp_path):
     other = loop.run(random.PRNGKey(3), 2, data[0], y=data[1], progress_bar=False)
     for a, b in zip(jax.tree.leaves(result.state.q), jax.tree.leaves(other.state.q)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
-    pvi.save(result, tmp_path / "run.npz")
-    loaded = pvi.load(tmp_path / "run.npz", vmap, result.problem)
-    for a, b in zip(jax.tree.leaves(result.state), jax.tree.leaves(loaded)):
-        np.testing.assert_array_equal(a, b)
-    resumed, _ = vmap.update(loaded, result.problem)
-    direct, _ = vmap.update(result.state, result.problem)
-    for a, b in zip(jax.tree.leaves(resumed.q), jax.tree.leaves(direct.q)):
-        np.testing.assert_array_equal(a, b)
+    assert_checkpoint_resumes(vmap, result, tmp_path / "run.npz")
     with pytest.raises(ValueError, match="family"):
         pvi.load(tmp_path / "run.npz", cvi(pvi.SiteFamilies({"b": pvi.FullRankGaussian()}), pvi.Synchronous(1.0)),
                  result.problem)

@@ -20,8 +20,8 @@ class FactorFamily(Protocol):
     :class:`~numpyro_pvi.SiteFamilies` implement this contract only.
 
     * **Core**: :meth:`zeros`, :meth:`is_valid`, :meth:`to_dist`, :meth:`marginals`, :meth:`prepare_sites`.
-    * **Guide** (``GradientUpdate``): :meth:`guide_params`, :meth:`params_distribution`, :meth:`guide`,
-      :meth:`from_guide`.
+    * **Guide** (``GradientUpdate``, ``DPGradientUpdate``): :meth:`guide_params`, :meth:`params_distribution`,
+      :meth:`guide`, :meth:`from_guide`.
     * **Natural-gradient site** (CVI): :meth:`draw`, :meth:`site_from_draws`.
     * **Moment matching** (EP): :meth:`match_moments`.
     * **Start and prior** (PVI's chosen start, the exact prior ``lambda_0`` and the prior factor ``t_0``):

@@ -105,7 +105,8 @@ class SiteFamilies:
     parameters) exactly and fits the others (a ``HalfNormal`` scale...) by its part of the prior factor
     ``t_0``, as a plain Gaussian family does; an exponential-family block's prior must be of the family
     itself (``Gamma``, ``Beta``, ``Dirichlet``: ``ValueError`` otherwise). ``GradientUpdate``,
-    ``NaturalGradientUpdate`` and ``MomentMatchingUpdate`` support it.
+    ``NaturalGradientUpdate``, ``MomentMatchingUpdate``, ``DPGradientUpdate`` and ``DPLocalAveraging`` (of an
+    update that supports it) support it.
 
     :param families: site name (or tuple of names) -> family.
     :param default: the family of every other global site (one block); default ``MeanFieldGaussian()``.

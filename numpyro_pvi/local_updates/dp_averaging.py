@@ -36,7 +36,8 @@ from numpyro_pvi.local_updates.dp_gradient import (
 class DPLocalAveraging:
     """Wrap a local update: fit it on ``num_shards`` disjoint shards, release the clipped, noised mean delta.
 
-    Each shard's delta (a :class:`~numpyro_pvi.NatParams`, flattened over all its leaves) is clipped to
+    Each shard's delta (a :class:`~numpyro_pvi.NatParams`, flattened over all its leaves: for
+    :class:`~numpyro_pvi.SiteFamilies` ``eta1`` and every block's ``eta2``) is clipped to
     Euclidean norm ``clip_norm``; the released delta is their mean plus ``Normal(0, sd^2)`` per
     coordinate with ``sd = noise_multiplier * 2 * clip_norm / num_shards`` (``noise_multiplier`` times
     the mean's add/remove-one-row sensitivity, see the module docstring). The wrapped update's
@@ -45,7 +46,10 @@ class DPLocalAveraging:
     ``jax.random.split(rng_key, num_shards + 1)[s]``, the last key assigns the rows and draws the noise.
 
     The wrapped update must keep no persistent client state (e.g. ``GradientUpdate``,
-    ``NaturalGradientUpdate``, ``MomentMatchingUpdate`` on models without local latents).
+    ``NaturalGradientUpdate``, ``MomentMatchingUpdate`` on models without local latents). Any family the
+    wrapped update supports works (:attr:`supports_factor_families`): with ``NaturalGradientUpdate(step_size=1.0)``
+    and a conjugate likelihood (e.g. ``pvi.Gamma()`` on Poisson counts) each shard's site is exact, so without
+    noise and clipping the released delta is the whole client's.
 
     :param local_update: the update each shard runs (a :class:`~numpyro_pvi.LocalUpdate`).
     :param int num_shards: ``S``, the number of disjoint shards of the client's rows.
@@ -79,6 +83,12 @@ class DPLocalAveraging:
             raise ValueError("DPLocalAveraging: a privacy_budget needs noise_multiplier > 0.")
         self.local_update, self.num_shards = local_update, num_shards
         self.clip_norm, self.noise_multiplier = float(clip_norm), float(noise_multiplier)
+
+    @property
+    def supports_factor_families(self) -> bool:
+        """Whether the wrapped update supports every family (``SiteFamilies``, ``Gamma``...): averaging, clipping
+        and noising a :class:`~numpyro_pvi.NatParams` delta work for any family."""
+        return bool(getattr(self.local_update, "supports_factor_families", False))
 
     @property
     def sensitivity(self) -> float:

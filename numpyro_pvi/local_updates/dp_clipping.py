@@ -1,7 +1,9 @@
 """Per-row clipping of the data term's gradient for DP-SGD, by the reparameterisation's chain rule.
 
 The data term ``E_q[log p(y_i | zeta)]`` of row ``i`` is estimated with draws ``zeta_s = loc + scale @ eps_s``
-shared by the rows, so its gradient with respect to the guide's parameters ``params = (loc, u)`` is
+shared by the rows (any other family: one reparameterised draw of its guide per fixed key,
+:mod:`~numpyro_pvi.local_updates.dp_params`), so its gradient with respect to the guide's parameters
+``params`` (``(loc, u)`` for a Gaussian family) is
 ``J^T g_i``: ``J`` the Jacobian of ``params -> (zeta_1 .. zeta_S)`` (the same for every row) and ``g_i`` the
 row's gradients in ``zeta``, ``g_is = grad_zeta log p(y_i | zeta_s) / S``. Hence
 
@@ -9,7 +11,8 @@ row's gradients in ``zeta``, ``g_is = grad_zeta log p(y_i | zeta_s) / S``. Hence
   padding of a site's block into the flat vector);
 * each row's **norm** ``||J^T g_i||`` follows from them: in closed form for
   :class:`~numpyro_pvi.MeanFieldGaussian` (``J`` is diagonal per draw: loc's gradient is ``sum_s g_is`` and
-  ``u``'s is ``sum_s g_is * eps_s * dscale/du``), by applying ``J^T`` (``jax.vjp``) to each row otherwise;
+  ``u``'s is ``sum_s g_is * eps_s * dscale/du``), by applying ``J^T`` (``jax.vjp``) to each row otherwise
+  (every other family: full rank, :class:`~numpyro_pvi.SiteFamilies`, ``Gamma``...);
 * the **clipped sum** ``sum_i w_i J^T g_i = J^T sum_i w_i g_i`` (``w_i`` the clip factors) is one ordinary
   backward pass of the reweighted log-likelihood ``sum_i w_i log p(y_i | zeta_s)`` per draw: no per-row
   gradient in ``params`` is ever summed.
@@ -28,6 +31,7 @@ from numpyro.distributions.transforms import biject_to
 
 from numpyro_pvi.families import MeanFieldGaussian
 from numpyro_pvi.local_updates.base import Client, ClientProblem
+from numpyro_pvi.local_updates.dp_params import parameters_for
 
 
 def clip_factors(grads: Any, clip_norm: float) -> jax.Array:
@@ -56,12 +60,15 @@ def clip_rows(grads: Any, clip_norm: float) -> Any:
 
 
 def reparameterise(problem: ClientProblem, eps: jax.Array) -> Callable:
-    """``params -> zeta`` ``(S, D)``: the draws ``loc + scale @ eps_s`` from the guide's ``(loc, u)``.
+    """``params -> zeta`` ``(S, D)``: the guide's draws at the fixed randomness ``eps``.
+
+    A Gaussian family: ``loc + scale @ eps_s`` from ``(loc, u)`` and standard normals ``eps`` ``(S, D)``; any
+    other family: one reparameterised draw of its guide per key of ``eps`` ``(S, 2)``
+    (:mod:`numpyro_pvi.local_updates.dp_params`).
 
     **Example:** ``zeta = reparameterise(problem, eps)((loc, u))``.
     """
-    family, constrain = problem.family, biject_to(problem.family.scale_constraint)
-    return lambda params: jax.vmap(lambda e: family.unwhiten(params[0], constrain(params[1]), e))(eps)
+    return parameters_for(problem).draws(eps)
 
 
 def site_cuts(problem: ClientProblem) -> list[int]:
@@ -160,11 +167,12 @@ def clipped_sum(problem: ClientProblem, params: tuple, eps: jax.Array, client: C
 def row_gradients(problem: ClientProblem, params: tuple, eps: jax.Array, client: Client) -> tuple:
     """Per-row gradients (``jax.vmap`` of ``jax.grad``) of ``E_q[log p(y_i | zeta)]`` with respect to ``params``.
 
-    The direct computation, each row differentiated through the draws ``zeta_s = loc + scale @ eps_s``:
+    The direct computation, each row differentiated through the draws (:func:`reparameterise`):
     the reference :func:`clipped_sum` and :func:`row_squared_norms` are tested against. Each leaf gains a
     leading axis of the client's (padded) rows.
 
-    **Example:** ``grads = row_gradients(problem, (loc, u), eps, client)``; ``grads[0]`` is ``(rows, D)``.
+    **Example:** ``grads = row_gradients(problem, (loc, u), eps, client)``; ``grads[0]`` is ``(rows, D)`` (a
+    Gaussian family).
     """
     draws = reparameterise(problem, eps)
     rows = [a[:, None] if row else a for a, row in zip(client.arrays, problem.is_row)]

@@ -20,12 +20,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from numpyro.distributions import kl_divergence
-from numpyro.distributions.transforms import biject_to
 
 from numpyro_pvi import privacy
 from numpyro_pvi.families import NatParams
 from numpyro_pvi.local_updates.base import Client, ClientProblem, ClientResult
 from numpyro_pvi.local_updates.dp_clipping import clipped_sum
+from numpyro_pvi.local_updates.dp_params import parameters_for
 from numpyro_pvi.local_updates.gradient import check_step_arguments, running_average
 from numpyro_pvi.state import Rejection
 
@@ -110,6 +110,11 @@ class DPGradientUpdate:
     added per coordinate, divided by ``q``. The KL to the cavity (no data) is exact. One release per
     client visit: ``num_steps`` subsampled Gaussian mechanisms (:func:`numpyro_pvi.privacy.dp_sgd_event`).
 
+    Every family: a Gaussian one optimises ``(loc, u)``; any other (:class:`~numpyro_pvi.SiteFamilies`,
+    ``Gamma``, ``Beta``, ``Dirichlet``) the unconstrained values of its guide's ``numpyro.param`` sites, with the
+    guide's reparameterised draws (:mod:`numpyro_pvi.local_updates.dp_params`); the clipping, the noise and the
+    accounting are the same.
+
     The cost of a step is one per-row gradient in ``zeta`` for every padded row (Poisson sampling under
     fixed shapes), whatever ``batch_size``, plus one ordinary backward pass for the clipped sum
     (:func:`~numpyro_pvi.local_updates.dp_clipping.clipped_sum`); a ``batch_size`` of at least the padded
@@ -138,6 +143,7 @@ class DPGradientUpdate:
 
     supports_local_latents = False
     supports_hyperparameters = False
+    supports_factor_families = True
 
     def __init__(self, optimizer: optax.GradientTransformation, num_steps: int, batch_size: int, clip_norm: float,
                  noise_multiplier: float, num_particles: int = 1, average_fraction: float = 0.5,
@@ -176,20 +182,17 @@ class DPGradientUpdate:
 
     def bind(self, problem: ClientProblem) -> Callable:
         """Return the pure ``client_update(rng_key, client, cavity, q, state, hyper=()) -> ClientResult``."""
-        family, optimizer = problem.family, self.optimizer
-        constrain = biject_to(family.scale_constraint)
+        optimizer, parameters = self.optimizer, parameters_for(problem)
         num_steps, num_average, allowed = self.num_steps, self.num_average, budget_gate(self, self.privacy_budget)
         data_gradient = self.data_gradient(problem)
 
         def client_update(rng_key: jax.Array, client: Client, cavity: NatParams, q: NatParams,
                           state: DPState, hyper: Any = ()) -> ClientResult:
-            cavity_dist = family.distribution(*family.loc_scale(cavity))
-            loc, scale = family.loc_scale(q)
-            params = (loc, constrain.inv(scale))
+            cavity_dist, params = parameters.cavity_distribution(cavity), parameters.init(q)
             rate = jnp.minimum(1.0, self.batch_size / jnp.maximum(client.size, 1))
 
-            def kl(params: tuple) -> jax.Array:
-                return kl_divergence(family.distribution(params[0], constrain(params[1])), cavity_dist)
+            def kl(params: Any) -> jax.Array:
+                return kl_divergence(parameters.distribution(params), cavity_dist)
 
             def step(carry: tuple, xs: tuple) -> tuple:
                 params, opt_state, average = carry
@@ -201,8 +204,8 @@ class DPGradientUpdate:
 
             xs = (jnp.arange(num_steps), jax.random.split(rng_key, num_steps))
             (_, _, average), _ = jax.lax.scan(step, (params, optimizer.init(params), params), xs)
-            q_new = family.from_loc_scale(average[0], constrain(average[1]))
-            return gated_result(allowed(client.size, state.releases), q_new - q, -kl(average), state)
+            return gated_result(allowed(client.size, state.releases), parameters.nat(average) - q, -kl(average),
+                                state)
 
         return client_update
 
@@ -212,14 +215,15 @@ class DPGradientUpdate:
         **Example:** ``grad = update.data_gradient(problem)(key, (loc, u), client, 0.1)``.
         """
         dim, clip_norm, sd = problem.dim, self.clip_norm, self.noise_multiplier * self.clip_norm
+        parameters = parameters_for(problem)
 
-        def gradient(rng_key: jax.Array, params: tuple, client: Client, rate: jax.Array) -> tuple:
+        def gradient(rng_key: jax.Array, params: Any, client: Client, rate: jax.Array) -> Any:
             sample_key, draw_key, noise_key = jax.random.split(rng_key, 3)
             if self.batch_size >= client.mask.shape[0]:  # rate 1 (n_m <= padded rows <= batch): every real row
                 chosen = client.mask
             else:
                 chosen = client.mask & (jax.random.uniform(sample_key, client.mask.shape) < rate)
-            eps = jax.random.normal(draw_key, (self.num_particles, dim))
+            eps = parameters.noise(draw_key, self.num_particles, dim)
             summed = clipped_sum(problem, params, eps, client, chosen, clip_norm)
             noise = gaussian_noise(noise_key, summed, sd)
             return jax.tree.map(lambda s, n: (s + n) / rate, summed, noise)
