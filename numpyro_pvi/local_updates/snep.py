@@ -82,9 +82,7 @@ class SNEPUpdate:
     :param float average: the fraction of each visit's last inner steps whose iterates are averaged
         (Polyak-Ruppert) into the returned site, in ``(0, 1]``.
     :param bool control_variates: estimate the tilted moments with zero-variance control variates
-        (the default, ``None``, is ``True`` for a Gaussian family); ``False`` uses the chains' plain sample
-        moments, as the paper (far noisier). The other families (below) have no control variates: ``True``
-        with them is a ``ValueError``.
+        (default); ``False`` uses the chains' plain sample moments, as the paper (far noisier).
     :param tuple site_variance: optional ``(v_min, v_max)``: clamp the site's covariance eigenvalues (its
         precision's into ``[1 / v_max, 1 / v_min]``) after every step, as the paper's projection;
         ``None`` (default) leaves sites free, as EP. Gaussian families only (a ``ValueError`` with the others).
@@ -112,7 +110,7 @@ class SNEPUpdate:
     supports_factor_families = True  # SiteFamilies, Gamma, Beta, Dirichlet: SNEP in mean parameters (snep_blocks)
 
     def __init__(self, step_size: float = 0.05, num_inner: int = 200, num_outer: int = 10, alpha: float = 1.0,
-                 num_chains: int = 8, average: float = 0.5, control_variates: bool | None = None,
+                 num_chains: int = 8, average: float = 0.5, control_variates: bool = True,
                  site_variance: tuple | None = None, step_decay: float | None = None, max_tree_depth: int = 5,
                  num_newton: int = 10) -> None:
         if not (isinstance(step_size, (int, float)) and 0.0 < step_size < 1.0):
@@ -133,9 +131,7 @@ class SNEPUpdate:
             raise ValueError(f"SNEPUpdate: step_decay must be positive or None, got {step_decay!r}.")
         self.step_size, self.num_inner, self.num_outer, self.alpha = float(step_size), num_inner, num_outer, alpha
         self.num_chains, self.average = num_chains, float(average)
-        #: whether control variates were asked for explicitly (only the Gaussian path has them)
-        self.requested_control_variates = bool(control_variates)
-        self.control_variates = True if control_variates is None else bool(control_variates)
+        self.control_variates = bool(control_variates)
         self.site_variance = None if site_variance is None else tuple(site_variance)
         self.step_decay, self.max_tree_depth, self.num_newton = step_decay, max_tree_depth, num_newton
         #: the first inner step whose iterate enters the Polyak-Ruppert average

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.flatten_util import ravel_pytree
 
 from numpyro_pvi.families import MeanParamFamily, NatParams
 from numpyro_pvi.local_updates.base import Client, ClientProblem, ClientResult, local_free_energy
@@ -56,15 +57,49 @@ class SNEPBlockState(NamedTuple):
     visited: jax.Array
 
 
+NUM_CV_DRAWS = 256  # draws of q (fixed key) from which a visit's control-variate coefficients are read
+MEAN_TOL = 1e-4  # largest relative residual of a step's mean parameters (from_mean_params did not converge above)
+
+
 class BlockVisit(NamedTuple):
     """What every inner step of one visit shares: the family, the cavity, the chains' frame (from the ``q`` at the
-    start of the visit), ``theta -> log p(y_m | theta)`` and the client's inner steps before the visit."""
+    start of the visit), ``theta -> log p(y_m | theta)``, the client's inner steps before the visit and the control
+    variates' coefficients ``(P, K + K^2)`` (:func:`stein_coefficients`; zeros without control variates)."""
 
     family: MeanParamFamily
     cavity: NatParams
     frame: Any
     loglik: Callable
     count: jax.Array
+    coef: jax.Array
+
+
+def stein_features(u: jax.Array, score: jax.Array) -> jax.Array:
+    """Zero-mean functions ``(K + K^2,)`` of a draw ``u`` of any ``p`` with score ``grad log p(u)``: ``score`` and
+    ``I + u score^T`` (Stein's identity ``E_p[div f + f . score] = 0`` for ``f = e_k`` and ``f = u_j e_k``)."""
+    return jnp.concatenate([score, (jnp.eye(u.shape[-1]) + jnp.outer(u, score)).reshape(-1)])
+
+
+def stein_coefficients(family: MeanParamFamily, frame: Any, q: NatParams) -> jax.Array:
+    """The regression coefficients ``(P, K + K^2)`` of ``T`` on :func:`stein_features` under ``q``.
+
+    ``T - C features`` has the mean of ``T`` under any ``p`` (the features have mean zero under every ``p``), and
+    with ``q``'s regression coefficients the least variance when ``p`` is ``q``: exact where ``T`` is in their span
+    (a Gaussian block's ``zeta`` and ``zeta zeta^T``, a Gamma's ``theta``). Read off ``NUM_CV_DRAWS`` draws of ``q``
+    (a fixed key), the control variates of this path as Stein's are of the Gaussian path.
+    """
+    theta = family.to_dist(q).sample(jax.random.PRNGKey(1), (NUM_CV_DRAWS,))
+    u = jax.vmap(lambda t: family.to_chain(frame, t))(theta)
+
+    def log_q(v: jax.Array) -> jax.Array:
+        value, log_det = family.from_chain(frame, v)
+        return family.log_factor(q, value) + log_det
+
+    features = jax.vmap(stein_features)(u, jax.vmap(jax.grad(log_q))(u))
+    stats = jax.vmap(lambda t: ravel_pytree(family.chain_mean_params(t[None]))[0])(theta)
+    features, stats = features - jnp.mean(features, axis=0), stats - jnp.mean(stats, axis=0)
+    gram = features.T @ features + 1e-6 * jnp.trace(features.T @ features) * jnp.eye(features.shape[1])
+    return jnp.linalg.solve(gram, features.T @ stats).T
 
 
 class BlockCarry(NamedTuple):
@@ -98,9 +133,6 @@ def check_block_options(update: SNEPUpdate, family: Any) -> None:
     if update.site_variance is not None:
         raise ValueError(f"SNEPUpdate: site_variance (a clamp of a Gaussian site's covariance) has no meaning for "
                          f"{family!r}; leave it None (the mean-parameter steps keep q valid).")
-    if update.requested_control_variates:
-        raise ValueError(f"SNEPUpdate: control_variates=True is only available with a Gaussian family; with {family!r} "
-                         "the tilted statistics are the chains' plain averages (leave control_variates unset).")
 
 
 def init_block_state(update: SNEPUpdate, problem: ClientProblem) -> SNEPBlockState:
@@ -143,17 +175,37 @@ def block_step(update: SNEPUpdate, visit: BlockVisit, transition: Callable, carr
     family, (i, key) = visit.family, xs
     tau = carry.theta_aux - update.alpha * (carry.nat - visit.cavity)
     keys = jax.random.split(key, carry.chains.shape[0])
-    u, _, accept = jax.vmap(transition, in_axes=(0, 0, None, None))(keys, carry.chains, tau, jnp.exp(carry.log_step))
+    u, grad, accept = jax.vmap(transition, in_axes=(0, 0, None, None))(keys, carry.chains, tau,
+                                                                       jnp.exp(carry.log_step))
     eps = update.inner_step_size(visit.count + i)
-    theta = jax.vmap(lambda v: family.from_chain(visit.frame, v)[0])(u)
-    target = carry.mean * (1.0 - eps) + family.chain_mean_params(theta) * eps
-    nat = family.from_mean_params(target, carry.nat)
-    ok = family.is_valid(nat) & jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(target)]))
-    mean, nat = _where(ok, target, carry.mean), _where(ok, nat, carry.nat)
+    plain = family.chain_mean_params(jax.vmap(lambda v: family.from_chain(visit.frame, v)[0])(u))
+    flat, unravel = ravel_pytree(plain)
+    features = jnp.mean(jax.vmap(stein_features)(u, grad), axis=0)
+    mean, nat, ok = _mirror_step(family, carry, unravel(flat - visit.coef @ features), eps)
+    plain_mean, plain_nat, plain_ok = _mirror_step(family, carry, plain, eps)
+    mean, nat = _where(ok, mean, plain_mean), _where(ok, nat, plain_nat)  # a control variate may leave the domain
+    ok = ok | plain_ok
+    mean, nat = _where(ok, mean, carry.mean), _where(ok, nat, carry.nat)
     theta_aux = _where((i + 1) % update.num_outer == 0, nat, carry.theta_aux)
     w = (i >= update.first_averaged).astype(u.dtype)  # Polyak-Ruppert: the mean parameters' running sum
     return BlockCarry(mean, nat, theta_aux, u, adapted_log_step(carry.log_step, accept), carry.weight + w,
                       carry.sum_mean + mean * w, carry.clamped + ~ok), None
+
+
+def _mirror_step(family: MeanParamFamily, carry: BlockCarry, estimate: NatParams,
+                 eps: Any) -> tuple[NatParams, NatParams, jax.Array]:
+    """``m <- (1 - eps) m + eps estimate``, its natural parameters and whether they are valid and hold ``m``."""
+    target = carry.mean * (1.0 - eps) + estimate * eps
+    nat = family.from_mean_params(target, carry.nat)
+    return target, nat, matches(family, nat, target)
+
+
+def matches(family: MeanParamFamily, nat: NatParams, target: NatParams) -> jax.Array:
+    """Whether ``nat`` is valid and its mean parameters are ``target`` (to ``MEAN_TOL`` relative): a target outside
+    the family's mean domain (a control-variate estimate may be) has no inverse."""
+    flat = ravel_pytree(target)[0]
+    residual = ravel_pytree(family.mean_params(nat))[0] - flat
+    return family.is_valid(nat) & jnp.all(jnp.abs(residual) <= MEAN_TOL * (1.0 + jnp.abs(flat)))
 
 
 def run_blocks(update: SNEPUpdate, visit: BlockVisit, q: NatParams, chains: jax.Array, log_step: jax.Array,
@@ -204,10 +256,13 @@ def _client_update(update: SNEPUpdate, problem: ClientProblem, rng_key: jax.Arra
     start_key, chain_key = jax.random.split(chain_key)
     q_local = _where(state.visited, q, natural_gradient_start(family, cavity, q, loglik, start_key, update.num_newton))
     chains = jnp.where(state.visited, state.chains, jax.random.normal(chain_key, state.chains.shape))
-    visit = BlockVisit(family, cavity, family.chain_frame(q_local), loglik, state.count)
+    frame = family.chain_frame(q_local)
+    coef = stein_coefficients(family, frame, q_local)
+    visit = BlockVisit(family, cavity, frame, loglik, state.count, coef if update.control_variates else 0.0 * coef)
     carry = run_blocks(update, visit, q_local, chains, state.log_step_size, loop_key)
-    q_avg = family.from_mean_params(carry.sum_mean * (1.0 / carry.weight), carry.nat)
-    averaged = family.is_valid(q_avg)
+    mean_avg = carry.sum_mean * (1.0 / carry.weight)
+    q_avg = family.from_mean_params(mean_avg, carry.nat)
+    averaged = matches(family, q_avg, mean_avg)
     site = _where(averaged, q_avg, carry.nat) - cavity
 
     q_new = cavity + site
