@@ -113,20 +113,20 @@ def ng_errors(family, q, reference):
             abs(float(np.sqrt(got.variance[0] / exact.variance[0])) - 1.0))
 
 
-def poisson_pvi(server, backend="vmap"):
+def poisson_pvi(server, backend="vmap", update=None):
     return pvi.PVI(poisson_model, pvi.Gamma(), partitions=PARTS, server=server, backend=backend,
-                   local_update=pvi.SNEPUpdate())
+                   local_update=update or pvi.SNEPUpdate())
 
 
-def categorical_pvi():
+def categorical_pvi(update=None):
     return pvi.PVI(categorical_model, pvi.Dirichlet(), partitions=PARTS, server=pvi.Synchronous(1.0),
-                   local_update=pvi.SNEPUpdate())
+                   local_update=update or pvi.SNEPUpdate())
 
 
-def normal_gamma_pvi():
+def normal_gamma_pvi(update=None):
     family = pvi.SiteFamilies({"w": pvi.FullRankGaussian(), "tau": pvi.Gamma()})
     return pvi.PVI(normal_gamma_model, family, partitions=[np.arange(N)], server=pvi.Sequential(),
-                   local_update=pvi.SNEPUpdate())
+                   local_update=update or pvi.SNEPUpdate())
 
 
 def test_poisson_gamma_sequential_is_the_exact_posterior():

@@ -8,7 +8,7 @@ persistent NUTS chains by one transition that leaves the tilted distribution
 
 ``p_m(theta) ∝ exp(tau . T(theta)) p(y_m | theta)^alpha``,  ``tau = theta' - alpha (q - cavity)``
 
-invariant, then takes the mirror step ``m <- (1 - eps) m + eps mean_chains(T(theta))`` and maps ``m`` back to
+invariant, then takes the mirror step ``m <- (1 - eps) m + eps E_hat[T]`` and maps ``m`` back to
 natural parameters (:meth:`~numpyro_pvi.families.MeanParamFamily.from_mean_params`: closed form for a Gaussian
 block, Newton for an exponential-family block). Every ``num_outer`` steps ``theta'`` is refreshed to ``q``; the
 visit returns the Polyak-Ruppert average of ``m`` over its last ``average`` fraction of steps. For ``alpha = 1``
@@ -16,18 +16,24 @@ the step is zero exactly when the tilted distribution's ``E[T]`` is ``q``'s: EP'
 
 What differs from the Gaussian path:
 
-* **No control variates**: ``E_{p_m}[T]`` is the chains' plain average (the Stein control variates of the
-  Gaussian path are for ``zeta`` and ``zeta zeta^T`` under a Gaussian ``q``; they would need each block's own
-  score identities). The estimate is noisier: ``docs/local_updates/snep.md`` has the measured accuracy.
+* **Control variates**: ``E_hat[T]`` is the chains' average of ``T - C phi(u)``, with Stein's zero-mean
+  features ``phi = (g, I + u g^T)`` of the tilted distribution's score ``g`` in chain coordinates (NUTS gives it)
+  and ``C`` the regression coefficients of ``T`` on ``phi`` under the ``q`` at the start of the visit
+  (:func:`stein_coefficients`, from draws of ``q``). Unbiased for any ``C``; exact where ``T`` is in the
+  features' span under ``q`` (a Gaussian block, a Gamma), close to it near the fixed point otherwise. Where the
+  estimate leaves the family's mean domain (it may, unlike a plain average) the step uses the chains' plain
+  average of ``T``; ``control_variates=False`` always does.
 * **Chain coordinates**: the chains run in the family's unconstrained, standardised coordinates ``u``
   (:meth:`~numpyro_pvi.families.MeanParamFamily.from_chain`; a Dirichlet has one coordinate fewer per simplex),
-  with the log Jacobian in the potential. ``u`` is standardised by the ``q`` at the start of the visit, and the
-  chains are carried between visits by keeping their ``u`` (the paper's eq. 28 in spirit).
+  with the log Jacobian in the potential. ``u`` is standardised by the ``q`` at the start of the visit; at its
+  end the chains are re-expressed in the coordinates of the new ``q``, which the next visit keeps (the paper's
+  eq. 28: a chain moves with ``q``'s change between visits).
 * **First visit**: starts after ``num_newton`` natural-gradient (CVI) steps from ``q`` (:func:`natural_gradient_start`,
   instead of a Laplace approximation), with chains drawn from ``N(0, I)`` in ``u``.
 
-A step whose ``q`` is not valid or not finite keeps the previous iterate and is counted in
-``RoundInfo.clamped``; a visit whose result is not valid keeps the old factor.
+A step whose mean parameters do not map back to a valid ``q`` (:func:`matches`) with either estimate keeps the
+previous iterate and is counted in ``RoundInfo.clamped``; a visit whose result is not valid or not finite keeps
+the old factor.
 """
 
 from __future__ import annotations
@@ -112,7 +118,26 @@ class BlockCarry(NamedTuple):
     :ivar log_step: the log of NUTS's step size.
     :ivar weight: how many iterates the Polyak-Ruppert average holds.
     :ivar sum_mean: the sum of their mean parameters.
-    :ivar clamped: the steps whose ``q`` was not valid (the previous iterate kept).
+    :ivar clamped: the steps whose control-variate estimate did not map back to a valid ``q`` (the plain average
+        used instead, or the previous iterate kept if it did not either).
+
+    **Example:** at EP's fixed point (``q`` is the tilted distribution, here a Gamma) the control variates are
+    nearly exact, so the inner steps leave ``q`` where it is.
+
+    .. doctest::
+
+        >>> import jax, jax.numpy as jnp, numpyro_pvi as pvi
+        >>> from numpyro_pvi.local_updates.snep_blocks import SNEPBlockState, run_blocks, start_visit
+        >>> family = pvi.Gamma()
+        >>> cavity = family.from_params(jnp.array([2.0]), jnp.array([1.0]))
+        >>> loglik = lambda theta: jnp.sum(10.0 * jnp.log(theta) - 4.0 * theta)  # the tilted: Gamma(12, 5)
+        >>> q = family.from_params(jnp.array([12.0]), jnp.array([5.0]))
+        >>> update = pvi.SNEPUpdate(num_inner=20, num_chains=4, max_tree_depth=3)
+        >>> state = SNEPBlockState(jnp.zeros((4, 1)), jnp.log(0.5), jnp.zeros((), jnp.int32), jnp.ones((), bool))
+        >>> q_local, chains, visit = start_visit(update, family, cavity, q, state, loglik, jax.random.PRNGKey(0))
+        >>> carry = run_blocks(update, visit, q_local, chains, state.log_step_size, jax.random.PRNGKey(1))
+        >>> [round(float(p[0]), 1) for p in family.to_params(carry.nat)], int(carry.weight), int(carry.clamped)
+        ([12.0, 5.0], 10, 0)
     """
 
     mean: NatParams
@@ -171,7 +196,9 @@ def block_transition(visit: BlockVisit, alpha: float, max_tree_depth: int) -> Ca
 
 def block_step(update: SNEPUpdate, visit: BlockVisit, transition: Callable, carry: BlockCarry,
                xs: tuple[jax.Array, jax.Array]) -> tuple[BlockCarry, None]:
-    """One NUTS transition of every chain and the mirror step ``m <- (1 - eps) m + eps mean_chains(T)``."""
+    """One NUTS transition of every chain and the mirror step ``m <- (1 - eps) m + eps E_hat[T]``.
+
+    The ``lax.scan`` body of :func:`run_blocks`; :class:`BlockCarry` has an example."""
     family, (i, key) = visit.family, xs
     tau = carry.theta_aux - update.alpha * (carry.nat - visit.cavity)
     keys = jax.random.split(key, carry.chains.shape[0])
@@ -183,13 +210,14 @@ def block_step(update: SNEPUpdate, visit: BlockVisit, transition: Callable, carr
     features = jnp.mean(jax.vmap(stein_features)(u, grad), axis=0)
     mean, nat, ok = _mirror_step(family, carry, unravel(flat - visit.coef @ features), eps)
     plain_mean, plain_nat, plain_ok = _mirror_step(family, carry, plain, eps)
-    mean, nat = _where(ok, mean, plain_mean), _where(ok, nat, plain_nat)  # a control variate may leave the domain
+    fell_back = ~ok  # a control-variate estimate may leave the mean domain: the plain average, else the old iterate
+    mean, nat = _where(ok, mean, plain_mean), _where(ok, nat, plain_nat)
     ok = ok | plain_ok
     mean, nat = _where(ok, mean, carry.mean), _where(ok, nat, carry.nat)
     theta_aux = _where((i + 1) % update.num_outer == 0, nat, carry.theta_aux)
     w = (i >= update.first_averaged).astype(u.dtype)  # Polyak-Ruppert: the mean parameters' running sum
     return BlockCarry(mean, nat, theta_aux, u, adapted_log_step(carry.log_step, accept), carry.weight + w,
-                      carry.sum_mean + mean * w, carry.clamped + ~ok), None
+                      carry.sum_mean + mean * w, carry.clamped + fell_back), None
 
 
 def _mirror_step(family: MeanParamFamily, carry: BlockCarry, estimate: NatParams,
@@ -245,20 +273,27 @@ def carried_chains(family: MeanParamFamily, frame: Any, q_new: NatParams, q_old:
     return jax.vmap(lambda u: family.to_chain(new_frame, family.from_chain(frame, u)[0]))(chains)
 
 
-def _client_update(update: SNEPUpdate, problem: ClientProblem, rng_key: jax.Array, client: Client,
-                   cavity: NatParams, q: NatParams, state: SNEPBlockState, hyper: Any = ()) -> ClientResult:
-    """One visit: ``update.num_inner`` inner steps, then the site of the averaged mean parameters."""
-    del hyper  # SNEP does not support hyperparameters; the argument is the shared interface's
-    family = problem.family
-    loglik = lambda theta: problem.log_likelihood(theta, client)  # noqa: E731
-    chain_key, loop_key, fe_key = jax.random.split(rng_key, 3)
-    t_old = q - cavity
-    start_key, chain_key = jax.random.split(chain_key)
+def start_visit(update: SNEPUpdate, family: MeanParamFamily, cavity: NatParams, q: NatParams, state: SNEPBlockState,
+                loglik: Callable, rng_key: jax.Array) -> tuple[NatParams, jax.Array, BlockVisit]:
+    """The visit's local ``q`` (``q``, or the natural-gradient start on a first visit), its chains (carried, or
+    drawn from ``N(0, I)``) and the :class:`BlockVisit` (frame and control-variate coefficients of that ``q``)."""
+    start_key, chain_key = jax.random.split(rng_key)
     q_local = _where(state.visited, q, natural_gradient_start(family, cavity, q, loglik, start_key, update.num_newton))
     chains = jnp.where(state.visited, state.chains, jax.random.normal(chain_key, state.chains.shape))
     frame = family.chain_frame(q_local)
     coef = stein_coefficients(family, frame, q_local)
-    visit = BlockVisit(family, cavity, frame, loglik, state.count, coef if update.control_variates else 0.0 * coef)
+    coef = coef if update.control_variates else jnp.zeros_like(coef)  # no control variates: the plain average
+    return q_local, chains, BlockVisit(family, cavity, frame, loglik, state.count, coef)
+
+
+def _client_update(update: SNEPUpdate, problem: ClientProblem, rng_key: jax.Array, client: Client,
+                   cavity: NatParams, q: NatParams, state: SNEPBlockState, hyper: Any = ()) -> ClientResult:
+    """One visit: ``update.num_inner`` inner steps, then the site of the averaged mean parameters."""
+    del hyper  # SNEP does not support hyperparameters; the argument is the shared interface's
+    start_key, loop_key, fe_key = jax.random.split(rng_key, 3)
+    family, t_old = problem.family, q - cavity
+    q_local, chains, visit = start_visit(update, family, cavity, q, state,
+                                         lambda theta: problem.log_likelihood(theta, client), start_key)
     carry = run_blocks(update, visit, q_local, chains, state.log_step_size, loop_key)
     mean_avg = carry.sum_mean * (1.0 / carry.weight)
     q_avg = family.from_mean_params(mean_avg, carry.nat)
@@ -273,5 +308,5 @@ def _client_update(update: SNEPUpdate, problem: ClientProblem, rng_key: jax.Arra
                                jnp.where(finite, carry.log_step, state.log_step_size),
                                state.count + update.num_inner, finite | state.visited)
     q_new = cavity + site
-    free_energy = local_free_energy(family, q_new, cavity, loglik, family.draw(q_new, fe_key, 32))
+    free_energy = local_free_energy(family, q_new, cavity, visit.loglik, family.draw(q_new, fe_key, 32))
     return ClientResult(site - t_old, free_energy, new_state, carry.clamped + (~averaged) + (~finite))
