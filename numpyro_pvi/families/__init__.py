@@ -21,10 +21,11 @@ from numpyro_pvi.families.factor import FactorFamily
 from numpyro_pvi.families.full_rank import FullRankGaussian
 from numpyro_pvi.families.gaussian import expected_site
 from numpyro_pvi.families.mean_field import MeanFieldGaussian
+from numpyro_pvi.families.mean_params import MeanParamFamily
 from numpyro_pvi.families.params import Marginals, NatParams
 from numpyro_pvi.families.protocol import Family
 from numpyro_pvi.families.site_families import BlockDistribution, SiteFamilies
 
 __all__ = ["Beta", "BlockDistribution", "Dirichlet", "ExponentialFamily", "FactorFamily", "Family",
-           "FullRankGaussian", "Gamma", "Marginals", "MeanFieldGaussian", "NatParams", "SiteFamilies",
-           "expected_site"]
+           "FullRankGaussian", "Gamma", "Marginals", "MeanFieldGaussian", "MeanParamFamily", "NatParams",
+           "SiteFamilies", "expected_site"]

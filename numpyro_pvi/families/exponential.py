@@ -31,7 +31,7 @@ import numpyro.distributions as dist
 from jax.scipy.special import digamma
 from numpyro.distributions import constraints
 from numpyro.distributions.kl import kl_divergence
-from numpyro.distributions.transforms import ExpTransform, SigmoidTransform, StickBreakingTransform
+from numpyro.distributions.transforms import ExpTransform, SigmoidTransform, StickBreakingTransform, biject_to
 
 from numpyro_pvi.families.exponential_family import ExponentialFamily, regression_site, unit_scale
 from numpyro_pvi.families.params import NatParams
@@ -288,3 +288,22 @@ class Dirichlet(ExponentialFamily):
     def checked_scale(self, scale: float) -> float:
         """``scale`` in ``(0, 1)``."""
         return unit_scale(self, scale)
+
+    def chain_dim(self, dim: int) -> int:
+        """``K - 1`` stick-breaking coordinates per simplex of ``K``."""
+        return dim - dim // (dim if self.shape is None else self.shape[-1])
+
+    def unconstrain(self, theta: jax.Array) -> jax.Array:
+        """Stick-breaking coordinates of every simplex, flattened: ``(..., chain_dim(D))``."""
+        size = theta.shape[-1] if self.shape is None else self.shape[-1]
+        rows = theta.reshape(theta.shape[:-1] + (-1, size))
+        x = biject_to(self.support).inv(rows)
+        return x.reshape(x.shape[:-2] + (-1,))
+
+    def constrain(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """The simplices of stick-breaking coordinates ``x`` ``(chain_dim(D),)``, flattened, and the log Jacobian."""
+        size = x.shape[-1] if self.shape is None else self.shape[-1] - 1
+        transform = biject_to(self.support)
+        rows = x.reshape(-1, size)
+        theta = transform(rows)
+        return theta.reshape(-1), jnp.sum(transform.log_abs_det_jacobian(rows, theta))

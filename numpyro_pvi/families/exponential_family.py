@@ -20,11 +20,13 @@ from numpyro.distributions import constraints
 from numpyro.distributions.transforms import (
     IdentityTransform,
     IndependentTransform,
+    biject_to,
 )
 
 from numpyro_pvi.families.params import Marginals, NatParams
 
 NUM_PRIOR_DRAWS = 256  # draws at which an exponential-family block's prior is read off by least squares
+NUM_FRAME_DRAWS = 256  # draws of q that standardise SNEP's chain coordinates (chain_frame)
 PRIOR_RESIDUAL = 1e-3  # largest relative residual of that fit: above it, the prior is not of the family
 
 
@@ -193,6 +195,55 @@ class ExponentialFamily:
 
         x, _ = jax.lax.scan(newton, jnp.log(jnp.concatenate(self.to_params(start))), None, length=num_newton)
         return self.from_params(*jnp.split(jnp.exp(x), count))
+
+    # ------------------------------------------------------------------ mean parameters (SNEP; MeanParamFamily)
+    def log_factor(self, nat: NatParams, theta: jax.Array) -> jax.Array:
+        """``eta . T(theta)`` of one point ``theta`` ``(D,)``."""
+        return self.stats(theta) @ jnp.concatenate([nat.eta1, nat.eta2], axis=-1)
+
+    def _split_stats(self, stats: jax.Array, dim: int) -> NatParams:
+        return NatParams(stats[..., :dim], stats[..., dim:])
+
+    def mean_params(self, nat: NatParams) -> NatParams:
+        """``E_q[T]`` (:meth:`mean_stats`), split as ``(eta1, eta2)``."""
+        return self._split_stats(self.mean_stats(self.to_params(nat)), nat.eta1.shape[-1])
+
+    def chain_mean_params(self, theta: jax.Array) -> NatParams:
+        """The average of ``T`` over the rows of ``theta`` ``(C, D)``."""
+        return self._split_stats(jnp.mean(self.stats(theta), axis=0), theta.shape[-1])
+
+    def from_mean_params(self, mean: NatParams, start: NatParams) -> NatParams:
+        """The member with ``E[T] = mean``: :meth:`from_mean_stats` (Newton) from ``start``."""
+        return self.from_mean_stats(jnp.concatenate([mean.eta1, mean.eta2], axis=-1), start)
+
+    def chain_dim(self, dim: int) -> int:
+        """One unconstrained coordinate per value."""
+        return dim
+
+    def unconstrain(self, theta: jax.Array) -> jax.Array:
+        """``biject_to(support)^{-1}`` of values ``(..., D)``: ``(..., chain_dim(D))``."""
+        return biject_to(self.support).inv(theta)
+
+    def constrain(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Values of unconstrained ``x`` ``(chain_dim(D),)`` and the log Jacobian of the map."""
+        transform = biject_to(self.support)
+        theta = transform(x)
+        return theta, jnp.sum(transform.log_abs_det_jacobian(x, theta))
+
+    def chain_frame(self, nat: NatParams) -> tuple[jax.Array, jax.Array]:
+        """``(loc, scale)`` of ``q``'s unconstrained coordinates, from ``NUM_FRAME_DRAWS`` draws (a fixed key)."""
+        x = self.unconstrain(self.to_dist(nat).sample(jax.random.PRNGKey(0), (NUM_FRAME_DRAWS,)))
+        return jnp.mean(x, axis=0), jnp.maximum(jnp.std(x, axis=0), jnp.finfo(x.dtype).eps)
+
+    def from_chain(self, frame: tuple, u: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Values at ``loc + scale u`` and the log Jacobian (``log scale``, a constant, left out)."""
+        loc, scale = frame
+        return self.constrain(loc + scale * u)
+
+    def to_chain(self, frame: tuple, theta: jax.Array) -> jax.Array:
+        """``(unconstrain(theta) - loc) / scale``."""
+        loc, scale = frame
+        return (self.unconstrain(theta) - loc) / scale
 
 
     # ------------------------------------------------------------------ start and prior

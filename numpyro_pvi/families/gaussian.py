@@ -32,6 +32,40 @@ class GaussianFamily:
         cov = (1.0 - weight) * cov_a + weight * cov_b + weight * (1.0 - weight) * self.outer(d, d)
         return (1.0 - weight) * mean_a + weight * mean_b, self.sym(cov)
 
+    # ------------------------------------------------------------------ mean parameters (SNEP; MeanParamFamily)
+    def log_factor(self, nat: NatParams, zeta: jax.Array) -> jax.Array:
+        """``eta . T(zeta)`` with ``T = (zeta, zeta zeta^T)``: :meth:`quadratic`."""
+        return self.quadratic(nat, zeta)
+
+    def mean_params(self, nat: NatParams) -> NatParams:
+        """``(mu, Sigma + mu mu^T)`` (the second moment in the family's form)."""
+        mean, cov = self.moments(nat)
+        return NatParams(mean, cov + self.outer(mean, mean))
+
+    def chain_mean_params(self, zeta: jax.Array) -> NatParams:
+        """The sample mean and second moment (family form) of the rows of ``zeta`` ``(C, D)``."""
+        return NatParams(jnp.mean(zeta, axis=0), self.outer_sum(zeta, zeta) / zeta.shape[0])
+
+    def from_mean_params(self, mean: NatParams, start: NatParams) -> NatParams:
+        """The Gaussian with these first and second moments (closed form; ``start`` is not needed)."""
+        return self.from_moments(mean.eta1, self.sym(mean.eta2 - self.outer(mean.eta1, mean.eta1)))
+
+    def chain_dim(self, dim: int) -> int:
+        """``zeta`` is unconstrained: one coordinate per value."""
+        return dim
+
+    def chain_frame(self, nat: NatParams) -> tuple[jax.Array, jax.Array]:
+        """The whitening ``(loc, scale)`` of ``q`` (:meth:`loc_scale`)."""
+        return self.loc_scale(nat)
+
+    def from_chain(self, frame: tuple, u: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """``zeta = loc + L u`` (its log Jacobian is a constant: 0)."""
+        return self.unwhiten(*frame, u), jnp.zeros((), u.dtype)
+
+    def to_chain(self, frame: tuple, zeta: jax.Array) -> jax.Array:
+        """``u = L^{-1} (zeta - loc)``."""
+        return self.whiten(*frame, zeta)
+
     # ------------------------------------------------------------------ the FactorFamily contract
     def prepare_sites(self, sites: Any) -> Any:
         """Gaussian factors live in the unconstrained space of every site: the sites as read."""

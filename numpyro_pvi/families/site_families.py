@@ -25,6 +25,7 @@ from numpyro_pvi.families import tilted
 from numpyro_pvi.families.exponential_family import ExponentialFamily
 from numpyro_pvi.families.factor import FactorFamily
 from numpyro_pvi.families.mean_field import MeanFieldGaussian
+from numpyro_pvi.families.mean_params import MeanParamFamily
 from numpyro_pvi.families.params import Marginals, NatParams
 
 
@@ -105,7 +106,8 @@ class SiteFamilies:
     parameters) exactly and fits the others (a ``HalfNormal`` scale...) by its part of the prior factor
     ``t_0``, as a plain Gaussian family does; an exponential-family block's prior must be of the family
     itself (``Gamma``, ``Beta``, ``Dirichlet``: ``ValueError`` otherwise). ``GradientUpdate``,
-    ``NaturalGradientUpdate``, ``MomentMatchingUpdate``, ``DPGradientUpdate`` and ``DPLocalAveraging`` (of an
+    ``NaturalGradientUpdate``, ``MomentMatchingUpdate``, ``SNEPUpdate`` (in mean parameters, through
+    :class:`~numpyro_pvi.families.MeanParamFamily`), ``DPGradientUpdate`` and ``DPLocalAveraging`` (of an
     update that supports it) support it.
 
     :param families: site name (or tuple of names) -> family.
@@ -312,6 +314,59 @@ class SiteFamilies:
         """Each block matched to its marginal weighted moments."""
         return self.join([family.match_moments(part, zeta[:, a:b], weights)
                           for (family, a, b, _), part in zip(self._laid_out(), self.split(proposal))])
+
+
+    # ------------------------------------------------------------------ mean parameters (SNEP; MeanParamFamily)
+    def _mean_param_blocks(self) -> tuple:
+        """The blocks, each a ``MeanParamFamily`` (``TypeError`` if one is not)."""
+        blocks = self._laid_out()
+        for family, _, _, names in blocks:
+            if not isinstance(family, MeanParamFamily):
+                raise TypeError(f"SiteFamilies: the block {list(names)}'s family {family!r} has no mean parameters "
+                                "(numpyro_pvi.families.MeanParamFamily), which SNEPUpdate needs.")
+        return blocks
+
+    def log_factor(self, nat: NatParams, zeta: jax.Array) -> jax.Array:
+        """The sum of the blocks' ``eta . T`` at their slices of ``zeta`` ``(D,)``."""
+        return sum(family.log_factor(part, zeta[a:b])
+                   for (family, a, b, _), part in zip(self._mean_param_blocks(), self.split(nat)))
+
+    def mean_params(self, nat: NatParams) -> NatParams:
+        """The blocks' mean parameters."""
+        return self.join([block[0].mean_params(part)
+                          for block, part in zip(self._mean_param_blocks(), self.split(nat))])
+
+    def chain_mean_params(self, zeta: jax.Array) -> NatParams:
+        """The blocks' averages of ``T`` over the rows of ``zeta`` ``(C, D)``."""
+        return self.join([family.chain_mean_params(zeta[:, a:b]) for family, a, b, _ in self._mean_param_blocks()])
+
+    def from_mean_params(self, mean: NatParams, start: NatParams) -> NatParams:
+        """Each block's member with its mean parameters."""
+        return self.join([block[0].from_mean_params(m, s)
+                          for block, m, s in zip(self._mean_param_blocks(), self.split(mean), self.split(start))])
+
+    def chain_dim(self, dim: int) -> int:
+        """The sum of the blocks' chain coordinates."""
+        return sum(family.chain_dim(b - a) for family, a, b, _ in self._mean_param_blocks())
+
+    def chain_frame(self, nat: NatParams) -> tuple:
+        """The blocks' frames."""
+        return tuple(block[0].chain_frame(part) for block, part in zip(self._mean_param_blocks(), self.split(nat)))
+
+    def from_chain(self, frame: tuple, u: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Each block's values from its slice of ``u``, concatenated; the sum of the log Jacobians."""
+        values, log_det, start = [], jnp.zeros((), u.dtype), 0
+        for (family, a, b, _), part in zip(self._mean_param_blocks(), frame):
+            size = family.chain_dim(b - a)
+            theta, block_log_det = family.from_chain(part, u[start:start + size])
+            values.append(theta)
+            log_det, start = log_det + block_log_det, start + size
+        return jnp.concatenate(values), log_det
+
+    def to_chain(self, frame: tuple, zeta: jax.Array) -> jax.Array:
+        """Each block's chain coordinates of its slice of ``zeta`` ``(D,)``, concatenated."""
+        return jnp.concatenate([family.to_chain(part, zeta[a:b])
+                                for (family, a, b, _), part in zip(self._mean_param_blocks(), frame)])
 
 
     # ------------------------------------------------------------------ start and prior

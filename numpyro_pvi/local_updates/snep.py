@@ -49,6 +49,7 @@ import jax.numpy as jnp
 from numpyro_pvi.families import Family, NatParams
 from numpyro_pvi.local_updates.base import Client, ClientProblem, ClientResult, local_free_energy
 from numpyro_pvi.local_updates.moment_matching import laplace
+from numpyro_pvi.local_updates.snep_blocks import bind_blocks, init_block_state
 from numpyro_pvi.local_updates.snep_inner import SNEPVisit, averaged_site, run_inner
 
 
@@ -84,11 +85,21 @@ class SNEPUpdate:
         (default); ``False`` uses the chains' plain sample moments, as the paper (far noisier).
     :param tuple site_variance: optional ``(v_min, v_max)``: clamp the site's covariance eigenvalues (its
         precision's into ``[1 / v_max, 1 / v_min]``) after every step, as the paper's projection;
-        ``None`` (default) leaves sites free, as EP.
+        ``None`` (default) leaves sites free, as EP. Gaussian families only (a ``ValueError`` with the others).
     :param float step_decay: if set, ``eps_t = eps / (1 + t / step_decay)^0.6`` over the client's inner steps
         ``t`` (Robbins-Monro); default constant.
     :param int max_tree_depth: NUTS maximum tree depth of each transition.
-    :param int num_newton: Newton steps of the first visit's Laplace approximation.
+    :param int num_newton: Newton steps of the first visit's Laplace approximation (Gaussian families; natural-gradient
+        steps for the others).
+
+    **Other families.** With :class:`~numpyro_pvi.SiteFamilies`, ``Gamma``, ``Beta`` or ``Dirichlet`` the same
+    double loop runs in the mean parameters ``E_q[T]`` of each block's sufficient statistics, with chains in the
+    blocks' unconstrained coordinates and Stein control variates regressed under ``q``
+    (:mod:`numpyro_pvi.local_updates.snep_blocks`). On the tests' models 3 rounds end within 0.005 posterior sd
+    and 0.4 % in the sds of the exact posterior (Poisson-Gamma, Dirichlet-categorical) and, with
+    ``SiteFamilies({"w": FullRankGaussian(), "tau": Gamma()})`` and one client, within 0.013 sd and 1 % of EP's
+    fixed point (``tests/test_snep_blocks.py``). ``site_variance`` (a Gaussian site's clamp) is a ``ValueError``
+    there.
 
     **Example:**
 
@@ -97,6 +108,8 @@ class SNEPUpdate:
         >>> import numpyro_pvi as pvi
         >>> update = pvi.SNEPUpdate(step_size=0.05, num_inner=200, num_outer=10, num_chains=8)
     """
+
+    supports_factor_families = True  # SiteFamilies, Gamma, Beta, Dirichlet: SNEP in mean parameters (snep_blocks)
 
     def __init__(self, step_size: float = 0.05, num_inner: int = 200, num_outer: int = 10, alpha: float = 1.0,
                  num_chains: int = 8, average: float = 0.5, control_variates: bool = True,
@@ -119,19 +132,33 @@ class SNEPUpdate:
         if step_decay is not None and not step_decay > 0:
             raise ValueError(f"SNEPUpdate: step_decay must be positive or None, got {step_decay!r}.")
         self.step_size, self.num_inner, self.num_outer, self.alpha = float(step_size), num_inner, num_outer, alpha
-        self.num_chains, self.average, self.control_variates = num_chains, float(average), bool(control_variates)
+        self.num_chains, self.average = num_chains, float(average)
+        self.control_variates = bool(control_variates)
         self.site_variance = None if site_variance is None else tuple(site_variance)
         self.step_decay, self.max_tree_depth, self.num_newton = step_decay, max_tree_depth, num_newton
         #: the first inner step whose iterate enters the Polyak-Ruppert average
         self.first_averaged = min(int(round(num_inner * (1.0 - self.average))), num_inner - 1)
 
-    def init_state(self, problem: ClientProblem) -> SNEPState:
+    def inner_step_size(self, t: jax.Array) -> jax.Array | float:
+        """``eps_t`` of the client's inner step ``t``: ``step_size``, or its Robbins-Monro decay with ``step_decay``."""
+        t = t.astype(jnp.result_type(float))
+        return self.step_size if self.step_decay is None else self.step_size / (1.0 + t / self.step_decay) ** 0.6
+
+    def init_state(self, problem: ClientProblem) -> SNEPState | Any:
         """Unvisited: chains at 0 (replaced on the first visit), an initial sampler step size of 0.5."""
+        if not isinstance(problem.family, Family):
+            return init_block_state(self, problem)
         return SNEPState(jnp.zeros((self.num_chains, problem.dim)), problem.family.zeros(problem.dim),
                          jnp.log(jnp.asarray(0.5)), jnp.zeros((), jnp.int32), jnp.zeros((), bool))
 
     def bind(self, problem: ClientProblem) -> Callable:
-        """Return the pure ``client_update(rng_key, client, cavity, q, state, hyper=()) -> ClientResult``."""
+        """Return the pure ``client_update(rng_key, client, cavity, q, state, hyper=()) -> ClientResult``.
+
+        A family that is not one Gaussian gets the mean-parameter path
+        (:func:`~numpyro_pvi.local_updates.snep_blocks.bind_blocks`).
+        """
+        if not isinstance(problem.family, Family):
+            return bind_blocks(self, problem)
         return partial(_client_update, self, problem)
 
 

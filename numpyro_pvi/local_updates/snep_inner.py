@@ -107,6 +107,12 @@ def nuts_transition(visit: SNEPVisit, alpha: float, max_tree_depth: int) -> Call
 
         return potential
 
+    return nuts_kernel(potential_gen, max_tree_depth)
+
+
+def nuts_kernel(potential_gen: Callable, max_tree_depth: int) -> Callable:
+    """``(key, u, tau, step_size) -> (u, grad log p(u), accept prob)``: one NUTS transition (unit mass matrix, fixed
+    step size) of the target ``exp(-potential_gen(tau)(u))``; both SNEP paths' sampler."""
     init_kernel, sample_kernel = hmc(potential_fn_gen=potential_gen, algo="NUTS")
 
     def transition(key: jax.Array, u: jax.Array, tau: NatParams, step_size: jax.Array) -> tuple:
@@ -116,6 +122,11 @@ def nuts_transition(visit: SNEPVisit, alpha: float, max_tree_depth: int) -> Call
         return hmc_state.z, -hmc_state.z_grad, hmc_state.mean_accept_prob
 
     return transition
+
+
+def adapted_log_step(log_step: jax.Array, accept: jax.Array) -> jax.Array:
+    """The log step size after one Robbins-Monro step towards 80 % mean acceptance of the chains ``accept`` ``(C,)``."""
+    return log_step + 0.1 * (jnp.mean(accept) - 0.8)
 
 
 def tilted_moments(family: Family, u: jax.Array, grad: jax.Array, cov_q: jax.Array, centre: jax.Array,
@@ -182,9 +193,8 @@ def inner_step(update: SNEPUpdate, visit: SNEPVisit, transition: Callable, carry
     keys = jax.random.split(key, carry.chains.shape[0])
     step_size = jnp.exp(carry.log_step)
     u, grad, accept = jax.vmap(transition, in_axes=(0, 0, None, None))(keys, carry.chains, tau, step_size)
-    log_step = carry.log_step + 0.1 * (jnp.mean(accept) - 0.8)  # Robbins-Monro towards 80 % acceptance
-    t = (visit.count + i).astype(jnp.result_type(float))
-    eps = update.step_size if update.step_decay is None else update.step_size / (1.0 + t / update.step_decay) ** 0.6
+    log_step = adapted_log_step(carry.log_step, accept)
+    eps = update.inner_step_size(visit.count + i)
     mean, cov, fell_back = tilted_moments(family, u, grad, carry.cov, carry.centre, update.control_variates)
     a, b = family.mix_moments(carry.mean, carry.cov, mean, cov, eps)
     a, b, was_clamped = _project(visit, update.site_variance, a, b)
