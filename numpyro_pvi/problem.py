@@ -224,8 +224,8 @@ def _check_support(local_update: Any, sites: ModelSites, family: Any) -> None:
     name = type(local_update).__name__
     if not isinstance(family, Family) and not getattr(local_update, "supports_factor_families", False):
         raise NotImplementedError(f"{name} needs a Gaussian family (MeanFieldGaussian or FullRankGaussian), not "
-                                  f"{family!r}; use pvi.GradientUpdate, pvi.NaturalGradientUpdate or "
-                                  "pvi.MomentMatchingUpdate (docs/families.md, Limitations).")
+                                  f"{family!r}: it does not set supports_factor_families = True. Every local update "
+                                  "of the library supports every family (docs/families.md).")
     if sites.has_local and not getattr(local_update, "supports_local_latents", False):
         names = [s.name for s in sites.locals] + list(sites.enumerated)
         raise NotImplementedError(f"{name} does not support local latent variables (sites {names} inside "

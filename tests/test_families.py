@@ -301,7 +301,7 @@ def test_site_families_lay_out_blocks_and_map_over_them():
     import numpyro
     import numpyro.distributions as dist
 
-    from numpyro_pvi.families.site_families import BlockDistribution
+    from numpyro_pvi.families.block_distribution import BlockDistribution
     from numpyro_pvi.sites import read_model
 
     def model(y=None):

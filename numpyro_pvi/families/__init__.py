@@ -16,6 +16,7 @@ algebra (moments, densities, whitening, sites) lives in the family classes, so a
 new class.
 """
 
+from numpyro_pvi.families.block_distribution import BlockDistribution
 from numpyro_pvi.families.exponential import Beta, Dirichlet, ExponentialFamily, Gamma
 from numpyro_pvi.families.factor import FactorFamily
 from numpyro_pvi.families.full_rank import FullRankGaussian
@@ -24,7 +25,7 @@ from numpyro_pvi.families.mean_field import MeanFieldGaussian
 from numpyro_pvi.families.mean_params import MeanParamFamily
 from numpyro_pvi.families.params import Marginals, NatParams
 from numpyro_pvi.families.protocol import Family
-from numpyro_pvi.families.site_families import BlockDistribution, SiteFamilies
+from numpyro_pvi.families.site_families import SiteFamilies
 
 __all__ = ["Beta", "BlockDistribution", "Dirichlet", "ExponentialFamily", "FactorFamily", "Family",
            "FullRankGaussian", "Gamma", "Marginals", "MeanFieldGaussian", "MeanParamFamily", "NatParams",
