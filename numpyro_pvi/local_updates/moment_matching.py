@@ -24,11 +24,11 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-from numpyro.infer.hmc import hmc
 
 from numpyro_pvi.backtracking import backtrack
-from numpyro_pvi.families import Family, NatParams
+from numpyro_pvi.families import Family, MeanParamFamily, NatParams
 from numpyro_pvi.local_updates.base import Client, ClientProblem, ClientResult, local_free_energy
+from numpyro_pvi.local_updates.nuts import NUTSSettings, nuts_draws
 from numpyro_pvi.local_updates.site_moment_matching import bind_site_families
 
 
@@ -105,22 +105,10 @@ def nuts_moments(log_density: Callable, loc: jax.Array, chol_cov: jax.Array, rng
                  num_warmup: int, num_samples: int, max_tree_depth: int) -> tuple[jax.Array, jax.Array]:
     """Mean and covariance from NUTS chains in the coordinates ``zeta = loc + L u`` (a unit mass matrix fits).
 
-    NumPyro's functional ``hmc(potential_fn, algo="NUTS")`` kernels run in ``lax.scan``: step-size
-    adaptation over the warm-up, the mass matrix fixed at the identity in ``u``.
+    The chains are :func:`~numpyro_pvi.local_updates.nuts.nuts_draws`.
     """
     potential = lambda u: -log_density(loc + chol_cov @ u)  # noqa: E731
-    init_kernel, sample_kernel = hmc(potential_fn=potential, algo="NUTS")
-
-    def chain(key: jax.Array) -> jax.Array:
-        init_key, start_key = jax.random.split(key)
-        u0 = 0.1 * jax.random.normal(start_key, loc.shape)
-        state = init_kernel(u0, num_warmup, step_size=0.5, adapt_mass_matrix=False,
-                            max_tree_depth=max_tree_depth, rng_key=init_key)
-        state, _ = jax.lax.scan(lambda s, _: (sample_kernel(s), None), state, None, length=num_warmup)
-        _, us = jax.lax.scan(lambda s, _: (sample_kernel(s),) * 2, state, None, length=num_samples)
-        return us.z
-
-    u = jax.vmap(chain)(jax.random.split(rng_key, num_chains)).reshape(-1, loc.shape[0])
+    u = nuts_draws(potential, loc.shape[0], rng_key, num_chains, num_warmup, num_samples, max_tree_depth)
     zeta = loc + u @ chol_cov.T
     mean = jnp.mean(zeta, axis=0)
     centred = zeta - mean
@@ -137,8 +125,8 @@ class MomentMatchingUpdate:
     ``tilted="nuts"`` this is distributed EP as in ep-stan (Vehtari et al. 2020). With ``SiteFamilies``,
     ``Gamma``, ``Beta`` or ``Dirichlet`` the family's expected sufficient statistics are matched, by
     importance sampling from the cavity times the client's natural-gradient site (exact for a conjugate
-    likelihood; that is ``proposal="laplace"`` there, ``proposal="cavity"`` samples the cavity), and
-    ``tilted="nuts"`` is refused with a ``ValueError`` (the NUTS options do not apply).
+    likelihood; that is ``proposal="laplace"`` there, ``proposal="cavity"`` samples the cavity), or with
+    ``tilted="nuts"`` by NUTS in the family's unconstrained chain coordinates, standardised by that proposal.
 
     :param float alpha: the power, in ``(0, 1]``.
     :param str tilted: ``"importance"`` (self-normalised importance sampling from a Laplace approximation of
@@ -199,12 +187,14 @@ class MomentMatchingUpdate:
         """Return the pure ``client_update(rng_key, client, cavity, q, state, hyper=()) -> ClientResult``."""
         family, alpha, max_backtracks = problem.family, self.alpha, self.max_backtracks
         if not isinstance(family, Family):  # SiteFamilies, Gamma, Beta, Dirichlet: match sufficient statistics
-            if self.tilted != "importance":
-                raise ValueError(f"MomentMatchingUpdate: tilted={self.tilted!r} needs a Gaussian family (NUTS runs in "
-                                 f"unconstrained space); {family!r} matches its sufficient statistics by importance "
-                                 "sampling: use tilted='importance'.")
+            if self.tilted == "nuts" and not isinstance(family, MeanParamFamily):
+                raise ValueError(f"MomentMatchingUpdate: tilted='nuts' needs a family with mean parameters and chain "
+                                 f"coordinates (pvi.families.MeanParamFamily); {family!r} has none: use "
+                                 "tilted='importance'.")
+            nuts = NUTSSettings(self.num_chains, self.num_warmup, self.num_samples, self.max_tree_depth) \
+                if self.tilted == "nuts" else None
             return bind_site_families(problem, alpha, self.num_samples, self.min_ess, _safe_step, max_backtracks,
-                                      self.proposal)
+                                      self.proposal, nuts)
 
         def client_update(rng_key: jax.Array, client: Client, cavity: NatParams, q: NatParams,
                           state: Any, hyper: Any = ()) -> ClientResult:

@@ -8,8 +8,13 @@ importance sampling whose proposal is ``q_alpha`` times ``alpha`` times the clie
 moments as control variate: for a conjugate likelihood the proposal *is* the tilted distribution, every
 weight is equal and the step is exact. A proposal that is not valid falls back to ``q``. That proposal is
 this path's ``proposal="laplace"`` (a local approximation of the tilted distribution in the family);
-``proposal="cavity"`` samples ``q_alpha`` itself. ``tilted="nuts"`` has no counterpart here (NUTS runs in
-unconstrained space, the blocks live in their sites' own): :class:`~numpyro_pvi.MomentMatchingUpdate` refuses it.
+``proposal="cavity"`` samples ``q_alpha`` itself.
+
+With ``tilted="nuts"`` the statistics are averaged over NUTS draws of the tilted distribution instead, in the
+family's chain coordinates (:meth:`~numpyro_pvi.families.MeanParamFamily.from_chain`: unconstrained, standardised
+by the proposal, with the log Jacobian in the potential; SNEP's), and the member with those mean parameters is
+found by :meth:`~numpyro_pvi.families.MeanParamFamily.from_mean_params`. A draw's average always lies in the
+family's mean domain; should the inverse still miss it, the step is not taken and is counted as clamped.
 """
 
 from __future__ import annotations
@@ -18,17 +23,22 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+from jax.flatten_util import ravel_pytree
 
-from numpyro_pvi.families import NatParams
+from numpyro_pvi.families import MeanParamFamily, NatParams
 from numpyro_pvi.local_updates.base import Client, ClientProblem, ClientResult, local_free_energy
+from numpyro_pvi.local_updates.nuts import NUTSSettings, nuts_draws
+from numpyro_pvi.local_updates.snep_blocks import matches, stein_coefficients, stein_features
 
 
 def bind_site_families(problem: ClientProblem, alpha: float, num_samples: int, min_ess: float,
-                       safe_step: Callable, max_backtracks: int, proposal: str = "laplace") -> Callable:
+                       safe_step: Callable, max_backtracks: int, proposal: str = "laplace",
+                       nuts: NUTSSettings | None = None) -> Callable:
     """``client_update`` of :class:`~numpyro_pvi.MomentMatchingUpdate` for a non-Gaussian family.
 
     :param safe_step: ``(family, q, target, alpha, low_ess, max_backtracks) -> (delta, halvings, ok)``.
     :param proposal: ``"laplace"`` (the cavity times the client's natural-gradient site) or ``"cavity"``.
+    :param nuts: the NUTS settings for ``tilted="nuts"`` (:func:`nuts_target`); ``None`` for importance sampling.
 
     **Example:** ``pvi.MomentMatchingUpdate(num_samples=1024)`` with ``pvi.Gamma()`` binds this.
     """
@@ -41,22 +51,63 @@ def bind_site_families(problem: ClientProblem, alpha: float, num_samples: int, m
         site = cavity_alpha + alpha * family.site_from_draws(q, zeta, values, grads, None)
         return jax.tree.map(lambda a, b: jnp.where(family.is_valid(site), a, b), site, q)
 
+    def _importance_target(proposal_q: NatParams, cavity_alpha: NatParams, loglik: Callable,
+                           key: jax.Array) -> tuple[NatParams, jax.Array]:
+        """The member matched to the importance-weighted statistics, and whether the weights' ESS was low."""
+        zeta = family.draw(proposal_q, key, pairs)
+        log_w = alpha * jax.vmap(loglik)(zeta) + family.to_dist(cavity_alpha).log_prob(zeta) \
+            - family.to_dist(proposal_q).log_prob(zeta)
+        log_w = jnp.where(jnp.isfinite(log_w), log_w, -jnp.inf)
+        weights = jax.nn.softmax(log_w)
+        low_ess = 1.0 / jnp.sum(weights**2) < min_ess * zeta.shape[0]
+        return family.match_moments(proposal_q, zeta, weights), low_ess
+
     def client_update(rng_key: jax.Array, client: Client, cavity: NatParams, q: NatParams,
                       state: Any, hyper: Any = ()) -> ClientResult:
         loglik = lambda z: problem.log_likelihood(z, client, hyper)  # noqa: E731
         site_key, sample_key, fe_key = jax.random.split(rng_key, 3)
         cavity_alpha = alpha * cavity + (1.0 - alpha) * q  # q / t_m^alpha: valid, a convex combination
         proposal_q = cavity_alpha if proposal == "cavity" else _site_proposal(q, cavity_alpha, loglik, site_key)
-        zeta = family.draw(proposal_q, sample_key, pairs)
-        log_w = alpha * jax.vmap(loglik)(zeta) + family.to_dist(cavity_alpha).log_prob(zeta) \
-            - family.to_dist(proposal_q).log_prob(zeta)
-        log_w = jnp.where(jnp.isfinite(log_w), log_w, -jnp.inf)
-        weights = jax.nn.softmax(log_w)
-        low_ess = 1.0 / jnp.sum(weights**2) < min_ess * zeta.shape[0]
-        target = family.match_moments(proposal_q, zeta, weights)
+        if nuts is None:
+            target, low_ess = _importance_target(proposal_q, cavity_alpha, loglik, sample_key)
+        else:
+            target, missed = nuts_target(family, proposal_q, cavity_alpha, loglik, alpha, sample_key, nuts)
+            target, low_ess = jax.tree.map(lambda a, b: jnp.where(missed, b, a), target, q), missed
         delta, halvings, _ = safe_step(family, q, target, alpha, low_ess, max_backtracks)
         q_new = q + delta
         free_energy = local_free_energy(family, q_new, cavity, loglik, family.draw(q_new, fe_key, 32))
         return ClientResult(delta, free_energy, state, low_ess + halvings)
 
     return client_update
+
+
+def nuts_target(family: MeanParamFamily, proposal_q: NatParams, cavity_alpha: NatParams, loglik: Callable,
+                alpha: float, rng_key: jax.Array, nuts: NUTSSettings) -> tuple[NatParams, jax.Array]:
+    """The member whose mean parameters are the NUTS estimate of the tilted distribution's ``E[T]``, and whether no
+    estimate could be inverted.
+
+    The chains run in the family's chain coordinates standardised by ``proposal_q``, on the tilted density
+    ``exp(cavity_alpha . T(theta)) p(y_m | theta)^alpha`` times the log Jacobian. ``E[T]`` is the draws' average of
+    ``T`` less Stein control variates whose coefficients are read off ``proposal_q`` (SNEP's, see
+    :func:`~numpyro_pvi.local_updates.snep_blocks.stein_coefficients`: unbiased, exact when the tilted distribution
+    is the proposal); if that estimate has no member, the plain average is used.
+
+    **Example:** ``target, missed = nuts_target(pvi.Gamma(), q, q, loglik, 1.0, key, NUTSSettings(2, 300, 500, 6))``.
+    """
+    frame = family.chain_frame(proposal_q)
+
+    def log_tilted(u: jax.Array) -> jax.Array:
+        theta, log_det = family.from_chain(frame, u)
+        return family.log_factor(cavity_alpha, theta) + alpha * loglik(theta) + log_det
+
+    dim = family.chain_dim(proposal_q.eta1.shape[-1])
+    u = nuts_draws(lambda v: -log_tilted(v), dim, rng_key, nuts.num_chains, nuts.num_warmup, nuts.num_samples,
+                   nuts.max_tree_depth)
+    plain = family.chain_mean_params(jax.vmap(lambda v: family.from_chain(frame, v)[0])(u))
+    flat, unravel = ravel_pytree(plain)
+    features = jnp.mean(jax.vmap(stein_features)(u, jax.vmap(jax.grad(log_tilted))(u)), axis=0)
+    estimate = unravel(flat - stein_coefficients(family, frame, proposal_q) @ features)
+    target, plain_target = family.from_mean_params(estimate, proposal_q), family.from_mean_params(plain, proposal_q)
+    ok = matches(family, target, estimate)
+    return jax.tree.map(lambda a, b: jnp.where(ok, a, b), target, plain_target), \
+        ~(ok | matches(family, plain_target, plain))
