@@ -15,18 +15,7 @@ from jax import random
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from test_snep_blocks import (  # noqa: E402
-    categorical_data,
-    categorical_pvi,
-    dirichlet_errors,
-    gamma_errors,
-    ng_errors,
-    normal_gamma_data,
-    normal_gamma_ep,
-    normal_gamma_pvi,
-    poisson_data,
-    poisson_pvi,
-)
+import test_snep_blocks as ref  # noqa: E402
 
 import numpyro_pvi as pvi  # noqa: E402
 
@@ -34,20 +23,19 @@ UPDATE = pvi.MomentMatchingUpdate(tilted="nuts", num_samples=400, num_warmup=200
 
 
 def main(num_seeds: int = 5) -> None:
-    y, cat, (X, y_ng) = poisson_data(), categorical_data(), normal_gamma_data()
-    reference = normal_gamma_ep(X, y_ng)
-    runs = {"poisson-gamma, 5 clients, 2 sequential rounds": (poisson_pvi(pvi.Sequential(), update=UPDATE),
-                                                             dict(y=y), lambda q: gamma_errors(q, y)),
-            "dirichlet-categorical, 5 clients, 2 synchronous rounds": (categorical_pvi(UPDATE), dict(y=cat),
-                                                                      lambda q: dirichlet_errors(q, cat))}
+    y, cat, (X, y_ng) = ref.poisson_data(), ref.categorical_data(), ref.normal_gamma_data()
+    reference = ref.normal_gamma_ep(X, y_ng)
+    runs = {"poisson-gamma, 5 clients, 2 sequential rounds": (ref.poisson_pvi(pvi.Sequential(), update=UPDATE),
+                                                             dict(y=y), lambda q: ref.gamma_errors(q, y)),
+            "dirichlet-categorical, 5 clients, 2 synchronous rounds": (ref.categorical_pvi(UPDATE), dict(y=cat),
+                                                                      lambda q: ref.dirichlet_errors(q, cat))}
     for name, (inference, data, errors) in runs.items():
         worst = np.max([errors(inference.run(random.PRNGKey(s), 2, progress_bar=False, **data).state.q)
                         for s in range(num_seeds)], axis=0)
         print(f"{name}: |mean error| <= {worst[0]:.5f} sd, |sd ratio - 1| <= {100 * worst[1]:.2f} %")
-    inference = normal_gamma_pvi(UPDATE)
-    worst = np.max([ng_errors(inference.family, inference.run(random.PRNGKey(s), 2, X, y=y_ng,
-                                                              progress_bar=False).state.q, reference)
-                    for s in range(num_seeds)], axis=0)
+    inference = ref.normal_gamma_pvi(UPDATE)
+    runs = [inference.run(random.PRNGKey(s), 2, X, y=y_ng, progress_bar=False) for s in range(num_seeds)]
+    worst = np.max([ref.ng_errors(inference.family, run.state.q, reference) for run in runs], axis=0)
     print(f"SiteFamilies w (FullRank) + tau (Gamma), 1 client, 2 rounds: w mean <= {worst[0]:.4f} sd, "
           f"w sds <= {100 * worst[1]:.2f} %, tau mean <= {100 * worst[2]:.2f} %, tau sd <= {100 * worst[3]:.2f} %")
 

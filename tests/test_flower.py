@@ -24,6 +24,7 @@ pytest.importorskip("ray")
 
 from flwr.serverapp import ServerApp  # noqa: E402
 from flwr.simulation import run_simulation  # noqa: E402
+from test_site_families import normal_gamma_model  # noqa: E402
 
 from numpyro_pvi.flower import PVIStrategy, client_app, tree_from_record, tree_to_record  # noqa: E402
 
@@ -51,12 +52,15 @@ def _data():
 
 @pytest.fixture(scope="module")
 def by_value():
-    """The sites run in Ray workers, which cannot import the test modules: ship this module's models by value."""
+    """The sites run in Ray workers, which cannot import the test modules: ship their models by value."""
     import ray.cloudpickle
 
-    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    modules = [sys.modules[__name__], sys.modules["test_site_families"]]
+    for module in modules:
+        ray.cloudpickle.register_pickle_by_value(module)
     yield
-    ray.cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
+    for module in modules:
+        ray.cloudpickle.unregister_pickle_by_value(module)
 
 
 @pytest.fixture(scope="module")
@@ -227,14 +231,6 @@ def test_server_merges_good_deltas_and_rejects_the_rest(monkeypatch):
     sent = {int(m.content.config_records["pvi"]["client"]): int(m.content.config_records["pvi"]["accepted"])
             for m in strategy.configure_train(2, None, flwr.app.ConfigRecord(), None)}
     assert sent == {0: 1, 1: 0, 2: 0, 3: 0}
-
-
-def normal_gamma_model(X, y=None):
-    """Linear regression with an unknown noise precision: a full-rank Gaussian block over w, a Gamma block over tau."""
-    w = numpyro.sample("w", dist.Normal(0.0, 2.0).expand([2]).to_event(1))
-    tau = numpyro.sample("tau", dist.Gamma(2.0, 1.0))
-    with pvi.partition_plate("data", X.shape[0]):
-        numpyro.sample("y", dist.Normal(X @ w, 1.0 / jnp.sqrt(tau)), obs=y)
 
 
 def site_families():

@@ -15,6 +15,7 @@ import numpyro
 import numpyro.distributions as dist
 import pytest
 from jax import random
+from test_site_families import normal_gamma_model
 
 import numpyro_pvi as pvi
 from numpyro_pvi.families import NatParams
@@ -35,13 +36,6 @@ def categorical_model(y=None):
     probs = numpyro.sample("probs", dist.Dirichlet(jnp.asarray(CONCENTRATION)))
     with pvi.partition_plate("data", y.shape[0]):
         numpyro.sample("y", dist.Categorical(probs), obs=y)
-
-
-def normal_gamma_model(X, y=None):
-    w = numpyro.sample("w", dist.Normal(0.0, 2.0).expand([2]).to_event(1))
-    tau = numpyro.sample("tau", dist.Gamma(2.0, 1.0))
-    with pvi.partition_plate("data", X.shape[0]):
-        numpyro.sample("y", dist.Normal(X @ w, 1.0 / jnp.sqrt(tau)), obs=y)
 
 
 def poisson_data():
