@@ -243,9 +243,9 @@ def test_flower_site_families_match_in_process(by_value):
     whose layout differs is refused by name."""
     X = random.normal(random.PRNGKey(4), (24, 2))
     y = X @ jnp.array([1.0, -0.5]) + 0.7 * random.normal(random.PRNGKey(5), (24,))
-    parts = pvi.split_iid(random.PRNGKey(1), 24, 3)
+    parts = pvi.split_iid(random.PRNGKey(1), 24, 2)
     update = pvi.NaturalGradientUpdate(step_size=1.0, num_particles=8)
-    strategy = PVIStrategy(site_families(), 3, random.PRNGKey(2), pvi.Synchronous(DAMPING))
+    strategy = PVIStrategy(site_families(), 2, random.PRNGKey(2), pvi.Synchronous(DAMPING))
     app = ServerApp()
 
     @app.main()
@@ -256,7 +256,7 @@ def test_flower_site_families_match_in_process(by_value):
         p = parts[int(context.node_config["partition-id"])]
         return (np.asarray(X[p]),), {"y": np.asarray(y[p])}
 
-    run_simulation(app, client_app(normal_gamma_model, site_families(), update, load_data), num_supernodes=3,
+    run_simulation(app, client_app(normal_gamma_model, site_families(), update, load_data), num_supernodes=2,
                    backend_config={"init_args": {"num_cpus": 1}, "client_resources": {"num_cpus": 1}})
     inference = pvi.PVI(normal_gamma_model, site_families(), parts, update, pvi.Synchronous(DAMPING))
     reference = inference.run(random.PRNGKey(2), 2, X, y=y, progress_bar=False)

@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 from jax import random
 from test_backends import FaultyUpdate
-from test_site_families import PARTS as SITE_PARTS
 from test_site_families import normal_gamma_model
 
 import numpyro_pvi as pvi
@@ -44,6 +43,9 @@ def test_ray_synchronous_equals_vmap(ray_cluster, linear_data):
     np.testing.assert_allclose(states[0].q.eta2, states[1].q.eta2, rtol=1e-4)
 
 
+TWO_CLIENTS = [np.arange(20), np.arange(20, 48)]  # two actors: each compiles its own update
+
+
 def test_ray_site_families_equal_vmap(ray_cluster):
     """SiteFamilies (a full-rank Gaussian block and a Gamma block) on Ray actors: the vmap run's q, every leaf.
 
@@ -55,7 +57,7 @@ def test_ray_site_families_equal_vmap(ray_cluster):
     for backend in ["vmap", pvi.RayBackend()]:
         family = pvi.SiteFamilies({"w": pvi.FullRankGaussian(), "tau": pvi.Gamma()})
         update = pvi.NaturalGradientUpdate(step_size=1.0, num_particles=8)
-        inference = pvi.PVI(normal_gamma_model, family, SITE_PARTS, update, pvi.Sequential(), backend)
+        inference = pvi.PVI(normal_gamma_model, family, TWO_CLIENTS, update, pvi.Sequential(), backend)
         runs.append(inference.run(random.PRNGKey(1), 2, X, y=y, progress_bar=False))
     assert isinstance(runs[1].state.q.eta2, tuple) and len(runs[1].state.q.eta2) == 2  # one eta2 per block
     for a, b in zip(jax.tree.leaves(runs[0].state.q), jax.tree.leaves(runs[1].state.q)):
