@@ -91,14 +91,14 @@ class SiteFamilies:
                              f"(its global sites: {names}).")
         order, members = [], {}
         for site in sites.globals:
-            group = next((g for g in self.groups if site.name in g), None)
+            group = self._group_of(site.name)
             if group not in members:
                 order.append(group)
                 members[group] = []
             members[group].append(site)
         globals_, gaussian, blocks, start = [], dict(sites.gaussian_prior), [], 0
         for group in order:
-            family = self.default if group is None else self.groups[group]
+            family = self._family_of(group)
             sub = family.prepare_sites(replace(sites, globals=tuple(members[group])))
             for site in members[group]:
                 gaussian.pop(site.name, None)
@@ -130,17 +130,23 @@ class SiteFamilies:
         blocks, start = [], 0
         for names, size in layout:
             names = tuple(names)
-            groups = {next((g for g in self.groups if n in g), None) for n in names}
+            groups = {self._group_of(n) for n in names}
             if len(groups) != 1 or any(n not in shapes for n in names):
                 raise ValueError(f"SiteFamilies: the block {names} of the layout is not one group of {self!r} "
                                  "(were both ends configured with the same SiteFamilies?).")
-            group = groups.pop()
-            family = self.default if group is None else self.groups[group]
+            family = self._family_of(groups.pop())
             if isinstance(family, ExponentialFamily):
                 family.check_shapes([tuple(shapes[n]) for n in names])
             blocks.append((family, start, start + int(size), names))
             start += int(size)
         self._set_blocks(tuple(blocks))
+
+    def _group_of(self, name: str) -> tuple | None:
+        """The group naming site ``name`` (``None``: the default block's)."""
+        return next((g for g in self.groups if name in g), None)
+
+    def _family_of(self, group: tuple | None) -> FactorFamily:
+        return self.default if group is None else self.groups[group]
 
     def _set_blocks(self, blocks: tuple) -> None:
         if self.blocks is not None and tuple(b[1:] for b in self.blocks) != tuple(b[1:] for b in blocks):
