@@ -32,7 +32,7 @@ from numpyro_pvi.rounds import InFlight, Round, cancel_in_flight
 from numpyro_pvi.servers import Server, Synchronous
 from numpyro_pvi.sites import ModelSites
 from numpyro_pvi.start import chosen_start
-from numpyro_pvi.state import PVIState, RoundInfo
+from numpyro_pvi.state import MadeFor, PVIState, RoundInfo
 
 MEMO_SIZE = 4  # problems remembered by the identity of their data
 ELBO_KEY = jax.random.PRNGKey(1)  # RoundInfo.elbo's draws, the same every round
@@ -188,7 +188,8 @@ class PVI:
         hyper = hyper or ()  # not weak-typed: the optimiser's first step must not change types (a recompilation)
         hyper_state = self.hyper_optimizer.init(hyper) if hyper else ()
         return PVIState(q, factors, t0, client_states, self.server.init(q, capacity), rng_key, hyper, hyper_state,
-                        _broadcast(hyper, capacity, zero=True), damping.initial_state(self.server.damping, q, factors))
+                        _broadcast(hyper, capacity, zero=True), damping.initial_state(self.server.damping, q, factors),
+                        MadeFor.of(self, problem))
 
     def update(self, state: PVIState, *args: Any, **kwargs: Any) -> tuple[PVIState, RoundInfo]:
         """One round: the prior factor's step (if any), then the clients in the server's schedule.
@@ -202,6 +203,12 @@ class PVI:
             cancel_in_flight(problem.steps.runner, in_flight)
 
     def _check_state(self, state: PVIState, problem: Problem) -> None:
+        if not isinstance(state, PVIState):
+            raise TypeError(f"state must be a PVIState (from init, or pvi.load), got {type(state).__name__}.")
+        differences = state.made_for.differences(MadeFor.of(self, problem)) if state.made_for.known else []
+        if differences:
+            raise ValueError("The state was made for another set-up: " + "; ".join(differences) + ". Resume it with "
+                             "the PVI (model, family, server) and the data it was made for.")
         expected = jax.tree.map(jnp.shape, self.family.zeros(problem.sites.dim))
         if jax.tree.map(jnp.shape, state.q) != expected:
             raise ValueError(f"The state's q has shapes {jax.tree.map(jnp.shape, state.q)}, but this model's global "
@@ -305,6 +312,7 @@ class PVI:
         if not isinstance(self.partitions, ClientData):
             raise TypeError("add_client needs partitions=pvi.ClientData(...): with pooled data, pass the new rows "
                             "in the pooled arrays and new index partitions to a new PVI instead.")
+        self._check_state(state, problem)
         new = problems.add_client(self, problem, args, kwargs)
         local = self.local_update.init_state(new.client_problem)
         if jax.tree.map(jnp.shape, local) != jax.tree.map(lambda x: jnp.shape(x)[1:], state.client_states):
@@ -319,7 +327,7 @@ class PVI:
                                hyper_grads=_grow(state.hyper_grads, _broadcast(state.hyper, capacity, zero=True)),
                                server_state=self.server.add_client(server_state, state.q, m))
         state = state._replace(damping=damping.after_new_client(self.server.damping, state.damping, state.q,
-                                                                 state.factors))
+                                                                 state.factors), made_for=MadeFor.of(self, new))
         return state, new
 
     def evaluate(self, state: PVIState, *args: Any, num_particles: int | None = None, **kwargs: Any) -> jax.Array:

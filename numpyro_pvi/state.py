@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import asdict, dataclass
 from enum import IntEnum
 from typing import Any, NamedTuple
 
@@ -9,6 +10,59 @@ import jax
 import numpy as np
 
 from numpyro_pvi.families import NatParams
+from numpyro_pvi.families.site_families import _name as family_name
+
+
+@dataclass(frozen=True)
+class MadeFor:
+    """What a :class:`PVIState` was made for, stamped by :meth:`PVI.init <numpyro_pvi.PVI.init>`.
+
+    A pytree node without leaves (static, hashable): ``jit`` treats it as part of the state's structure;
+    it is the same in every round of a run, so a run's compiled steps are reused as before.
+    ``PVI.update``/``run`` compare it with the set-up they are given and raise a ``ValueError`` naming
+    every difference; checkpoints save and restore it. The empty record ``MadeFor()`` (a state built by
+    hand) checks nothing.
+
+    :ivar sites: the global latent sites, ``((name, shape), ...)`` in the model's order.
+    :ivar family: the family, e.g. ``"MeanFieldGaussian()"``.
+    :ivar server: the server's ``repr``, e.g. ``"Synchronous(damping=0.5)"``.
+    :ivar capacity: the number of client slots: the number of clients, or more after
+        :meth:`PVI.add_client <numpyro_pvi.PVI.add_client>` (the number of clients itself is not recorded:
+        adding a client would change the record, and so recompile the round, within the same slots).
+
+    **Example:** ``inference.init(key, X, y=y).made_for.sites`` is e.g. ``(("w", (3,)),)``.
+    """
+
+    sites: tuple = ()
+    family: str = ""
+    server: str = ""
+    capacity: int = 0
+
+    @classmethod
+    def of(cls, inference: Any, problem: Any) -> MadeFor:
+        """The record of a :class:`~numpyro_pvi.PVI` on a :class:`~numpyro_pvi.Problem`."""
+        return cls(tuple((s.name, tuple(int(n) for n in s.shape)) for s in problem.sites.globals),
+                   family_name(inference.family), repr(inference.server), int(problem.capacity))
+
+    @property
+    def known(self) -> bool:
+        """Whether this records a set-up (``MadeFor()`` does not)."""
+        return self != MadeFor()
+
+    def differences(self, current: MadeFor, only: tuple = ()) -> list[str]:
+        """``"field: made for X, now Y"`` for each field (of ``only``, if given) that differs from ``current``."""
+        made, now = asdict(self), asdict(current)
+        return [f"{name}: made for {_show(made[name])}, now {_show(now[name])}"
+                for name in only or made if made[name] != now[name]]
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, tuple):  # the sites
+        return "[" + ", ".join(f"{name} {list(shape)}" for name, shape in value) + "]"
+    return repr(value)
+
+
+jax.tree_util.register_static(MadeFor)
 
 
 class PVIState(NamedTuple):
@@ -30,6 +84,8 @@ class PVIState(NamedTuple):
     :ivar hyper_grads: each client's latest accepted gradient of its local free energy with respect to
         ``hyper``, stacked ``(M, ...)``; the server steps along their sum, so a client that did not
         report this round (asynchronous servers) still counts with its latest gradient.
+    :ivar made_for: what the state was made for (:class:`MadeFor`: sites, family, server, client slots; no
+        leaves); resuming it into another set-up is a ``ValueError`` naming the difference.
 
     **Example:** ``state = inference.init(key, X, y=y)``, ``state, info = inference.update(state, X, y=y)``;
     ``inference.get_posterior(state)`` is ``q``, ``pvi.save(state, "run.npz")`` a checkpoint.
@@ -45,6 +101,7 @@ class PVIState(NamedTuple):
     hyper_state: Any = ()
     hyper_grads: Any = ()
     damping: Any = ()
+    made_for: MadeFor = MadeFor()
 
 
 class Rejection(IntEnum):
