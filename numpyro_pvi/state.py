@@ -50,10 +50,14 @@ class MadeFor:
         return self != MadeFor()
 
     def differences(self, current: MadeFor, only: tuple = ()) -> list[str]:
-        """``"field: made for X, now Y"`` for each field (of ``only``, if given) that differs from ``current``."""
+        """``"field: made for X, now Y"`` for each field (of ``only``, if given) that differs from ``current``
+        (the capacity is labelled ``client slots``)."""
         made, now = asdict(self), asdict(current)
-        return [f"{name}: made for {_show(made[name])}, now {_show(now[name])}"
+        return [f"{_LABELS.get(name, name)}: made for {_show(made[name])}, now {_show(now[name])}"
                 for name in only or made if made[name] != now[name]]
+
+
+_LABELS = {"capacity": "client slots"}
 
 
 def _show(value: Any) -> str:

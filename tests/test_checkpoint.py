@@ -148,7 +148,7 @@ def test_a_checkpoint_knows_what_it_was_made_for(sequential_run, linear_data, tm
         other_model.update(pvi.load(path), X, y=y)  # bare state, no check at load: the resume checks
     with pytest.raises(ValueError, match=r"sites: made for \[w \[3\]\], now \[w \[6\]\]"):
         inference.update(pvi.load(path), jnp.concatenate([X, X], axis=1), y=y)
-    with pytest.raises(ValueError, match="capacity: made for 2, now 3"):
+    with pytest.raises(ValueError, match="client slots: made for 2, now 3"):
         pvi.PVI(linear_model, pvi.MeanFieldGaussian(), [*PARTS[:1], PARTS[1][:100], PARTS[1][100:]], update,
                 pvi.Sequential()).update(pvi.load(path), X, y=y)
     with pytest.raises(ValueError, match="nothing was written"):
