@@ -115,7 +115,7 @@ def save(obj: PVIState | PVIRunResult, path: str | os.PathLike, inference: Any =
     if jax.tree_util.tree_structure(rebuilt) != jax.tree_util.tree_structure(state):
         raise TypeError("save: the state's tree holds a node that loading would not rebuild as it is (a custom "
                         "pytree node?); nothing was written.")
-    arrays = {f"leaf_{i}": leaf for i, leaf in enumerate(_stored(leaf) for leaf in leaves)}
+    arrays = {f"leaf_{i}": leaf for i, leaf in enumerate(leaves)}
     folder = os.path.dirname(os.path.abspath(os.fspath(path)))
     _remove_stale_temporaries(folder)
     handle, temporary = tempfile.mkstemp(dir=folder, prefix=f"{TEMPORARY_PREFIX}{_host()}-{os.getpid()}-",
@@ -212,7 +212,7 @@ def _text(data: Any, key: str) -> str | None:
 
 
 def _describe(tree: Any, leaves: list) -> Any:
-    """The JSON description of ``tree``; its leaves are appended to ``leaves`` (in the description's order)."""
+    """The JSON description of ``tree``; its leaves, as NumPy arrays, are appended to ``leaves`` (in order)."""
     if tree is None:
         return None
     if isinstance(tree, MadeFor):
@@ -235,11 +235,10 @@ def _describe(tree: Any, leaves: list) -> Any:
     if not jax.tree_util.all_leaves([tree]):
         raise TypeError(f"save: the state holds a {type(tree).__name__} node, which a checkpoint does not hold "
                         "(tuples, lists, dicts, None, NamedTuples and arrays); nothing was written.")
-    leaves.append(tree)
-    node = {"leaf": len(leaves) - 1, "shape": list(np.shape(tree))}
-    if _is_key(tree):
-        return {**node, "dtype": str(jax.random.key_data(tree).dtype), "key": str(jax.random.key_impl(tree))}
-    return {**node, "dtype": str(np.asarray(jax.device_get(tree)).dtype)}
+    array = _stored(tree)  # one transfer from the device
+    leaves.append(array)
+    node = {"leaf": len(leaves) - 1, "shape": list(np.shape(tree)), "dtype": str(array.dtype)}
+    return {**node, "key": str(jax.random.key_impl(tree))} if _is_key(tree) else node
 
 
 def _build(node: Any, leaves: list, restore: Any) -> Any:
