@@ -81,19 +81,18 @@ def q_change(family: Any, old: Any, new: Any) -> float:
 
 
 def trend(moves: list) -> tuple[str, float, float] | None:
-    """``(kind, shrink, cosine)`` of the last moves of ``q`` (``None`` with fewer than 4 or a zero move).
+    """``(kind, shrink, cosine)`` of the last non-zero moves of ``q`` (``None`` with fewer than 4).
 
     ``shrink``: the factor the change falls by per round (a log-linear fit); ``cosine``: the mean cosine of
     consecutive moves. ``kind``: ``"still_moving"`` (shrinking by :data:`FALLING` or faster, or going one way),
     ``"swinging"`` (back and forth, not shrinking) or ``"noise_floor"`` (neither: moves in unrelated directions
     of a size that does not fall, the mark of Monte Carlo noise in the local updates).
     """
+    moves = [m for m in moves if np.all(np.isfinite(m)) and np.any(m != 0)][-TREND_ROUNDS:]
     if len(moves) < 4:
         return None
-    v = np.stack(moves[-TREND_ROUNDS:])
+    v = np.stack(moves)
     norm, change = np.linalg.norm(v, axis=1), np.max(np.abs(v), axis=1)
-    if not (np.all(np.isfinite(v)) and np.all(norm > 0)):
-        return None
     unit = v / norm[:, None]
     cosine = float(np.mean(np.sum(unit[1:] * unit[:-1], axis=1)))
     shrink = float(np.exp(np.polyfit(np.arange(len(change)), np.log(change), 1)[0]))
@@ -285,11 +284,12 @@ class RunMonitor:
         more += "." if tol is not None else ", or pass tol= to run until q settles."
         seen = trend(list(self.moves))
         if seen is None:
-            return "not_settled", (f"{head}; too few rounds to tell a q still moving from one jittering at the "
-                                   f"Monte Carlo noise floor (see result.history.change, plot_history). {more}")
+            return "not_settled", (f"{head}; too few rounds (moves of q) to tell a q still moving from one "
+                                   "jittering at the Monte Carlo noise floor (see result.history.change, "
+                                   f"plot_history). {more}")
         kind, shrink, cosine = seen
-        numbers = (f"over the last {min(len(self.moves), TREND_ROUNDS)} rounds the change shrank x{shrink:.2f} a "
-                   f"round and consecutive moves had a mean cosine of {cosine:.2f}")
+        numbers = (f"over the last rounds the change shrank x{shrink:.2f} a round and consecutive moves had a mean "
+                   f"cosine of {cosine:.2f}")
         if kind == "still_moving":
             return kind, f"{head}, and q is still moving ({numbers}). {more}"
         if kind == "swinging":

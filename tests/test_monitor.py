@@ -170,7 +170,7 @@ CASES = {  # name: (rounds, tol, moves, history, converged, stopped_because, a p
     "swinging": ([round_info(0.3, -100 - r % 2) for r in range(8)], 0.01, SWINGS, None, False, "swinging",
                  "swings back and forth"),
     "too few rounds": ([round_info(1.0, -200), round_info(0.5, -100)], 0.01, SHRINKING[:2], None, False,
-                       "not_settled", "too few rounds to tell"),
+                       "not_settled", "too few rounds (moves of q) to tell"),
     "no tol": ([round_info(1.0, -200), round_info(0.1, -150)], None, None, None, None, "num_rounds", None),
     "no tol, far": ([round_info(np.abs(m).max() * 10, -100 + r) for r, m in enumerate(JITTER)], None,
                     [10 * m for m in JITTER], None, None, "noise_floor", "ended far from converged"),
@@ -194,7 +194,7 @@ def test_converged_only_when_earned_and_the_warning_names_why(case):
 
 
 def test_trend_tells_still_moving_from_the_noise_floor_and_swinging():
-    assert trend(SHRINKING[:3]) is None  # too few rounds
+    assert trend(SHRINKING[:3]) is None and trend([*SHRINKING[:3], 0 * SHRINKING[3]]) is None  # too few moves
     assert trend(SHRINKING)[0] == "still_moving" and trend(SWINGS)[0] == "swinging"
     assert trend(JITTER)[0] == "noise_floor"
     # one direction at a steady size (a slow Jacobi iteration): still moving though the size does not shrink.
