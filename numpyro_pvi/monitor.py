@@ -173,7 +173,8 @@ class RunMonitor:
         spent = rejection == Rejection.BUDGET  # a client out of budget sends nothing more: its factor is final
         self.all_merged = bool(np.any(attempts & ~gone)) and not np.any(attempts & gone & ~spent)
         merged_now = (np.asarray(info.accepted) > 0) & ~(gone & (rejection == 0))  # not clamped away
-        self.merged = _grown(self.merged, attempts.size, False) | merged_now
+        self.merged = _grown(self.merged, attempts.size, False)
+        self.merged[:attempts.size] |= merged_now
         self._failing(rejection, attempts)
         self._elbo(float(info.elbo))
         troubled = info.num_rejected > 0 or np.asarray(info.clamped).sum() > 0
