@@ -1,4 +1,4 @@
-"""What a run says about itself: how far each round moved ``q``, whether it converged, and why it did not.
+"""What a run says about itself: how far each round moved ``q``, whether it converged, and why it stopped.
 
 No run ends at a wrong answer without saying so. After every round :class:`RunMonitor` looks at the
 round's :class:`~numpyro_pvi.RoundInfo` and issues a :class:`PVIWarning` (once per cause per run) when
@@ -6,23 +6,52 @@ round's :class:`~numpyro_pvi.RoundInfo` and issues a :class:`PVIWarning` (once p
 * every update of the round was rejected or clamped away (with the reasons; for ``max_staleness``, the
   staleness seen and the value that would admit the updates);
 * ``q`` has not moved for :data:`STALL_ROUNDS` rounds while updates were rejected or clamped;
-* a client timed out in each of the last :data:`STALL_ROUNDS` rounds (Ray);
+* a client timed out in each of the last :data:`STALL_ROUNDS` rounds (Ray), or its update raised or was
+  NaN in each of its last :data:`STALL_ROUNDS` attempts;
 * a client's next update would exceed its privacy budget (once per client: it sends nothing from then on);
+* the ELBO fell in each of the last :data:`STALL_ROUNDS` rounds, by more than :data:`ELBO_FALL` of its range;
 * the run ends without converging (``tol`` given) or far from it (after two rounds or more, the last
-  round still moved ``q`` by more than :data:`FAR` posterior sds).
+  round still moved ``q`` by more than :data:`FAR` posterior sds): the message (and
+  ``PVIRunResult.stopped_because``) tells a ``q`` still moving from one jittering at the Monte Carlo noise
+  floor of the local updates, or swinging back and forth.
+
+A run is **converged** (:meth:`RunMonitor.earned`) only when its last round moved ``q`` by at most ``tol``
+*and* every update that round was merged (none rejected or clamped away; a client out of privacy budget
+aside) *and* every client has been merged at least once (client sampling) *and* the ELBO is not falling.
 """
 
 from __future__ import annotations
 
 import warnings
+from collections import deque
 from typing import Any
 
 import numpy as np
 
 from numpyro_pvi.state import Rejection, RoundInfo
 
-STALL_ROUNDS = 3  # rounds without movement, with rejected or clamped updates, before a run is called stalled
+STALL_ROUNDS = 3  # rounds without movement (or of failures, or of ELBO falls) before a run says so
 FAR = 0.5  # a last round that moved q by more than this many posterior sds ends a run far from converged
+TREND_ROUNDS = 6  # the last moves of q that tell "still moving" from "jittering at the noise floor"
+FALLING = 0.8  # a change of q that shrinks by this factor a round (or faster) is still moving
+DIRECTED = 0.5  # consecutive moves of q with a mean cosine above this go one way: still moving
+SWINGING = -0.8  # ... below this, q swings back and forth
+JITTER = 3.0  # ... and more than this many times the squared moves of q over the streak (in nats: at the noise
+#               floor of GradientUpdate, Sequential, linear model, 8 seeds x 30 rounds, streaks lost up to 0.99 times)
+ELBO_FALL = 0.01  # a streak of ELBO falls counts when it loses this fraction of the ELBO's range so far
+
+#: ``PVIRunResult.stopped_because``: why a run stopped (every reason but ``"converged"`` ran all its rounds).
+STOP_REASONS = {
+    "converged": "q settled within tol, every update of the last round merged, every client merged once",
+    "num_rounds": "all rounds run; no tol was given and nothing went wrong",
+    "not_merged": "updates of the last round were rejected or clamped away",
+    "unmerged_clients": "some clients were never merged (client sampling)",
+    "elbo_falling": "the ELBO fell in each of the last rounds",
+    "still_moving": "q still moving (its change shrinking or going one way): more rounds help",
+    "noise_floor": "q jittering at the Monte Carlo noise floor: more particles or steps help, not rounds",
+    "swinging": "q swinging back and forth: a smaller damping or Sequential() helps",
+    "not_settled": "q moved more than tol; too few rounds to tell why",
+}
 
 
 class PVIWarning(UserWarning):
@@ -32,39 +61,131 @@ class PVIWarning(UserWarning):
     """
 
 
-def q_change(family: Any, old: Any, new: Any) -> float:
-    """How far ``q`` moved: the largest ``|change of a marginal mean| / new sd`` or ``|change of a log sd|``."""
+def q_move(family: Any, old: Any, new: Any) -> np.ndarray:
+    """How ``q`` moved, per coordinate: the change of each marginal mean in new sds, then of each log sd."""
     a, b = family.marginals(old), family.marginals(new)
-    mean = np.abs(b.mean - a.mean) / np.sqrt(b.variance)
-    log_sd = 0.5 * np.abs(np.log(b.variance) - np.log(a.variance))
-    change = float(np.max(np.concatenate([mean, log_sd])))
+    mean = (np.asarray(b.mean) - np.asarray(a.mean)) / np.sqrt(np.asarray(b.variance))
+    log_sd = 0.5 * (np.log(np.asarray(b.variance)) - np.log(np.asarray(a.variance)))
+    return np.concatenate([np.ravel(mean), np.ravel(log_sd)])
+
+
+def largest(move: np.ndarray) -> float:
+    """``RoundInfo.change`` of a move: its largest entry in absolute value (``inf`` if not finite)."""
+    change = float(np.max(np.abs(move))) if np.size(move) else 0.0
     return change if np.isfinite(change) else float("inf")
 
 
-class RunMonitor:
-    """Watches the rounds of one run and warns, once per cause, when it cannot do what was asked."""
+def q_change(family: Any, old: Any, new: Any) -> float:
+    """How far ``q`` moved: the largest ``|change of a marginal mean| / new sd`` or ``|change of a log sd|``."""
+    return largest(q_move(family, old, new))
 
-    def __init__(self, server: Any) -> None:
-        self.server, self.warned, self.still = server, set(), 0
+
+def trend(moves: list) -> tuple[str, float, float] | None:
+    """``(kind, shrink, cosine)`` of the last non-zero moves of ``q`` (``None`` with fewer than 4).
+
+    ``shrink``: the factor the change falls by per round (a log-linear fit); ``cosine``: the mean cosine of
+    consecutive moves. ``kind``: ``"still_moving"`` (shrinking by :data:`FALLING` or faster, or going one way),
+    ``"swinging"`` (back and forth, not shrinking) or ``"noise_floor"`` (neither: moves in unrelated directions
+    of a size that does not fall, the mark of Monte Carlo noise in the local updates).
+    """
+    moves = [m for m in moves if np.all(np.isfinite(m)) and np.any(m != 0)][-TREND_ROUNDS:]
+    if len(moves) < 4:
+        return None
+    v = np.stack(moves)
+    norm, change = np.linalg.norm(v, axis=1), np.max(np.abs(v), axis=1)
+    unit = v / norm[:, None]
+    cosine = float(np.mean(np.sum(unit[1:] * unit[:-1], axis=1)))
+    shrink = float(np.exp(np.polyfit(np.arange(len(change)), np.log(change), 1)[0]))
+    if shrink <= FALLING or cosine > DIRECTED:
+        return "still_moving", shrink, cosine
+    return ("swinging" if cosine < SWINGING else "noise_floor"), shrink, cosine
+
+
+def lost(info: RoundInfo) -> np.ndarray:
+    """``(M,)`` whether each client's last update was rejected, or merged as nothing (every step clamped away;
+    a converged exact update also sends 0, unclamped)."""
+    rejection, clamped = np.asarray(info.rejection), np.asarray(info.clamped)
+    moved = np.ones(rejection.shape, bool) if info.moved is None else np.asarray(info.moved, bool)
+    return (rejection > 0) | (~moved & (clamped > 0))
+
+
+def merged_clients(history: RoundInfo | None) -> np.ndarray:
+    """``(M,)`` whether each client was merged (accepted, not clamped away) in some round of ``history``."""
+    if history is None or history.rejection is None:
+        return np.zeros(0, bool)
+    accepted = np.atleast_2d(np.asarray(history.accepted)) > 0
+    rejection, clamped = np.atleast_2d(np.asarray(history.rejection)), np.atleast_2d(np.asarray(history.clamped))
+    moved = accepted if history.moved is None else np.atleast_2d(np.asarray(history.moved, bool))
+    away = ~moved & (clamped > 0) & (rejection == 0)
+    return np.any(accepted & ~away, axis=0)
+
+
+class RunMonitor:
+    """Watches the rounds of one run, warns once per cause when it cannot do what was asked, and says whether
+    (and why not) it converged.
+
+    :param server: the run's server (for its settings in messages).
+    :param tol: the run's ``tol`` (``None``: no convergence verdict).
+    :param history: the rounds before this run (``init_history``): which clients were merged, the ELBOs.
+    """
+
+    def __init__(self, server: Any, tol: float | None = None, history: RoundInfo | None = None) -> None:
+        self.server, self.tol, self.warned, self.still = server, tol, set(), 0
         self.timeouts: np.ndarray | None = None  # consecutive rounds in which each client timed out
+        self.failures = np.zeros(0, int)  # consecutive attempts in which each client's update raised or was NaN
+        self.failure_code = np.zeros(0, int)  # and the Rejection of its last failure
+        self.merged = merged_clients(history)  # which clients have been merged at least once
+        self.before = 0 if history is None else int(np.size(history.elbo))  # rounds before this run
+        window = TREND_ROUNDS + STALL_ROUNDS + 1  # the ELBOs a falling streak is judged on
+        self.elbos: deque = deque([] if history is None else np.ravel(history.elbo)[-window:].tolist(), maxlen=window)
+        self.elbo_range = _span(None if history is None else history.elbo)
+        self.fallen = 0.0  # how far the ELBO fell in its last STALL_ROUNDS rounds (0 unless it fell in each)
+        self.moves: deque = deque(maxlen=TREND_ROUNDS)  # the last moves of q (q_move)
+        self.last: RoundInfo | None = None
+        self.all_merged, self.falling, self.rounds = False, False, 0
 
     def warn(self, cause: str, message: str) -> None:
         if cause not in self.warned:
             self.warned.add(cause)
             warnings.warn(message, PVIWarning, stacklevel=4)
 
-    def after_round(self, info: RoundInfo, staleness: list) -> None:
-        """Check one round (``staleness``: of the updates rejected as stale)."""
+    @property
+    def earned(self) -> bool:
+        """Whether the last round converged: ``q`` moved by at most ``tol``, every update that round was merged,
+        every client has been merged at least once, and the ELBO is not falling."""
+        info = self.last
+        return (info is not None and self.tol is not None and bool(info.change <= self.tol) and self.all_merged
+                and not self.falling and bool(np.all(self.merged)))
+
+    def after_round(self, info: RoundInfo, staleness: list, move: np.ndarray | None = None) -> None:
+        """Check one round (``staleness``: of the updates rejected as stale; ``move``: :func:`q_move`)."""
+        self.last, self.rounds = info, self.rounds + 1
+        if move is not None:
+            self.moves.append(np.asarray(move))
         attempts = np.asarray(info.attempts) > 0
-        rejection, clamped = np.asarray(info.rejection), np.asarray(info.clamped)
-        # rejected, or merged as nothing because every step was clamped (a converged exact update also sends 0)
-        lost = (rejection > 0) | (~np.asarray(info.moved) & (clamped > 0))
+        rejection, gone = np.asarray(info.rejection), lost(info)
         budget = np.flatnonzero(rejection == Rejection.BUDGET)
         for client in budget.tolist():
             self.warn(f"budget {client}", f"Client {client} has spent its privacy budget: its next update would exceed "
                                           "privacy_budget, so it sends nothing from now on (Rejection.BUDGET).")
-        if attempts.any() and np.all(lost[attempts]) and not np.all(rejection[attempts] == Rejection.BUDGET):
+        if attempts.any() and np.all(gone[attempts]) and not np.all(rejection[attempts] == Rejection.BUDGET):
             self._nothing_merged(info, staleness)
+        spent = rejection == Rejection.BUDGET  # a client out of budget sends nothing more: its factor is final
+        self.all_merged = bool(np.any(attempts & ~gone)) and not np.any(attempts & gone & ~spent)
+        merged_now = (np.asarray(info.accepted) > 0) & ~(gone & (rejection == 0))  # not clamped away
+        self.merged = _grown(self.merged, attempts.size, False)
+        self.merged[:attempts.size] |= merged_now
+        self._failing(rejection, attempts)
+        self._elbo(float(info.elbo))
+        troubled = info.num_rejected > 0 or np.asarray(info.clamped).sum() > 0
+        self.still = self.still + 1 if info.change == 0.0 and troubled else 0
+        if self.still >= STALL_ROUNDS:
+            self.warn("stalled", f"q has not moved for {self.still} rounds while client updates were rejected or "
+                                 "clamped: the run is stalled, not converged. RoundInfo.rejection says why updates "
+                                 "were rejected; RoundInfo.clamped counts steps halved to stay valid.")
+
+    def _failing(self, rejection: np.ndarray, attempts: np.ndarray) -> None:
+        """Count each client's timeouts (rounds) and failed attempts (raised or NaN); warn naming the clients."""
         timed_out = rejection == Rejection.TIMEOUT
         self.timeouts = np.where(timed_out, (0 if self.timeouts is None else self.timeouts) + 1, 0)
         late = np.flatnonzero(self.timeouts >= STALL_ROUNDS)
@@ -72,12 +193,39 @@ class RunMonitor:
             self.warn("timeouts", f"Client(s) {late.tolist()} timed out (or their actors died) in each of the last "
                                   f"{STALL_ROUNDS} rounds: their data never reach q. Raise RayBackend(timeout=...) "
                                   "or give the clients less local work.")
-        troubled = info.num_rejected > 0 or np.asarray(info.clamped).sum() > 0
-        self.still = self.still + 1 if info.change == 0.0 and troubled else 0
-        if self.still >= STALL_ROUNDS:
-            self.warn("stalled", f"q has not moved for {self.still} rounds while client updates were rejected or "
-                                 "clamped: the run is stalled, not converged. RoundInfo.rejection says why updates "
-                                 "were rejected; RoundInfo.clamped counts steps halved to stay valid.")
+        failed = (rejection == Rejection.RAISED) | (rejection == Rejection.NON_FINITE)
+        count, code = _grown(self.failures, rejection.size, 0), _grown(self.failure_code, rejection.size, 0)
+        self.failures = np.where(attempts, np.where(failed, count + 1, 0), count)
+        self.failure_code = np.where(attempts & failed, rejection, code)
+        bad = np.flatnonzero(self.failures >= STALL_ROUNDS)
+        if bad.size:
+            how = ", ".join(f"{m}: {Rejection(int(self.failure_code[m])).name}" for m in bad.tolist())
+            self.warn("failing", f"Client(s) {bad.tolist()} failed in each of their last {STALL_ROUNDS} updates "
+                                 f"({how}; RAISED: the update raised an exception, NON_FINITE: its change or free "
+                                 "energy was NaN or inf): their data never reach q. Check those clients' data, or use "
+                                 "a smaller step size or more particles.")
+
+    def _elbo(self, elbo: float) -> None:
+        """Whether the ELBO fell in each of the last STALL_ROUNDS rounds, by more than ELBO_FALL of its range so
+        far, more than its spread over the TREND_ROUNDS rounds before and more than JITTER times the squared moves
+        of q over those rounds (what jittering at a noise floor costs); warn if so."""
+        self.elbos.append(elbo)
+        if np.isfinite(elbo):
+            self.elbo_range = (min(self.elbo_range[0], elbo), max(self.elbo_range[1], elbo))
+        seen = list(self.elbos)
+        streak, before = seen[-STALL_ROUNDS - 1:], seen[:-STALL_ROUNDS - 1]
+        falls = len(streak) == STALL_ROUNDS + 1 and all(b < a for a, b in zip(streak, streak[1:]))
+        self.fallen = streak[0] - streak[-1] if falls else 0.0
+        spread = max(before) - min(before) if len(before) >= 2 else 0.0
+        span = self.elbo_range[1] - self.elbo_range[0]
+        # q jittering by a move m (in sds) about its optimum costs about |m|^2 / 2 nats of ELBO a round
+        jitter = sum(float(np.sum(np.square(m))) for m in list(self.moves)[-STALL_ROUNDS:])
+        self.falling = bool(falls and self.fallen > max(spread, ELBO_FALL * span, JITTER * jitter))
+        if self.falling:
+            self.warn("elbo falling", f"The ELBO fell in each of the last {STALL_ROUNDS} rounds, by {self.fallen:.4g} "
+                                      "in all (RoundInfo.elbo uses the same draws every round: the falls are real, "
+                                      "not sampling noise): the server overshoots or the run diverges. Use a smaller "
+                                      "damping or Sequential(); the run is not converged unless q settles after.")
 
     def _nothing_merged(self, info: RoundInfo, staleness: list) -> None:
         codes = np.asarray(info.rejection)[np.asarray(info.attempts) > 0]
@@ -88,22 +236,87 @@ class RunMonitor:
                                "would admit the freshest (with M clients of equal speed updates are about M - 1 "
                                "merges stale).")
             return
-        reasons = ", ".join(f"{Rejection(code).name.lower()} x{n}" for code, n in
-                            zip(*np.unique(codes[codes > 0], return_counts=True)))
+        reasons = _reasons(codes)
         clamped = int(np.asarray(info.clamped).sum())
         self.warn("nothing merged", "Every client update of a round was rejected or clamped away: q did not move ("
                                     f"rejected: {reasons or 'none'}; steps clamped: {clamped}). Try a smaller "
                                     "step size or damping, more particles, or check the data.")
 
-    def at_end(self, info: RoundInfo | None, tol: float | None, num_rounds: int) -> bool | None:
-        """Whether the run converged (``None`` without ``tol``); warn if it ends unconverged or far from it."""
-        if info is None:
-            return None
-        converged = None if tol is None else bool(info.change <= tol)
-        if converged is False:
-            self.warn("not converged", f"The run did not converge in {num_rounds} rounds: its last round moved q by "
-                                       f"{info.change:.3g} posterior sds (tol={tol}). Run more rounds.")
-        elif tol is None and num_rounds > 1 and info.change > FAR:  # a first round always moves q from the prior
-            self.warn("far", f"The run ended far from converged: its last round moved q by {info.change:.3g} "
-                             "posterior sds. Run more rounds, or pass tol= to run until q settles.")
-        return converged
+    def at_end(self) -> tuple[bool | None, str]:
+        """``(converged, stopped_because)`` of the run (``converged`` is ``None`` without ``tol``); a
+        :class:`PVIWarning` naming ``stopped_because`` whenever the run did not converge."""
+        if self.earned:
+            return True, "converged"
+        reason, message = self._why()
+        if reason != "num_rounds":
+            self.warn("end", f"{message} (result.stopped_because == {reason!r})")
+        return (None if self.tol is None else False), reason
+
+    def _why(self) -> tuple[str, str]:
+        """The first reason the run is not converged, and the message that explains it."""
+        info, tol = self.last, self.tol
+        if tol is not None and not self.all_merged:
+            codes = np.asarray(info.rejection)[lost(info) & (np.asarray(info.attempts) > 0)]
+            return "not_merged", (f"The run did not converge in {self.rounds} rounds: updates of its last round were "
+                                  f"rejected or clamped away (rejected: {_reasons(codes) or 'none'}; steps clamped: "
+                                  f"{int(np.asarray(info.clamped).sum())}), so q's small change is not convergence.")
+        if self.falling:
+            return "elbo_falling", (f"The run did not converge in {self.rounds} rounds: the ELBO fell in each of its "
+                                    f"last {STALL_ROUNDS} rounds (by {self.fallen:.4g}). Use a smaller damping or "
+                                    "Sequential().")
+        if tol is not None and not np.all(self.merged):
+            never = np.flatnonzero(~self.merged)
+            return "unmerged_clients", (
+                f"The run did not converge in {self.rounds} rounds: {never.size} of {self.merged.size} clients were "
+                f"never merged (e.g. {never[:10].tolist()}), so q does not hold their data yet. With client sampling "
+                "(clients_per_round) run more rounds until every client has been drawn; continuing from a bare state, "
+                "pass init_history= so the run knows which clients were merged before.")
+        limit = FAR if tol is None else tol
+        if info.change <= limit or (tol is None and self.rounds + self.before < 2):
+            return "num_rounds", ""
+        return self._moving(info.change, tol)
+
+    def _moving(self, change: float, tol: float | None) -> tuple[str, str]:
+        """Still moving, jittering at the noise floor, or swinging: the message for a run that ended moving."""
+        head = (f"The run did not converge in {self.rounds} rounds: its last round moved q by {change:.3g} posterior "
+                f"sds (tol={tol})" if tol is not None else
+                f"The run ended far from converged: its last round moved q by {change:.3g} posterior sds")
+        more = "Run more rounds (run(..., init_state=result) continues; a DP run spends privacy budget every round)"
+        more += "." if tol is not None else ", or pass tol= to run until q settles."
+        seen = trend(list(self.moves))
+        if seen is None:
+            return "not_settled", (f"{head}; too few rounds (moves of q) to tell a q still moving from one "
+                                   "jittering at the Monte Carlo noise floor (see result.history.change, "
+                                   f"plot_history). {more}")
+        kind, shrink, cosine = seen
+        numbers = (f"over the last rounds the change shrank x{shrink:.2f} a round and consecutive moves had a mean "
+                   f"cosine of {cosine:.2f}")
+        if kind == "still_moving":
+            return kind, f"{head}, and q is still moving ({numbers}). {more}"
+        if kind == "swinging":
+            return kind, (f"{head}, and q swings back and forth ({numbers}): the server overshoots. Use a smaller "
+                          "damping or Sequential(); more rounds will not help.")
+        return kind, (f"{head}, and q is jittering at the Monte Carlo noise floor of the local updates ({numbers}: "
+                      "moves of a steady size in unrelated directions). More rounds will not help (and a DP run "
+                      "spends privacy budget every round): use more particles or local steps (e.g. "
+                      "GradientUpdate(num_particles=...)), a tol above the floor, or the averaged posterior "
+                      "(run(..., average_rounds=k), then result.averaged()).")
+
+
+def _reasons(codes: np.ndarray) -> str:
+    """``"stale x3, raised x1"``: the rejection codes counted."""
+    codes = np.asarray(codes)
+    return ", ".join(f"{Rejection(code).name.lower()} x{n}" for code, n in
+                     zip(*np.unique(codes[codes > 0], return_counts=True)))
+
+
+def _grown(values: np.ndarray, size: int, fill: Any) -> np.ndarray:
+    """``values`` padded with ``fill`` to ``size`` entries (clients added since)."""
+    return np.concatenate([values, np.full(max(size - values.size, 0), fill, values.dtype)])[:max(size, values.size)]
+
+
+def _span(elbo: Any) -> tuple[float, float]:
+    """The smallest and largest finite ELBO of a history (``(inf, -inf)`` if none)."""
+    finite = np.asarray([] if elbo is None else np.ravel(elbo), float)
+    finite = finite[np.isfinite(finite)]
+    return (float(finite.min()), float(finite.max())) if finite.size else (float("inf"), float("-inf"))

@@ -3,7 +3,7 @@
 Every function returns a ``matplotlib.figure.Figure`` made with ``pyplot`` (it shows in a notebook
 and with ``plt.show()``; save it with ``fig.savefig``); none calls ``plt.show``.
 
-* :func:`plot_history`: the global ELBO and every client's local free energy per round.
+* :func:`plot_history`: the global ELBO, the change of ``q`` and every client's local free energy per round.
 * :func:`plot_compare`: marginal densities of chosen sites under PVI, SVI, NUTS, ...
 * :func:`plot_clients`: how each client's factor moves ``q`` (``q`` against each client's cavity).
 """
@@ -20,17 +20,22 @@ from numpyro.distributions.transforms import IdentityTransform, IndependentTrans
 __all__ = ["plot_clients", "plot_compare", "plot_history"]
 
 
-def plot_history(result: Any, *, clients: Sequence[int] | None = None, figsize: tuple | None = None) -> Any:
-    """Plot a run's history: the global ELBO (left) and each client's local free energy (right) per round.
+def plot_history(result: Any, *, clients: Sequence[int] | None = None, tol: float | None = None,
+                 figsize: tuple | None = None) -> Any:
+    """Plot a run's history: the global ELBO, how far each round moved ``q`` and each client's local free energy.
 
-    Rounds where a client's update was rejected (``accepted < attempts``) are marked with a red ``x``
-    on that client's curve; rounds where a client was not visited (e.g. under
-    :class:`~numpyro_pvi.Continual`) leave a gap.
+    The middle panel is ``RoundInfo.change`` (the largest change of a marginal mean in posterior sds, or of a
+    marginal log sd) on a log scale, with ``tol`` as a dashed line: it shows a run still moving while its ELBO
+    looks flat, and a run jittering at the Monte Carlo noise floor above ``tol`` (rounds where nothing was
+    merged move ``q`` by 0 and leave a gap). Rounds where a client's update was rejected
+    (``accepted < attempts``) are marked with a red ``x`` on that client's curve; rounds where a client was not
+    visited (e.g. under :class:`~numpyro_pvi.Continual`) leave a gap.
 
     :param result: a :class:`~numpyro_pvi.PVIRunResult` (or its ``history``, a stacked
         :class:`~numpyro_pvi.RoundInfo`).
     :param clients: the clients whose free energy is drawn (default: all).
-    :param tuple figsize: the figure size in inches (default ``(10, 3.6)``).
+    :param float tol: the run's ``tol``, drawn on the change panel (default ``None``: no line).
+    :param tuple figsize: the figure size in inches (default ``(14, 3.6)``, ``(10, 3.6)`` without a change).
     :return: the ``matplotlib.figure.Figure``.
 
     **Example:**
@@ -42,10 +47,11 @@ def plot_history(result: Any, *, clients: Sequence[int] | None = None, figsize: 
         >>> from numpyro_pvi.plot import plot_history
         >>> history = pvi.RoundInfo(elbo=np.array([-120.0, -80.0, -75.0]), free_energy=-np.ones((3, 4)),
         ...                         attempts=np.ones((3, 4)), accepted=np.ones((3, 4)),
-        ...                         damping=np.ones((3, 4)), clamped=np.zeros((3, 4)), time=np.ones(3))
-        >>> fig = plot_history(history)
+        ...                         damping=np.ones((3, 4)), clamped=np.zeros((3, 4)), time=np.ones(3),
+        ...                         change=np.array([3.0, 0.2, 0.01]))
+        >>> fig = plot_history(history, tol=0.05)
         >>> [ax.get_title() for ax in fig.axes]
-        ['Global ELBO', 'Local free energy per client']
+        ['Global ELBO', 'Change of q per round', 'Local free energy per client']
     """
     import matplotlib.pyplot as plt
 
@@ -58,9 +64,13 @@ def plot_history(result: Any, *, clients: Sequence[int] | None = None, figsize: 
     rounds = np.arange(1, elbo.shape[0] + 1)
     num_clients = free_energy.shape[1]
     clients = list(range(num_clients)) if clients is None else [int(m) for m in clients]
-    fig, (ax_elbo, ax_local) = plt.subplots(1, 2, figsize=figsize or (10, 3.6), constrained_layout=True)
+    panels = 2 if history.change is None else 3
+    fig, axes = plt.subplots(1, panels, figsize=figsize or (4.7 * panels, 3.6), constrained_layout=True)
+    ax_elbo, ax_local = axes[0], axes[-1]
     ax_elbo.plot(rounds, elbo, "o-", color="k", ms=3)
     ax_elbo.set(title="Global ELBO", xlabel="round", ylabel="ELBO")
+    if history.change is not None:
+        _plot_change(axes[1], rounds, np.asarray(history.change, dtype=float), tol)
     colors = _client_colors(num_clients)
     labelled = len(clients) <= 10
     for m in clients:
@@ -76,9 +86,19 @@ def plot_history(result: Any, *, clients: Sequence[int] | None = None, figsize: 
         ax_local.plot([], [], "x", color="red", mew=2, label="rejected update")
     if labelled or rejected[:, clients].any():
         ax_local.legend(fontsize="small", ncols=2 if len(clients) > 5 else 1)
-    for ax in (ax_elbo, ax_local):
+    for ax in axes:
         ax.xaxis.get_major_locator().set_params(integer=True)
     return fig
+
+
+def _plot_change(ax: Any, rounds: np.ndarray, change: np.ndarray, tol: float | None) -> None:
+    """``RoundInfo.change`` per round on a log scale (a round that moved nothing leaves a gap), ``tol`` dashed."""
+    ax.plot(rounds, np.where(change > 0, change, np.nan), "o-", color="C0", ms=3, label="change")
+    if tol is not None:
+        ax.axhline(tol, color="C3", ls="--", lw=1, label=f"tol = {tol:g}")
+        ax.legend(fontsize="small")
+    ax.set_yscale("log")
+    ax.set(title="Change of q per round", xlabel="round", ylabel="posterior sds")
 
 
 def plot_compare(posteriors: Mapping[str, Any], sites: Sequence[str] | Mapping[str, Sequence[int]] | None = None, *,

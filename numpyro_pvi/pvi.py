@@ -10,6 +10,7 @@ are values passed in and out.
 from __future__ import annotations
 
 import time
+from collections import deque
 from typing import Any, Callable
 
 import jax
@@ -24,10 +25,10 @@ from numpyro_pvi import problem as problems
 from numpyro_pvi.backends import get_backend
 from numpyro_pvi.families import FactorFamily
 from numpyro_pvi.local_updates.base import LocalUpdate
-from numpyro_pvi.monitor import RunMonitor, q_change
+from numpyro_pvi.monitor import RunMonitor, largest, q_move
 from numpyro_pvi.partition import ClientData, is_array, same_static
 from numpyro_pvi.problem import Problem, build_problem
-from numpyro_pvi.results import PVIRunResult, hyperparameters, make_guide, sample_posterior
+from numpyro_pvi.results import PVIRunResult, average_states, hyperparameters, make_guide, sample_posterior
 from numpyro_pvi.rounds import InFlight, Round, cancel_in_flight
 from numpyro_pvi.servers import Server, Synchronous
 from numpyro_pvi.sites import ModelSites
@@ -241,36 +242,52 @@ class PVI:
         elbo = float(steps.elbo(state.q, ELBO_KEY, _data(problem), self.num_elbo_particles, state.client_states,
                                 state.hyper))
         state = state._replace(damping=damping.after_round(self.server.damping, state.damping, elbo, backtracked))
+        move = q_move(self.family, old_q, state.q)
         info = RoundInfo(elbo, *round.record(), time.perf_counter() - start, round.rejection, round.moved,
-                         q_change(self.family, old_q, state.q), round.bytes_received, round.bytes_sent)
-        monitor.after_round(info, round.staleness)
+                         largest(move), round.bytes_received, round.bytes_sent)
+        monitor.after_round(info, round.staleness, move)
         return state._replace(rng_key=next_key), info
 
     def run(self, rng_key: jax.Array, num_rounds: int, *args: Any, progress_bar: bool = True,
             init_state: PVIState | PVIRunResult | None = None, tol: float | None = None,
-            init_history: RoundInfo | None = None, **kwargs: Any) -> PVIRunResult:
+            init_history: RoundInfo | None = None, average_rounds: int | None = None,
+            **kwargs: Any) -> PVIRunResult:
         """Run ``num_rounds`` rounds from ``init(rng_key, ...)`` (or ``init_state``) with a tqdm bar.
 
         Like ``SVI.run(..., init_state=...)``, ``init_state`` continues a run (``rng_key`` is then unused:
         the state carries its key). Given a previous :class:`PVIRunResult`, the run also continues its
         history: ``result.history`` holds the old rounds, then the new ones. From a bare state (e.g.
         :func:`~numpyro_pvi.load`), pass the old rounds as ``init_history``; a run resumed from a checkpoint
-        then has the uninterrupted run's history (up to the rounds' ``time``).
+        then has the uninterrupted run's history (up to the rounds' ``time``), and knows which clients
+        were merged before (without it, a sampled client counts as merged only once this run merges it).
 
         Background work of a concurrent backend carries over between the run's rounds and is cancelled
         when the run ends: a later run never merges it. A :class:`~numpyro_pvi.PVIWarning` says when the run
-        cannot do what was asked (every update rejected or clamped, a stall, no convergence).
+        cannot do what was asked (every update rejected or clamped, a client failing every round, a stall, a
+        falling ELBO, no convergence), and ``result.stopped_because`` names the same reason.
 
-        :param tol: stop once a round moves ``q`` by at most ``tol`` posterior sds (``RoundInfo.change``: the
-            largest change of a marginal mean in sds, or of a marginal log sd); ``result.converged`` says
+        :param tol: stop once the run has converged: a round moved ``q`` by at most ``tol`` posterior sds
+            (``RoundInfo.change``: the largest change of a marginal mean in sds, or of a marginal log sd),
+            every update of that round was merged (none rejected or clamped away), every client has been
+            merged at least once (client sampling) and the ELBO is not falling; ``result.converged`` says
             whether it did. Pick it above the Monte Carlo noise of the local updates (e.g. 0.05 for
-            ``GradientUpdate``, far less for exact or natural-gradient updates).
+            ``GradientUpdate`` with a few particles, far less for exact or natural-gradient updates); a run
+            whose ``q`` jitters at that noise floor says so (``stopped_because == "noise_floor"``).
+        :param average_rounds: keep the average of the natural parameters of ``q`` (and of the factors)
+            over the last ``average_rounds`` rounds: ``result.averaged()`` (an iterate average that cuts the
+            jitter of stochastic local updates; it holds ``average_rounds`` copies of the factors).
         :return: :class:`PVIRunResult` with the final state, the stacked per-round history and the problem.
+
+        **Example:** ``result = inference.run(key, 50, X, y=y, tol=0.05, average_rounds=10)``;
+        ``result.converged``, ``result.stopped_because``, ``result.averaged().sample_posterior(key, 1000)``.
         """
         if tol is not None and not (isinstance(tol, (int, float)) and tol > 0):
             raise ValueError(f"tol must be a positive number or None, got {tol!r}.")
         if not isinstance(num_rounds, (int, np.integer)) or isinstance(num_rounds, bool) or num_rounds < 1:
             raise ValueError(f"num_rounds must be a positive integer, got {num_rounds!r}.")
+        if average_rounds is not None and (not isinstance(average_rounds, (int, np.integer))
+                                           or isinstance(average_rounds, bool) or average_rounds < 1):
+            raise ValueError(f"average_rounds must be a positive integer or None, got {average_rounds!r}.")
         problem = self._problem(args, kwargs)
         if isinstance(init_state, PVIRunResult):
             init_state, init_history = init_state.state, init_state.history if init_history is None else init_history
@@ -278,23 +295,26 @@ class PVI:
             raise TypeError(f"init_history must be a RoundInfo (a result's history), got "
                             f"{type(init_history).__name__}.")
         state = self.init(rng_key, problem) if init_state is None else init_state
-        infos, in_flight, monitor = [], InFlight(), RunMonitor(self.server)
+        infos, in_flight, monitor = [], InFlight(), RunMonitor(self.server, tol, init_history)
+        last: deque = deque(maxlen=average_rounds or 1)  # the last rounds' (q, factors, prior factor)
         try:
             with trange(num_rounds, disable=not progress_bar, desc="PVI") as rounds:
                 for _ in rounds:
                     state, info = self._round(state, problem, in_flight, monitor)
                     infos.append(info)
+                    last.append((state.q, state.factors, state.prior_factor))
                     rounds.set_postfix(elbo=f"{info.elbo:.4g}", rejected=int(info.num_rejected),
                                        clamped=int(np.sum(info.clamped)), change=f"{info.change:.2g}")
-                    if tol is not None and info.change <= tol:
+                    if monitor.earned:
                         break
         finally:
             cancel_in_flight(problem.steps.runner, in_flight)
         history = RoundInfo(*(np.stack([np.asarray(x) for x in field]) for field in zip(*infos)))
         if init_history is not None:
             history = RoundInfo(*(np.concatenate([np.asarray(old), new]) for old, new in zip(init_history, history)))
-        converged = monitor.at_end(infos[-1], tol, len(infos))
-        return PVIRunResult(state, history, self, problem, converged)
+        converged, stopped_because = monitor.at_end()
+        averaged = None if average_rounds is None else average_states(self.family, state, last)
+        return PVIRunResult(state, history, self, problem, converged, stopped_because, averaged)
 
     def add_client(self, state: PVIState, problem: Problem, *args: Any, **kwargs: Any) -> tuple[PVIState, Problem]:
         """A client that holds ``model(*args, **kwargs)``'s data joins a running federated inference.

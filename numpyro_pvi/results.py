@@ -92,12 +92,35 @@ def hyperparameters(problem: Problem, state: PVIState) -> dict:
     return dict(problem.sites.hyper_values(state.hyper)) if state.hyper else {}
 
 
+def average_states(family: Any, state: PVIState, last: Any) -> PVIState:
+    """``state`` with ``q``, the factors and the prior factor averaged over ``last``: their natural parameters
+    ``(q, factors, prior_factor)`` in the last rounds.
+
+    A family's natural parameters form a convex set, and ``q = prior + t_0 + sum of the factors`` is linear in
+    them: the average is a valid ``q`` made of the averaged factors (each cavity an average of valid ones).
+    """
+    q, factors, prior_factor = jax.tree.map(lambda *xs: sum(xs) / len(xs), *last)
+    if not bool(family.is_valid(q)):
+        raise RuntimeError("The average of the last rounds' q is not a valid member of the family, which a convex "
+                           "set of natural parameters cannot give: please report this.")
+    return state._replace(q=q, factors=factors, prior_factor=prior_factor)
+
+
 class PVIRunResult(NamedTuple):
     """The result of :meth:`PVI.run`: final ``state``, per-round ``history`` (:class:`RoundInfo`), the
     ``inference`` (configuration) and the ``problem`` (data, sites, compiled steps) it ran on; all immutable.
-    ``converged`` says whether the run reached ``run(..., tol=...)`` (``None`` if no ``tol`` was given).
 
-    **Example:** ``result = inference.run(key, 20, X, y=y)``; then ``result.sample_posterior(key, 1000)``,
+    ``converged`` says whether the run converged (``None`` if no ``tol`` was given): its last round moved ``q``
+    by at most ``tol``, every update of that round was merged, every client was merged at least once and the
+    ELBO was not falling. ``stopped_because`` says why the run stopped: ``"converged"``, or (all rounds run)
+    ``"num_rounds"`` (no ``tol``, nothing wrong), ``"not_merged"``, ``"unmerged_clients"``, ``"elbo_falling"``,
+    ``"still_moving"`` (more rounds help), ``"noise_floor"`` (more particles or local steps help, not rounds),
+    ``"swinging"`` or ``"not_settled"`` (:data:`numpyro_pvi.monitor.STOP_REASONS`); every reason but
+    ``"converged"`` and ``"num_rounds"`` comes with a :class:`~numpyro_pvi.PVIWarning` that names it.
+    ``average`` is the state averaged over the last rounds (``run(..., average_rounds=k)``), see :meth:`averaged`.
+
+    **Example:** ``result = inference.run(key, 20, X, y=y, tol=0.05)``; ``result.converged``,
+    ``result.stopped_because``; then ``result.sample_posterior(key, 1000)``,
     ``Predictive(model, guide=result.guide(), num_samples=500)``, ``result.to_arviz()``,
     ``result.history.elbo``.
     """
@@ -107,6 +130,23 @@ class PVIRunResult(NamedTuple):
     inference: PVI
     problem: Problem
     converged: bool | None = None
+    stopped_because: str | None = None
+    average: PVIState | None = None
+
+    def averaged(self) -> PVIRunResult:
+        """This result with the posterior averaged over the last ``k`` rounds of ``run(..., average_rounds=k)``.
+
+        The natural parameters of ``q`` (and of the factors) are averaged: at the Monte Carlo noise floor of
+        stochastic local updates ``q`` jitters around its fixed point from round to round, and the average
+        is closer to it (see ``docs/troubleshooting.md``). Use it for the posterior (``sample_posterior``,
+        ``guide``, ``get_posterior``); continue a run from the result itself.
+
+        **Example:** ``result = inference.run(key, 30, X, y=y, average_rounds=10)``;
+        ``result.averaged().sample_posterior(key, 1000)``.
+        """
+        if self.average is None:
+            raise ValueError("This run kept no average: run(..., average_rounds=k) averages the last k rounds.")
+        return self._replace(state=self.average, average=None)
 
     @property
     def sites(self) -> ModelSites:

@@ -61,10 +61,15 @@ def synthetic_history(num_rounds=4, num_clients=3):
 # ----------------------------------------------------------------------------- plot_history
 
 
-def test_plot_history_draws_the_elbo_and_every_client(fitted):
-    fig = plot_history(fitted)
+def test_plot_history_draws_the_elbo_the_change_and_every_client(fitted):
+    fig = plot_history(fitted, tol=0.05)
     assert isinstance(fig, Figure)
-    ax_elbo, ax_local = fig.axes
+    ax_elbo, ax_change, ax_local = fig.axes
+    # the change of q per round beside the ELBO, on a log scale, with tol as a horizontal line
+    assert ax_change.get_yscale() == "log"
+    np.testing.assert_allclose(ax_change.lines[0].get_ydata(), fitted.history.change)
+    np.testing.assert_allclose(ax_change.lines[1].get_ydata(), [0.05, 0.05])
+    assert "tol = 0.05" in [t.get_text() for t in ax_change.get_legend().get_texts()]
     np.testing.assert_allclose(ax_elbo.lines[0].get_ydata(), fitted.history.elbo)
     np.testing.assert_array_equal(ax_elbo.lines[0].get_xdata(), [1, 2, 3, 4])
     client_lines = [line for line in ax_local.lines if line.get_label().startswith("client")]
@@ -77,7 +82,7 @@ def test_plot_history_draws_the_elbo_and_every_client(fitted):
 def test_plot_history_marks_rejected_updates_and_accepts_a_history():
     history = synthetic_history()
     fig = plot_history(history, clients=[1, 2])
-    ax_local = fig.axes[1]
+    ax_local = fig.axes[1]  # a history without RoundInfo.change: no change panel
     labels = [line.get_label() for line in ax_local.lines]
     assert labels.count("client 1") == 1 and labels.count("client 2") == 1 and "client 0" not in labels
     crosses = [line for line in ax_local.lines if line.get_marker() == "x" and len(line.get_xdata())]
