@@ -237,6 +237,9 @@ class PVI:
         info = RoundInfo(elbo, *round.record(), time.perf_counter() - start, round.rejection, round.moved,
                          q_change(self.family, old_q, state.q), round.bytes_received, round.bytes_sent)
         monitor.after_round(info, round.staleness)
+        note = damping.warning(self.server.damping, state.damping)  # an oscillating or falling run says so
+        if note is not None:
+            monitor.warn(*note)
         return state._replace(rng_key=next_key), info
 
     def run(self, rng_key: jax.Array, num_rounds: int, *args: Any, progress_bar: bool = True,
