@@ -70,7 +70,7 @@ class FixedDampingState(NamedTuple):
     """A fixed damping's state (in ``PVIState.damping``): what tells an oscillation from progress.
 
     :ivar step: the last round's move of ``q``, each marginal mean's change in posterior sds then each log sd's
-        change (empty before the first round).
+        change (NaN before the first round).
     :ivar change: how far that round moved ``q`` (``RoundInfo.change``).
     :ivar swings: rounds in a row that moved ``q`` back against the round before by more than
         :data:`SWING_CHANGE` sds (the cosine of their steps below :data:`SWING_COSINE`).
@@ -98,15 +98,16 @@ def checked_damping(damping: Any, owner: str, default: type = AdaptiveDamping,
     return float(damping)
 
 
-def initial_state(damping: Damping, q: Any, factors: Any) -> Any:
+def initial_state(damping: Damping, q: Any, factors: Any, family: Any = None) -> Any:
     """What ``PVIState.damping`` starts as: heavy ball's or an adaptive damping's state, a
-    :class:`FixedDampingState` for a fixed one."""
+    :class:`FixedDampingState` for a fixed one (its step sized for ``family``'s marginals, so that the state's
+    shapes never change between rounds: the merge is compiled once)."""
     if isinstance(damping, HeavyBall):
         return damping.init(q, factors)
     if isinstance(damping, AdaptiveDamping):
         return damping.init()
-    dtype = jnp.result_type(float)
-    return FixedDampingState(jnp.zeros((0,), dtype), jnp.zeros((), dtype), jnp.zeros((), jnp.int32))
+    dtype, n = jnp.result_type(float), 0 if family is None else 2 * np.size(family.marginals(q).mean)
+    return FixedDampingState(jnp.full((n,), jnp.nan, dtype), jnp.zeros((), dtype), jnp.zeros((), jnp.int32))
 
 
 def _step(family: Any, old: Any, new: Any) -> np.ndarray:
@@ -138,11 +139,13 @@ def _record_step(fixed: FixedDampingState, family: Any, old: Any, new: Any) -> F
     change = float(np.max(np.abs(step), initial=0.0)) if np.all(np.isfinite(step)) else float("inf")
     previous = np.asarray(fixed.step, np.float64)
     swing = False
-    if previous.shape == step.shape and np.all(np.isfinite(step)):
+    if previous.shape == step.shape and np.all(np.isfinite(step)) and np.all(np.isfinite(previous)):
         norms = np.linalg.norm(previous) * np.linalg.norm(step)
         swing = bool(norms > 0 and previous @ step < SWING_COSINE * norms
                      and min(change, float(fixed.change)) > SWING_CHANGE)
     dtype = fixed.change.dtype
+    if previous.shape != step.shape:  # a state made without the family: keep its shape (the merge's compilation)
+        step = np.full(previous.shape, np.nan)
     return FixedDampingState(jnp.asarray(step, dtype), jnp.asarray(change, dtype),
                              jnp.where(swing, fixed.swings + 1, 0).astype(fixed.swings.dtype))
 
@@ -162,7 +165,7 @@ def warning(damping: Damping, state: Any) -> tuple[str, str] | None:
     or None: a fixed damping whose rounds swing ``q`` back and forth (:data:`SWING_ROUNDS` in a row), heavy
     ball whose ELBO fell :data:`DROP_ROUNDS` rounds in a row (restarts and halved dampings did not help)."""
     if isinstance(state, FixedDampingState) and int(state.swings) >= SWING_ROUNDS:
-        return ("oscillating", f"Synchronous(damping={damping}) is oscillating: each of the last {int(state.swings)} "
+        return ("oscillating", f"The fixed damping {damping} is oscillating: each of the last {int(state.swings)} "
                                f"rounds moved q back against the round before (by {float(state.change):.2g} posterior "
                                f"sds in the last), a limit cycle, not convergence: the clients' deltas overlap (a "
                                f"correlated posterior) and the damping overshoots. Use damping <= {damping / 2:.3g}, "

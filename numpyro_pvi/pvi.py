@@ -188,7 +188,8 @@ class PVI:
         hyper = hyper or ()  # not weak-typed: the optimiser's first step must not change types (a recompilation)
         hyper_state = self.hyper_optimizer.init(hyper) if hyper else ()
         return PVIState(q, factors, t0, client_states, self.server.init(q, capacity), rng_key, hyper, hyper_state,
-                        _broadcast(hyper, capacity, zero=True), damping.initial_state(self.server.damping, q, factors))
+                        _broadcast(hyper, capacity, zero=True), damping.initial_state(self.server.damping, q, factors,
+                                                             self.family))
 
     def update(self, state: PVIState, *args: Any, **kwargs: Any) -> tuple[PVIState, RoundInfo]:
         """One round: the prior factor's step (if any), then the clients in the server's schedule.
