@@ -22,9 +22,10 @@ rejected or was merged with a backtracked damping gives no secant pair and no mo
 The spectrum estimate is only as good as the clients' deltas, which are noisy and, far from the optimum, not
 linear. So the global ELBO (``RoundInfo.elbo``, the same draws every round) guards the steps, as in the
 adaptive restart of momentum methods (O'Donoghue & Candes 2015): after a round whose ELBO fell by more than
-``elbo_tolerance`` nats the momentum restarts (the velocity is dropped) and a ceiling on the damping is set to
-half the damping of that round; every round that does not lower the ELBO raises the ceiling by ``grow`` (up
-to ``maximum``). :func:`warning` says when the ELBO keeps falling all the same.
+``elbo_tolerance`` nats the momentum restarts (the velocity is dropped), and if that round had no momentum (the
+damping itself overshot) a ceiling on the damping is set to half the damping of that round; every round that
+does not lower the ELBO raises the ceiling by ``grow`` (up to ``maximum``). ``numpyro_pvi.damping.warning`` says
+when the ELBO keeps falling all the same.
 """
 
 from __future__ import annotations
@@ -82,8 +83,8 @@ class HeavyBall:
     :param int memory: spectrum estimates combined (the smallest ``l_min``, the median ``l_max``).
     :param float max_momentum: the largest ``beta`` (it bounds how much Monte Carlo noise is amplified).
     :param float maximum: the largest damping.
-    :param float elbo_tolerance: an ELBO drop (nats) larger than this restarts the momentum and halves the
-        ceiling of the damping.
+    :param float elbo_tolerance: an ELBO drop (nats) larger than this restarts the momentum, and halves the
+        ceiling of the damping if the round added no momentum.
     :param float grow: the ceiling's growth after a round whose ELBO did not drop.
     :param float minimum: the smallest ceiling.
 
@@ -92,7 +93,7 @@ class HeavyBall:
     """
 
     def __init__(self, initial: float = 0.5, window: int = 10, memory: int = 5, max_momentum: float = 0.7,
-                 maximum: float = 1.0, elbo_tolerance: float = 0.1, grow: float = 1.25,
+                 maximum: float = 1.0, elbo_tolerance: float = 0.5, grow: float = 1.25,
                  minimum: float = 1 / 64) -> None:
         if not 0.0 < minimum <= initial <= maximum <= 1.0:
             raise ValueError(f"HeavyBall: need 0 < minimum <= initial <= maximum <= 1, got minimum={minimum}, "
@@ -169,12 +170,13 @@ class HeavyBall:
 
     def after_round(self, hb: HeavyBallState, elbo: float) -> HeavyBallState:
         """The state once the round's ELBO is known: an ELBO drop restarts the momentum (the next round adds
-        none) and caps the damping at half this round's; a round without a drop raises the cap by ``grow``."""
+        none) and, after a round without momentum, caps the damping at half this round's; a round without a drop
+        raises the cap by ``grow``."""
         dtype = hb.rho.dtype
         dropped = bool(np.isfinite(float(hb.elbo))) and not elbo >= float(hb.elbo) - self.elbo_tolerance
         elbo = elbo if np.isfinite(elbo) else float(hb.elbo)  # a NaN ELBO is a drop, never the reference
-        if dropped:
-            ceiling = max(0.5 * float(hb.rho), self.minimum)
+        if dropped:  # a drop with momentum: restart it; a drop without (the damping overshot): halve the damping
+            ceiling = max(0.5 * float(hb.rho), self.minimum) if float(hb.beta) == 0.0 else float(hb.ceiling)
             return hb._replace(rho=jnp.asarray(min(float(hb.rho), ceiling), dtype), beta=jnp.zeros((), dtype),
                                velocity=jax.tree.map(jnp.zeros_like, hb.velocity), elbo=jnp.asarray(elbo, dtype),
                                ceiling=jnp.asarray(ceiling, dtype), drops=hb.drops + 1, restarts=hb.restarts + 1)
