@@ -93,7 +93,7 @@ class HeavyBall:
     """
 
     def __init__(self, initial: float = 0.5, window: int = 10, memory: int = 5, max_momentum: float = 0.7,
-                 maximum: float = 1.0, elbo_tolerance: float = 0.5, grow: float = 1.25,
+                 maximum: float = 1.0, elbo_tolerance: float = 2.0, grow: float = 1.25,
                  minimum: float = 1 / 64) -> None:
         if not 0.0 < minimum <= initial <= maximum <= 1.0:
             raise ValueError(f"HeavyBall: need 0 < minimum <= initial <= maximum <= 1, got minimum={minimum}, "
