@@ -17,6 +17,8 @@ from jax.scipy.optimize import minimize
 from sklearn.datasets import load_breast_cancer
 
 import numpyro_pvi as pvi
+from numpyro_pvi import damping
+from numpyro_pvi.damping import DROP_ROUNDS, SWING_ROUNDS
 from numpyro_pvi.families import NatParams
 from numpyro_pvi.heavy_ball import polyak_parameters, ritz_bounds
 
@@ -137,6 +139,21 @@ def test_an_elbo_drop_restarts_the_momentum_and_halves_the_damping():
     assert float(state.ceiling) == pytest.approx(0.4) and float(state.rho) == pytest.approx(0.4)
     state = heavy_ball.after_round(state, -100.0)
     assert int(state.drops) == 0 and float(state.ceiling) == pytest.approx(0.5)
+
+
+def test_the_damping_warnings_name_the_cause_and_the_remedy():
+    """Heavy ball whose ELBO kept falling through its restarts, and a fixed damping that keeps swinging, each say so
+    (the run passes these to its PVIWarning); fewer rounds in a row say nothing."""
+    heavy_ball = pvi.HeavyBall()
+    q = NatParams(jnp.ones(3), -0.5 * jnp.ones(3))
+    state = heavy_ball.init(q, NatParams(jnp.ones((2, 3)), jnp.ones((2, 3))))
+    assert damping.warning(heavy_ball, state._replace(drops=jnp.asarray(DROP_ROUNDS - 1))) is None
+    cause, message = damping.warning(heavy_ball, state._replace(drops=jnp.asarray(DROP_ROUNDS)))
+    assert cause == "elbo falling" and "Sequential()" in message
+    fixed = damping.initial_state(0.5, q, None, pvi.MeanFieldGaussian())
+    assert fixed.step.shape == (6,) and damping.warning(0.5, fixed._replace(swings=jnp.asarray(3))) is None
+    cause, message = damping.warning(0.5, fixed._replace(swings=jnp.asarray(SWING_ROUNDS)))
+    assert cause == "oscillating" and "damping <= 0.25" in message
 
 
 def test_heavy_ball_keeps_one_round_exact_when_the_round_is_exact(linear_data):
