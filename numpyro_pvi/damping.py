@@ -17,7 +17,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from numpyro_pvi.heavy_ball import HeavyBall
+from numpyro_pvi.heavy_ball import HeavyBall, HeavyBallState
+
+SWING_COSINE = -0.5  # a round that moved q back against the last one: the cosine of their steps below this ...
+SWING_CHANGE = 0.25  # ... and both moved q by more than this many posterior sds
+SWING_ROUNDS = 4  # rounds in a row that swung back before a fixed damping is called oscillating
+DROP_ROUNDS = 3  # rounds in a row whose ELBO fell before heavy ball says so
 
 
 class DampingState(NamedTuple):
@@ -61,6 +66,21 @@ class AdaptiveDamping:
 Damping = float | AdaptiveDamping | HeavyBall
 
 
+class FixedDampingState(NamedTuple):
+    """A fixed damping's state (in ``PVIState.damping``): what tells an oscillation from progress.
+
+    :ivar step: the last round's move of ``q``, each marginal mean's change in posterior sds then each log sd's
+        change (NaN before the first round).
+    :ivar change: how far that round moved ``q`` (``RoundInfo.change``).
+    :ivar swings: rounds in a row that moved ``q`` back against the round before by more than
+        :data:`SWING_CHANGE` sds (the cosine of their steps below :data:`SWING_COSINE`).
+    """
+
+    step: jax.Array
+    change: jax.Array
+    swings: jax.Array
+
+
 def checked_damping(damping: Any, owner: str, default: type = AdaptiveDamping,
                     heavy_ball: bool = False) -> Damping:
     """A server's ``damping`` argument: a float in ``(0, 1]``, an :class:`AdaptiveDamping`, a
@@ -78,11 +98,24 @@ def checked_damping(damping: Any, owner: str, default: type = AdaptiveDamping,
     return float(damping)
 
 
-def initial_state(damping: Damping, q: Any, factors: Any) -> Any:
-    """What ``PVIState.damping`` starts as: an adaptive damping's state, ``()`` for a fixed one."""
+def initial_state(damping: Damping, q: Any, factors: Any, family: Any = None) -> Any:
+    """What ``PVIState.damping`` starts as: heavy ball's or an adaptive damping's state, a
+    :class:`FixedDampingState` for a fixed one (its step sized for ``family``'s marginals, so that the state's
+    shapes never change between rounds: the merge is compiled once)."""
     if isinstance(damping, HeavyBall):
         return damping.init(q, factors)
-    return damping.init() if isinstance(damping, AdaptiveDamping) else ()
+    if isinstance(damping, AdaptiveDamping):
+        return damping.init()
+    dtype, n = jnp.result_type(float), 0 if family is None else 2 * np.size(family.marginals(q).mean)
+    return FixedDampingState(jnp.full((n,), jnp.nan, dtype), jnp.zeros((), dtype), jnp.zeros((), jnp.int32))
+
+
+def _step(family: Any, old: Any, new: Any) -> np.ndarray:
+    """``q``'s move from ``old`` to ``new``: marginal means' changes in (new) posterior sds, log sds' changes."""
+    a, b = family.marginals(old), family.marginals(new)
+    variance = np.asarray(b.variance, np.float64)
+    return np.concatenate([(np.asarray(b.mean) - np.asarray(a.mean)) / np.sqrt(variance),
+                           0.5 * (np.log(variance) - np.log(np.asarray(a.variance, np.float64)))])
 
 
 def current(damping: Damping, state: Any) -> Any:
@@ -92,13 +125,58 @@ def current(damping: Damping, state: Any) -> Any:
 
 def accelerate(damping: Damping, family: Any, before: Any, after: Any, clean: bool, rho_used: float) -> Any:
     """The ``PVIState`` after a round's merge: :class:`~numpyro_pvi.HeavyBall`'s rescaling and momentum (see
-    :meth:`HeavyBall.accelerate <numpyro_pvi.HeavyBall.accelerate>`), ``after`` unchanged otherwise."""
-    return damping.accelerate(family, before, after, clean, rho_used) if isinstance(damping, HeavyBall) else after
+    :meth:`HeavyBall.accelerate <numpyro_pvi.HeavyBall.accelerate>`); for a fixed damping, ``after`` with the
+    round's step recorded (:class:`FixedDampingState`); ``after`` unchanged otherwise."""
+    if isinstance(damping, HeavyBall):
+        return damping.accelerate(family, before, after, clean, rho_used)
+    if isinstance(after.damping, FixedDampingState):
+        return after._replace(damping=_record_step(after.damping, family, before.q, after.q))
+    return after
+
+
+def _record_step(fixed: FixedDampingState, family: Any, old: Any, new: Any) -> FixedDampingState:
+    step = _step(family, old, new)
+    change = float(np.max(np.abs(step), initial=0.0)) if np.all(np.isfinite(step)) else float("inf")
+    previous = np.asarray(fixed.step, np.float64)
+    swing = False
+    if previous.shape == step.shape and np.all(np.isfinite(step)) and np.all(np.isfinite(previous)):
+        norms = np.linalg.norm(previous) * np.linalg.norm(step)
+        swing = bool(norms > 0 and previous @ step < SWING_COSINE * norms
+                     and min(change, float(fixed.change)) > SWING_CHANGE)
+    dtype = fixed.change.dtype
+    if previous.shape != step.shape:  # a state made without the family: keep its shape (the merge's compilation)
+        step = np.full(previous.shape, np.nan)
+    return FixedDampingState(jnp.asarray(step, dtype), jnp.asarray(change, dtype),
+                             jnp.where(swing, fixed.swings + 1, 0).astype(fixed.swings.dtype))
 
 
 def after_round(damping: Damping, state: Any, elbo: float, backtracked: bool) -> Any:
-    """``PVIState.damping`` after a round (unchanged for a fixed damping or heavy ball)."""
-    return damping.adapt(state, elbo, backtracked) if isinstance(damping, AdaptiveDamping) else state
+    """``PVIState.damping`` after a round: an adaptive damping's next value, heavy ball's restart on an ELBO
+    drop (:meth:`HeavyBall.after_round <numpyro_pvi.HeavyBall.after_round>`), a fixed damping's unchanged."""
+    if isinstance(damping, AdaptiveDamping):
+        return damping.adapt(state, elbo, backtracked)
+    if isinstance(damping, HeavyBall):
+        return damping.after_round(state, elbo)
+    return state
+
+
+def warning(damping: Damping, state: Any) -> tuple[str, str] | None:
+    """``(cause, message)`` of a :class:`~numpyro_pvi.PVIWarning` the damping's state calls for after a round,
+    or None: a fixed damping whose rounds swing ``q`` back and forth (:data:`SWING_ROUNDS` in a row), heavy
+    ball whose ELBO fell :data:`DROP_ROUNDS` rounds in a row (restarts and halved dampings did not help)."""
+    if isinstance(state, FixedDampingState) and int(state.swings) >= SWING_ROUNDS:
+        return ("oscillating", f"The fixed damping {damping} is oscillating: each of the last {int(state.swings)} "
+                               f"rounds moved q back against the round before (by {float(state.change):.2g} posterior "
+                               f"sds in the last), a limit cycle, not convergence: the clients' deltas overlap (a "
+                               f"correlated posterior) and the damping overshoots. Use damping <= {damping / 2:.3g}, "
+                               "Synchronous() (heavy ball, which restarts on an ELBO drop) or Sequential().")
+    if isinstance(state, HeavyBallState) and int(state.drops) >= DROP_ROUNDS:
+        return ("elbo falling", f"Synchronous(): the ELBO fell in each of the last {int(state.drops)} rounds although "
+                                "every drop restarted the momentum and halved the damping (now "
+                                f"{float(state.rho):.3g}): the clients' updates do not improve q from here (too "
+                                "noisy, or far from linear). Try more local steps or particles, a smaller local step "
+                                "size, or Sequential().")
+    return None
 
 
 def after_new_client(damping: Damping, state: Any, q: Any, factors: Any) -> Any:

@@ -15,10 +15,17 @@ secant pair: the step ``s = q_k - q_{k-1}`` and the change of the clients' (unda
 steps bound its spectrum from inside, so the estimate is widened (``l_min`` halved, ``l_max`` times 1.25,
 the smallest ``l_min`` and the median ``l_max`` of the last ``memory`` estimates) before Polyak's formulas.
 
-Only the clients' deltas are used, never the data or the ELBO. The momentum moves every factor by
-``beta`` times its own last change (so ``q`` stays the prior times the factors) and is halved until ``q``
-and every cavity are valid. A round in which a client was not run, was rejected or was merged with a
-backtracked damping gives no secant pair and no momentum (a restart).
+The momentum moves every factor by ``beta`` times its own last change (so ``q`` stays the prior times the
+factors) and is halved until ``q`` and every cavity are valid. A round in which a client was not run, was
+rejected or was merged with a backtracked damping gives no secant pair and no momentum (a restart).
+
+The spectrum estimate is only as good as the clients' deltas, which are noisy and, far from the optimum, not
+linear. So the global ELBO (``RoundInfo.elbo``, the same draws every round) guards the steps, as in the
+adaptive restart of momentum methods (O'Donoghue & Candes 2015): after a round whose ELBO fell by more than
+``elbo_tolerance`` nats the momentum restarts (the velocity is dropped), and if that round had no momentum (the
+damping itself overshot) a ceiling on the damping is set to half the damping of that round; every round that
+does not lower the ELBO raises the ceiling by ``grow`` (up to ``maximum``). ``numpyro_pvi.damping.warning`` says
+when the ELBO keeps falling all the same.
 """
 
 from __future__ import annotations
@@ -45,6 +52,10 @@ class HeavyBallState(NamedTuple):
     :ivar num_pairs: how many of them are filled.
     :ivar lambda_min, lambda_max: ``(memory,)`` the last spectrum estimates, newest last (NaN if unused).
     :ivar velocity: each factor's change in the last round (stacked like ``PVIState.factors``).
+    :ivar elbo: the ELBO after the last round (``-inf`` before the first).
+    :ivar ceiling: the largest damping allowed now (halved by an ELBO drop, regrown by rounds that do not drop).
+    :ivar drops: rounds in a row whose ELBO fell by more than ``elbo_tolerance``.
+    :ivar restarts: rounds so far whose ELBO fell (each restarted the momentum).
     """
 
     rho: jax.Array
@@ -57,6 +68,10 @@ class HeavyBallState(NamedTuple):
     lambda_min: jax.Array
     lambda_max: jax.Array
     velocity: Any
+    elbo: jax.Array
+    ceiling: jax.Array
+    drops: jax.Array
+    restarts: jax.Array
 
 
 class HeavyBall:
@@ -68,15 +83,25 @@ class HeavyBall:
     :param int memory: spectrum estimates combined (the smallest ``l_min``, the median ``l_max``).
     :param float max_momentum: the largest ``beta`` (it bounds how much Monte Carlo noise is amplified).
     :param float maximum: the largest damping.
+    :param float elbo_tolerance: an ELBO drop (nats) larger than this restarts the momentum, and halves the
+        ceiling of the damping if the round added no momentum.
+    :param float grow: the ceiling's growth after a round whose ELBO did not drop.
+    :param float minimum: the smallest ceiling.
 
     **Example:** ``pvi.Synchronous()`` (the default) or ``pvi.Synchronous(pvi.HeavyBall(max_momentum=0.5))``;
     ``pvi.Synchronous(0.5)`` keeps a fixed damping and no momentum.
     """
 
     def __init__(self, initial: float = 0.5, window: int = 10, memory: int = 5, max_momentum: float = 0.7,
-                 maximum: float = 1.0) -> None:
-        if not 0.0 < initial <= maximum <= 1.0:
-            raise ValueError(f"HeavyBall: need 0 < initial <= maximum <= 1, got initial={initial}, maximum={maximum}.")
+                 maximum: float = 1.0, elbo_tolerance: float = 2.0, grow: float = 1.25,
+                 minimum: float = 1 / 64) -> None:
+        if not 0.0 < minimum <= initial <= maximum <= 1.0:
+            raise ValueError(f"HeavyBall: need 0 < minimum <= initial <= maximum <= 1, got minimum={minimum}, "
+                             f"initial={initial}, maximum={maximum}.")
+        if not (isinstance(elbo_tolerance, (int, float)) and elbo_tolerance >= 0.0):
+            raise ValueError(f"HeavyBall: elbo_tolerance must be a non-negative number, got {elbo_tolerance!r}.")
+        if not (isinstance(grow, (int, float)) and grow >= 1.0):
+            raise ValueError(f"HeavyBall: grow must be >= 1, got {grow!r}.")
         for name, value in (("window", window), ("memory", memory)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 2:
                 raise ValueError(f"HeavyBall: {name} must be an integer >= 2, got {value!r}.")
@@ -84,6 +109,7 @@ class HeavyBall:
             raise ValueError(f"HeavyBall: max_momentum must be in [0, 1), got {max_momentum!r}.")
         self.initial, self.window, self.memory = initial, window, memory
         self.max_momentum, self.maximum = max_momentum, maximum
+        self.elbo_tolerance, self.grow, self.minimum = float(elbo_tolerance), float(grow), minimum
 
     def init(self, q: Any, factors: Any) -> HeavyBallState:
         """The state before the first round: damping ``initial``, no momentum, no secant pairs."""
@@ -92,7 +118,9 @@ class HeavyBall:
         nan = jnp.full((self.memory,), jnp.nan, dtype)
         return HeavyBallState(jnp.asarray(self.initial, dtype), jnp.zeros((), dtype), flat, jnp.full(n, jnp.nan, dtype),
                               jnp.zeros((self.window, n), dtype), jnp.zeros((self.window, n), dtype),
-                              jnp.zeros((), jnp.int32), nan, nan, jax.tree.map(jnp.zeros_like, factors))
+                              jnp.zeros((), jnp.int32), nan, nan, jax.tree.map(jnp.zeros_like, factors),
+                              jnp.asarray(-jnp.inf, dtype), jnp.asarray(self.maximum, dtype), jnp.zeros((), jnp.int32),
+                              jnp.zeros((), jnp.int32))
 
     def accelerate(self, family: Any, before: Any, after: Any, clean: bool, rho_used: float) -> Any:
         """The state after a round: ``after`` (the merged ``PVIState``, from ``before``), its merge rescaled to
@@ -132,12 +160,29 @@ class HeavyBall:
 
     def _parameters(self, hb: HeavyBallState, rho_used: float) -> tuple[float, float]:
         """Polyak's damping and momentum for the widened spectrum estimate (``rho_used`` and none before one)."""
+        ceiling = float(hb.ceiling)
         if bool(jnp.all(jnp.isnan(hb.lambda_min))):
-            return rho_used, 0.0
+            return min(rho_used, ceiling), 0.0
         low = 0.5 * float(jnp.nanmin(hb.lambda_min))
         high = 1.25 * float(jnp.nanmedian(hb.lambda_max))
         rho, beta = polyak_parameters(low, high)
-        return min(rho, self.maximum), min(beta, self.max_momentum)
+        return min(rho, self.maximum, ceiling), min(beta, self.max_momentum)
+
+    def after_round(self, hb: HeavyBallState, elbo: float) -> HeavyBallState:
+        """The state once the round's ELBO is known: an ELBO drop restarts the momentum (the next round adds
+        none) and, after a round without momentum, caps the damping at half this round's; a round without a drop
+        raises the cap by ``grow``."""
+        dtype = hb.rho.dtype
+        dropped = bool(np.isfinite(float(hb.elbo))) and not elbo >= float(hb.elbo) - self.elbo_tolerance
+        elbo = elbo if np.isfinite(elbo) else float(hb.elbo)  # a NaN ELBO is a drop, never the reference
+        if dropped:  # a drop with momentum: restart it; a drop without (the damping overshot): halve the damping
+            ceiling = max(0.5 * float(hb.rho), self.minimum) if float(hb.beta) == 0.0 else float(hb.ceiling)
+            return hb._replace(rho=jnp.asarray(min(float(hb.rho), ceiling), dtype), beta=jnp.zeros((), dtype),
+                               velocity=jax.tree.map(jnp.zeros_like, hb.velocity), elbo=jnp.asarray(elbo, dtype),
+                               ceiling=jnp.asarray(ceiling, dtype), drops=hb.drops + 1, restarts=hb.restarts + 1)
+        ceiling = min(float(hb.ceiling) * self.grow, self.maximum)
+        return hb._replace(elbo=jnp.asarray(elbo, dtype), ceiling=jnp.asarray(ceiling, dtype),
+                           drops=jnp.zeros_like(hb.drops))
 
     def __repr__(self) -> str:
         return f"HeavyBall(initial={self.initial}, window={self.window}, max_momentum={self.max_momentum})"

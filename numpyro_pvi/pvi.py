@@ -189,8 +189,8 @@ class PVI:
         hyper = hyper or ()  # not weak-typed: the optimiser's first step must not change types (a recompilation)
         hyper_state = self.hyper_optimizer.init(hyper) if hyper else ()
         return PVIState(q, factors, t0, client_states, self.server.init(q, capacity), rng_key, hyper, hyper_state,
-                        _broadcast(hyper, capacity, zero=True), damping.initial_state(self.server.damping, q, factors),
-                        MadeFor.of(self, problem))
+                        _broadcast(hyper, capacity, zero=True),
+                        damping.initial_state(self.server.damping, q, factors, self.family), MadeFor.of(self, problem))
 
     def update(self, state: PVIState, *args: Any, **kwargs: Any) -> tuple[PVIState, RoundInfo]:
         """One round: the prior factor's step (if any), then the clients in the server's schedule.
@@ -246,6 +246,9 @@ class PVI:
         info = RoundInfo(elbo, *round.record(), time.perf_counter() - start, round.rejection, round.moved,
                          largest(move), round.bytes_received, round.bytes_sent)
         monitor.after_round(info, round.staleness, move)
+        note = damping.warning(self.server.damping, state.damping)  # an oscillating or falling run says so
+        if note is not None:
+            monitor.warn(*note)
         return state._replace(rng_key=next_key), info
 
     def run(self, rng_key: jax.Array, num_rounds: int, *args: Any, progress_bar: bool = True,

@@ -92,9 +92,12 @@ class Synchronous(Server):
     With many clients undamped synchronous rounds can overshoot (a factor is counted once by each
     client's cavity), and on a correlated posterior a damped round is a slow Jacobi iteration. The default
     damping is :class:`~numpyro_pvi.HeavyBall`: Polyak's heavy-ball damping and momentum, set every round from
-    the spectrum of the round estimated from the clients' deltas (with ``clients_per_round``, whose rounds
-    cannot be compared, :class:`~numpyro_pvi.AdaptiveDamping`, which follows the ELBO); a float fixes the
-    damping (``1 / num_clients`` to ``0.5`` is safe) and adds no momentum.
+    the spectrum of the round estimated from the clients' deltas, restarted (and the damping halved) when the
+    global ELBO falls (with ``clients_per_round``, whose rounds cannot be compared,
+    :class:`~numpyro_pvi.AdaptiveDamping`, which follows the ELBO). A float fixes the damping and adds no
+    momentum; no value is safe for every posterior (0.5 cycles on correlated ones with mean-field factors,
+    ``1 / num_clients`` never overshoots but is slow), and a run whose rounds swing ``q`` back and forth warns
+    that it is oscillating.
 
     :param clients_per_round: ``K`` clients drawn per round (an int, or a float fraction of the clients;
         ``None``: all), without replacement, from the state's key (:mod:`numpyro_pvi.sampling`); the others

@@ -5,6 +5,8 @@ the mean-field optimum of a Gaussian target has the target's mean and the diagon
 synchronous round is an exactly linear (Jacobi) map and global mean-field VI's optimum is known in closed form.
 """
 
+import warnings
+
 import jax.numpy as jnp
 import numpy as np
 import numpyro
@@ -15,6 +17,8 @@ from jax.scipy.optimize import minimize
 from sklearn.datasets import load_breast_cancer
 
 import numpyro_pvi as pvi
+from numpyro_pvi import damping
+from numpyro_pvi.damping import DROP_ROUNDS, SWING_ROUNDS
 from numpyro_pvi.families import NatParams
 from numpyro_pvi.heavy_ball import polyak_parameters, ritz_bounds
 
@@ -50,14 +54,14 @@ def correlated_data():
     return X, y
 
 
-def _rounds_to_optimum(server, data, max_rounds, tol=1e-6):
+def _rounds_to_optimum(server, data, max_rounds, tol=1e-6, num_clients=NUM_CLIENTS):
     """Rounds until q is within ``tol`` (relative) of mean-field VI's optimum: the exact posterior mean, and the
     diagonal of the posterior precision; None if not within ``max_rounds``."""
     with enable_x64(True):
         X, y = (jnp.asarray(a, jnp.float64) for a in data)
-        precision = np.eye(6) + np.asarray(X.T @ X) / NOISE**2
+        precision = np.eye(X.shape[1]) + np.asarray(X.T @ X) / NOISE**2
         mean = np.linalg.solve(precision, np.asarray(X.T @ y) / NOISE**2)
-        partitions = np.array_split(np.arange(300), NUM_CLIENTS)
+        partitions = np.array_split(np.arange(X.shape[0]), num_clients)
         inference = pvi.PVI(linear_model, pvi.MeanFieldGaussian(), partitions, MeanFieldLinearUpdate(), server)
         problem = inference.build(X, y=y)
         state = inference.init(random.PRNGKey(0), problem)
@@ -80,6 +84,76 @@ def test_heavy_ball_reaches_mean_field_vi_within_twice_the_sequential_rounds(cor
     best_fixed = 2.0 / (lam_min + lam_max)
     for slower in (pvi.Synchronous(pvi.AdaptiveDamping()), pvi.Synchronous(best_fixed)):
         assert _rounds_to_optimum(slower, correlated_data, 2 * sequential) is None
+
+
+@pytest.fixture(scope="module")
+def overshooting_data():
+    """300 rows, 10 features with correlation 0.9, 10 clients: the linearised round's largest eigenvalue is about
+    5, so a fixed damping of 0.5 overshoots (|1 - 0.5 * 5| > 1) and the means swing back and forth."""
+    correlation = 0.9 * np.ones((10, 10)) + 0.1 * np.eye(10)
+    X = np.asarray(random.normal(random.PRNGKey(2), (300, 10))) @ np.linalg.cholesky(correlation).T
+    y = X @ np.linspace(-1.0, 1.0, 10) + NOISE * np.asarray(random.normal(random.PRNGKey(3), (300,)))
+    return X, y
+
+
+def test_a_fixed_damping_that_overshoots_says_it_is_oscillating(overshooting_data):
+    """Issue 23, problem 4: Synchronous(0.5) cycled on the quickstart data with no warning. Here 0.5 overshoots
+    an exactly linear round; the run must say so by name and not claim convergence."""
+    X, y = overshooting_data
+    inference = pvi.PVI(linear_model, pvi.MeanFieldGaussian(), np.array_split(np.arange(300), 10),
+                        MeanFieldLinearUpdate(), pvi.Synchronous(0.5))
+    with enable_x64(True), pytest.warns(pvi.PVIWarning, match=r"oscillating.*damping <= 0\.25"):
+        result = inference.run(random.PRNGKey(0), 12, jnp.asarray(X), y=jnp.asarray(y), tol=1e-3,
+                               progress_bar=False)
+    assert result.converged is False
+    assert int(result.state.damping.swings) >= 4
+
+
+def test_heavy_ball_converges_where_a_fixed_half_damping_overshoots(overshooting_data):
+    """The default reaches mean-field VI's optimum on the same data, within twice Sequential's rounds, and never
+    says it oscillates."""
+    sequential = _rounds_to_optimum(pvi.Sequential(), overshooting_data, 200, num_clients=10)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", pvi.PVIWarning)
+        heavy_ball = _rounds_to_optimum(pvi.Synchronous(), overshooting_data, 2 * sequential, num_clients=10)
+    assert heavy_ball is not None and heavy_ball <= 2 * sequential, (heavy_ball, sequential)
+
+
+def test_an_elbo_drop_restarts_the_momentum_and_halves_the_damping():
+    """Adaptive restart (O'Donoghue & Candes 2015) on the global ELBO: a drop beyond ``elbo_tolerance`` drops the
+    velocity, and after a round without momentum caps the damping at half the round's; a round without a drop
+    regrows the cap by ``grow``."""
+    heavy_ball = pvi.HeavyBall(elbo_tolerance=0.1, grow=1.25)
+    q = NatParams(jnp.ones(3), -0.5 * jnp.ones(3))
+    state = heavy_ball.init(q, NatParams(jnp.ones((2, 3)), jnp.ones((2, 3))))
+    state = state._replace(rho=jnp.asarray(0.8), beta=jnp.asarray(0.6))
+    state = heavy_ball.after_round(state, -100.0)  # the first ELBO: nothing to compare with
+    assert float(state.ceiling) == 1.0 and int(state.restarts) == 0
+    state = heavy_ball.after_round(state, -100.05)  # within the tolerance: not a drop
+    assert int(state.restarts) == 0 and float(state.beta) == pytest.approx(0.6)
+    state = heavy_ball.after_round(state, -101.0)  # a drop in a round with momentum: restart it
+    assert int(state.restarts) == 1 and int(state.drops) == 1 and float(state.beta) == 0.0
+    assert float(jnp.abs(state.velocity.eta1).max()) == 0.0 and float(state.ceiling) == 1.0
+    state = heavy_ball.after_round(state, float("nan"))  # a drop without momentum (NaN is one): halve the damping
+    assert int(state.drops) == 2 and float(state.elbo) == -101.0
+    assert float(state.ceiling) == pytest.approx(0.4) and float(state.rho) == pytest.approx(0.4)
+    state = heavy_ball.after_round(state, -100.0)
+    assert int(state.drops) == 0 and float(state.ceiling) == pytest.approx(0.5)
+
+
+def test_the_damping_warnings_name_the_cause_and_the_remedy():
+    """Heavy ball whose ELBO kept falling through its restarts, and a fixed damping that keeps swinging, each say so
+    (the run passes these to its PVIWarning); fewer rounds in a row say nothing."""
+    heavy_ball = pvi.HeavyBall()
+    q = NatParams(jnp.ones(3), -0.5 * jnp.ones(3))
+    state = heavy_ball.init(q, NatParams(jnp.ones((2, 3)), jnp.ones((2, 3))))
+    assert damping.warning(heavy_ball, state._replace(drops=jnp.asarray(DROP_ROUNDS - 1))) is None
+    cause, message = damping.warning(heavy_ball, state._replace(drops=jnp.asarray(DROP_ROUNDS)))
+    assert cause == "elbo falling" and "Sequential()" in message
+    fixed = damping.initial_state(0.5, q, None, pvi.MeanFieldGaussian())
+    assert fixed.step.shape == (6,) and damping.warning(0.5, fixed._replace(swings=jnp.asarray(3))) is None
+    cause, message = damping.warning(0.5, fixed._replace(swings=jnp.asarray(SWING_ROUNDS)))
+    assert cause == "oscillating" and "damping <= 0.25" in message
 
 
 def test_heavy_ball_keeps_one_round_exact_when_the_round_is_exact(linear_data):
@@ -113,6 +187,9 @@ def test_ritz_bounds_and_polyak_parameters():
     (lambda: pvi.HeavyBall(initial=0.0), "initial"),
     (lambda: pvi.HeavyBall(window=1), "window"),
     (lambda: pvi.HeavyBall(max_momentum=1.0), "max_momentum"),
+    (lambda: pvi.HeavyBall(elbo_tolerance=-1.0), "elbo_tolerance"),
+    (lambda: pvi.HeavyBall(grow=0.5), "grow"),
+    (lambda: pvi.HeavyBall(minimum=0.0), "minimum"),
     (lambda: pvi.Asynchronous(pvi.HeavyBall()), "synchronous rounds"),
     (lambda: pvi.Sequential(pvi.HeavyBall()), "synchronous rounds"),
     (lambda: pvi.Synchronous(pvi.HeavyBall(), clients_per_round=2), "every client"),
