@@ -33,6 +33,7 @@ from numpyro.distributions import constraints
 from numpyro.distributions.kl import kl_divergence
 from numpyro.distributions.transforms import ExpTransform, SigmoidTransform, StickBreakingTransform, biject_to
 
+from numpyro_pvi.families.concentrated import ConcentratedBeta, ConcentratedDirichlet, ConcentratedGamma
 from numpyro_pvi.families.exponential_family import ExponentialFamily, regression_site, unit_scale
 from numpyro_pvi.families.params import NatParams
 
@@ -77,8 +78,8 @@ class Gamma(ExponentialFamily):
         return jnp.concatenate([digamma(a) - jnp.log(b), a / b])
 
     def base(self, concentration: jax.Array, rate: jax.Array) -> dist.Distribution:
-        """``Gamma(shape, rate)`` over ``(D,)``."""
-        return dist.Gamma(concentration, rate).to_event(1)
+        """``Gamma(shape, rate)`` over ``(D,)`` (accurate ``log_prob`` and ``entropy`` at any concentration)."""
+        return ConcentratedGamma(concentration, rate).to_event(1)
 
     def mean_var(self, params: tuple) -> tuple[np.ndarray, np.ndarray]:
         """``a / b`` and ``a / b^2``."""
@@ -132,8 +133,8 @@ class Beta(ExponentialFamily):
         return jnp.concatenate([digamma(a) - digamma(a + b), digamma(b) - digamma(a + b)])
 
     def base(self, concentration1: jax.Array, concentration0: jax.Array) -> dist.Distribution:
-        """``Beta(a, b)`` over ``(D,)``."""
-        return dist.Beta(concentration1, concentration0).to_event(1)
+        """``Beta(a, b)`` over ``(D,)`` (accurate ``log_prob`` and ``entropy`` at any concentration)."""
+        return ConcentratedBeta(concentration1, concentration0).to_event(1)
 
     def mean_var(self, params: tuple) -> tuple[np.ndarray, np.ndarray]:
         """``a / (a + b)`` and ``ab / ((a + b)^2 (a + b + 1))``."""
@@ -178,7 +179,7 @@ class FlatDirichlets(dist.Distribution):
 
     @property
     def rows(self) -> dist.Dirichlet:
-        return dist.Dirichlet(self.concentration.reshape(-1, self.simplex_size))
+        return ConcentratedDirichlet(self.concentration.reshape(-1, self.simplex_size))
 
     def _flat(self, x: jax.Array) -> jax.Array:
         return x.reshape(x.shape[:-2] + (-1,))
@@ -269,7 +270,7 @@ class Dirichlet(ExponentialFamily):
     def base(self, concentration: jax.Array) -> dist.Distribution:
         """``Dirichlet(alpha)`` over ``(K,)``, or :class:`FlatDirichlets` over a batch of simplices."""
         if self.shape is None or len(self.shape) == 1:
-            return dist.Dirichlet(concentration)
+            return ConcentratedDirichlet(concentration)
         return FlatDirichlets(concentration, self.shape[-1])
 
     def mean_var(self, params: tuple) -> tuple[np.ndarray, np.ndarray]:
