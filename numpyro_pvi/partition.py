@@ -179,6 +179,26 @@ class ArgsLayout(NamedTuple):
             leaves.insert(pos, value)
         return jax.tree_util.tree_unflatten(self.treedef, leaves)
 
+    def array_names(self) -> list[str]:
+        """How the user wrote each array leaf, for messages: ``"y"``, ``"argument 0"``, ``"batch['x']"``.
+
+        **Example:** for ``model(X, y=y)``, ``layout.array_names()`` is ``["argument 0", "y"]``.
+        """
+        fixed = {pos for pos, _ in self.static}
+        positions = [i for i in range(self.treedef.num_leaves) if i not in fixed]
+        paths, _ = jax.tree_util.tree_flatten_with_path(jax.tree_util.tree_unflatten(
+            self.treedef, list(range(self.treedef.num_leaves))))
+        return [_argument_name(paths[i][0]) for i in positions]
+
+
+def _argument_name(path: tuple) -> str:
+    """``(args, kwargs)``'s key path -> ``"argument 0"``, ``"y"``, ``"batch['x']"``."""
+    if len(path) < 2:
+        return jax.tree_util.keystr(path)
+    head, rest = path[1], jax.tree_util.keystr(path[2:])
+    name = f"argument {head.idx}" if isinstance(head, jax.tree_util.SequenceKey) else str(head.key)
+    return name + rest
+
 
 def check_partitions(partitions: Sequence, num_data: int, plate_name: str) -> None:
     """Raise ``ValueError`` unless ``partitions`` are integer arrays covering ``range(num_data)`` once."""

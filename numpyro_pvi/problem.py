@@ -19,7 +19,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from numpyro_pvi.backends import VmapBackend
-from numpyro_pvi.clients import ClientColumns, append_client, buckets, split_client_data, split_pooled, stack
+from numpyro_pvi.clients import (
+    ClientColumns,
+    append_client,
+    buckets,
+    check_row_shapes,
+    split_client_data,
+    split_pooled,
+    stack,
+)
 from numpyro_pvi.densities import local_model, log_likelihood, log_prior
 from numpyro_pvi.families import Family, NatParams
 from numpyro_pvi.local_updates.base import Client, ClientProblem
@@ -126,9 +134,7 @@ def add_client(inference: PVI, problem: Problem, args: tuple, kwargs: dict) -> P
     recompiles only when it grows.
     """
     split = append_client(problem.split, args, kwargs, problem.sites.plate)
-    new = [len(split.sizes) - 1]  # the other clients were checked when they joined
-    _check_unsure(inference.model, problem.sites, split, new)
-    _check_observations(problem.sites, split, new)
+    check_clients(inference.model, problem.sites, split, [len(split.sizes) - 1])  # the others: when they joined
     rows, capacity = problem.rows, problem.capacity
     if split.sizes[-1] > rows:
         rows = max(split.sizes[-1], 2 * rows)
@@ -148,14 +154,29 @@ def _read(inference: PVI, args: tuple, kwargs: dict) -> tuple[ModelSites, Client
         first_args, first_kwargs = partitions[0]
         sites = inference.family.prepare_sites(read_model(model, first_args, first_kwargs, who="Client 0's data"))
         split = split_client_data(partitions, sites.plate_size, sites.plate)
-        _check_unsure(model, sites, split, range(len(split.sizes)))
-        _check_observations(sites, split, range(1, len(split.sizes)))  # client 0's: checked by read_model
+        check_clients(model, sites, split, range(1, len(split.sizes)))  # client 0's: checked by read_model
         return sites, split
     if not args and not kwargs:
         raise TypeError("Pass the pooled data to init/update/run (or give partitions=pvi.ClientData(...)).")
     sites = inference.family.prepare_sites(read_model(model, args, kwargs, who="The pooled data"))
     parts = [np.arange(sites.plate_size)] if partitions is None else list(partitions)
     return sites, split_pooled(args, kwargs, parts, sites.plate_size, sites.plate)
+
+
+def check_clients(model: Any, sites: ModelSites, split: ClientColumns, clients: Sequence[int]) -> None:
+    """The checks of every path that takes a client's data without reading the model on it (``ClientData``'s
+    clients past the first, :meth:`PVI.add_client`): its row arguments have client 0's shape past the rows
+    (:func:`~numpyro_pvi.clients.check_row_shapes`), its partition plate has as many rows as its row
+    arguments, and its observations are finite and in their likelihood's support. The data the model is
+    read on (the pooled data, client 0's, a Flower site's own) get the same checks from
+    :func:`~numpyro_pvi.sites.read_model`, so every client's data passes one set of checks.
+
+    **Example:** ``check_clients(model, problem.sites, split, [3])`` before client 3 joins.
+    """
+    clients = list(clients)
+    check_row_shapes(split, clients, sites.plate)
+    _check_unsure(model, sites, split, clients)
+    _check_observations(sites, split, clients)
 
 
 def _check_observations(sites: ModelSites, split: ClientColumns, clients: Sequence[int]) -> None:

@@ -25,6 +25,22 @@ def test_observations_that_broadcast_against_the_batch(linear_data):
         pvi_for(linear_model).build(X, y=y[:, None])  # (n, 1) under a plate of n: an (n, n) likelihood
 
 
+def test_every_path_that_takes_a_client_refuses_y_of_shape_n_by_1(linear_data):
+    # before the shared check, a later client's y of shape (n, 1) was accepted (add_client: q's mean -0.02
+    # against the exact 1.06); only the data the model is read on (pooled, client 0's) was checked
+    X, y = linear_data
+    first, second = ((X[:100],), {"y": y[:100]}), ((X[100:160],), {"y": y[100:160, None]})
+    message = r"Client 1's data does not fit the model: its row argument 'y' has shape \(60, 1\)"
+    with pytest.raises(ValueError, match=message):
+        pvi_for(linear_model, pvi.ClientData([first, second])).build()
+    start = pvi.PVI(linear_model, pvi.MeanFieldGaussian(), pvi.ClientData([first]), UPDATE, pvi.Continual())
+    problem = start.build()
+    with pytest.raises(ValueError, match=message):
+        start.add_client(start.init(random.PRNGKey(0), problem), problem, *second[0], **second[1])
+    with pytest.raises(ValueError, match=r"\(n, 1\)"):  # a Flower site reads the model on its own data
+        pvi_for(linear_model).build(*second[0], **second[1])
+
+
 def test_nested_partition_plates():
     def model(y=None):
         mu = numpyro.sample("mu", dist.Normal(0.0, 1.0))
