@@ -113,6 +113,14 @@ def test_arguments_are_checked():
         pvi.PVI(linear_model, pvi.MeanFieldGaussian(), None, UPDATE, num_elbo_particles=0)
 
 
+@pytest.mark.parametrize("site_variance", [1.0, (1.0,), (2.0, 1.0), ("a", 1.0), (0.0, 1.0)])
+def test_snep_site_variance_must_be_an_interval(site_variance):
+    # before: site_variance=1.0 raised a bare "TypeError: object of type 'float' has no len()"
+    with pytest.raises(ValueError, match=r"SNEPUpdate: site_variance must be None or a pair \(v_min, v_max\)"):
+        pvi.SNEPUpdate(site_variance=site_variance)
+    assert pvi.SNEPUpdate(site_variance=[0.1, 10]).site_variance == (0.1, 10)
+
+
 @pytest.mark.parametrize("num_rounds", [0, -1, 2.5, "3"])
 def test_num_rounds_must_be_a_positive_integer(linear_data, num_rounds):
     X, y = linear_data
