@@ -9,6 +9,7 @@ dtypes reuses an earlier problem's steps without recompiling.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -204,8 +205,65 @@ def _check_unsure(model: Any, sites: ModelSites, split: ClientColumns, clients: 
                              f"{size} in its model call, but its row arguments have {split.sizes[m]} rows.")
 
 
+STATE_COPIES = 2  # a round's compiled step holds the old state and the new one at least (no buffer donation)
+
+
+def factor_bytes(family: Any, dim: int) -> int:
+    """Bytes of one factor (one set of natural parameters) of ``family`` over ``dim`` coordinates, read from the
+    shapes of ``family.zeros(dim)`` without allocating it: ``4 D (D + 1)`` for a full-rank Gaussian in float32,
+    ``8 D`` for a mean-field one.
+
+    **Example:** ``factor_bytes(pvi.FullRankGaussian(), 20_000)`` is 1,600,080,000 (1.6 GB).
+    """
+    shapes = jax.eval_shape(lambda: family.zeros(dim))
+    return sum(int(np.prod(leaf.shape, dtype=np.int64)) * leaf.dtype.itemsize for leaf in jax.tree.leaves(shapes))
+
+
+def state_bytes(family: Any, dim: int, num_clients: int) -> int:
+    """A lower bound on the memory a run needs: ``q``, the prior factor and ``num_clients`` client factors
+    (:func:`factor_bytes` each), held ``STATE_COPIES`` times while a round's step runs.
+
+    **Example:** ``state_bytes(pvi.FullRankGaussian(), 20_000, 4)`` is about 19 GB.
+    """
+    return STATE_COPIES * (num_clients + 2) * factor_bytes(family, dim)
+
+
+def available_memory() -> int:
+    """Bytes the run can still allocate: the default JAX device's free memory where it reports one (GPU), else
+    the host's ``MemAvailable`` (``/proc/meminfo``), else its free pages (``os.sysconf``)."""
+    stats = jax.devices()[0].memory_stats() or {}
+    if "bytes_limit" in stats:
+        return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def check_memory(family: Any, dim: int, num_clients: int) -> None:
+    """Refuse, before anything compiles, a run whose state cannot fit (:func:`state_bytes` against
+    :func:`available_memory`), with a ``MemoryError`` that gives both figures; a full-rank family at
+    ``D = 20,000`` otherwise died in XLA with a raw out-of-memory error.
+
+    **Example:** ``check_memory(pvi.FullRankGaussian(), problem.sites.dim, problem.capacity)``.
+    """
+    needed, available = state_bytes(family, dim, num_clients), available_memory()
+    if needed > available:
+        raise MemoryError(f"{family!r} over D = {dim} coordinates with {num_clients} client factors needs at least "
+                          f"{needed / 1e9:.2f} GB ({num_clients + 2} factors of {factor_bytes(family, dim) / 1e9:.3g} "
+                          f"GB, q and the prior's included, times {STATE_COPIES} copies while a round runs), but "
+                          f"only {available / 1e9:.2f} GB are available. Use pvi.MeanFieldGaussian(), or "
+                          "pvi.SiteFamilies with a FullRankGaussian block only on the sites that need correlations, "
+                          "or fewer clients.")
+
+
 def _assemble(inference: PVI, sites: ModelSites, split: ClientColumns, rows: int, capacity: int, source: tuple,
               reuse: Problem | None, grow: bool = False) -> Problem:
+    check_memory(inference.family, sites.dim, capacity)
     by_size = isinstance(inference.backend, VmapBackend) and not sites.has_local
     bucketed = buckets(split, by_size, rows, capacity, grow)
     first_client = bucketed[0].clients

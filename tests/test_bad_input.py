@@ -9,6 +9,7 @@ import pytest
 from jax import random
 
 import numpyro_pvi as pvi
+from numpyro_pvi import problem as problems
 
 from conftest import linear_model, logistic_model
 
@@ -111,6 +112,26 @@ def test_arguments_are_checked():
         pvi.PVI(linear_model, pvi.MeanFieldGaussian(), None, UPDATE, hyper_optimizer="adam")
     with pytest.raises(ValueError, match="num_elbo_particles must be a positive integer"):
         pvi.PVI(linear_model, pvi.MeanFieldGaussian(), None, UPDATE, num_elbo_particles=0)
+
+
+def test_a_state_too_large_for_memory_is_named_before_anything_compiles(monkeypatch):
+    # before: a FullRankGaussian at D = 20,000 died in XLA with a raw out-of-memory error
+    def wide_model(X, y=None):
+        w = numpyro.sample("w", dist.Normal(0.0, 1.0).expand([X.shape[1]]).to_event(1))
+        with pvi.partition_plate("data", X.shape[0]):
+            numpyro.sample("y", dist.Normal(X @ w, 1.0), obs=y)
+
+    def no_compiling(*args, **kwargs):
+        raise AssertionError("compiled before the memory check")
+
+    monkeypatch.setattr(problems, "available_memory", lambda: 8 * 10**9)  # the same figure on every machine
+    monkeypatch.setattr(problems, "compile_steps", no_compiling)
+    X, y = jnp.zeros((8, 20_000)), jnp.zeros(8)
+    # 6 factors (4 clients, q, the prior's) of 20,000 x 20,001 float32, twice: 19.2 GB
+    with pytest.raises(MemoryError, match=r"D = 20000 coordinates with 4 client factors needs at least 19.20 GB "
+                                          r".*only 8.00 GB are available"):
+        pvi.PVI(wide_model, pvi.FullRankGaussian(), np.array_split(np.arange(8), 4), UPDATE).build(X, y=y)
+    assert problems.state_bytes(pvi.MeanFieldGaussian(), 20_000, 4) == 2 * 6 * 2 * 20_000 * 4  # 1.9 MB: it fits
 
 
 @pytest.mark.parametrize("site_variance", [1.0, (1.0,), (2.0, 1.0), ("a", 1.0), (0.0, 1.0)])
