@@ -23,6 +23,7 @@ import numpy as np
 import numpyro
 
 PARTITION_TAG = "_pvi_partition"
+NESTED_TAG = "_pvi_nested_partition"  # (outer, inner): a partition plate inside another of another name
 
 
 class partition_plate(numpyro.plate):
@@ -63,8 +64,13 @@ class partition_plate(numpyro.plate):
     def process_message(self, msg: dict) -> None:
         super().process_message(msg)
         if msg["type"] == "sample":
-            # Tag (on a copy: the user's `infer` dict is never mutated) every sample site inside.
-            msg["infer"] = {**(msg.get("infer") or {}), PARTITION_TAG: self.name}
+            # Tag (on a copy: the user's `infer` dict is never mutated) every sample site inside; a site already
+            # tagged by an inner partition plate of another name records both (refused when the model is read).
+            infer = {**(msg.get("infer") or {}), PARTITION_TAG: self.name}
+            inner = (msg.get("infer") or {}).get(PARTITION_TAG)
+            if inner is not None and inner != self.name:
+                infer[NESTED_TAG] = (self.name, inner)
+            msg["infer"] = infer
 
 
 # ----------------------------------------------------------------------------- splitting helpers

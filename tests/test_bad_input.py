@@ -53,6 +53,36 @@ def test_nested_partition_plates():
         pvi_for(model).build(y=jnp.zeros(5))
 
 
+def test_a_plate_inside_the_partition_plate_is_exact_and_a_second_partition_plate_is_named():
+    # each row of the partition plate holds K observations under an inner numpyro.plate: the likelihood counts all
+    # n * K of them, so one round of CVI (step 1, exact on a Gaussian likelihood) gives the exact posterior
+    n, k = 40, 5
+    y = 1.0 + random.normal(random.PRNGKey(1), (n, k))
+
+    def inner_plate(y):
+        mu = numpyro.sample("mu", dist.Normal(0.0, 1.0))
+        with pvi.partition_plate("data", y.shape[0], dim=-2):
+            with numpyro.plate("inner", y.shape[1], dim=-1):
+                numpyro.sample("y", dist.Normal(mu, 1.0), obs=y)
+
+    def two_partition_plates(y):
+        mu = numpyro.sample("mu", dist.Normal(0.0, 1.0))
+        with pvi.partition_plate("data", y.shape[0], dim=-2):
+            with pvi.partition_plate("columns", y.shape[1], dim=-1):
+                numpyro.sample("y", dist.Normal(mu, 1.0), obs=y)
+
+    parts = [np.arange(0, 5), np.arange(5, 12), np.arange(12, 40)]  # uneven: padded rows are masked
+    update = pvi.NaturalGradientUpdate(step_size=1.0, num_steps=1, num_particles=16)
+    result = pvi.PVI(inner_plate, pvi.MeanFieldGaussian(), parts, update, pvi.Sequential()).run(
+        random.PRNGKey(0), 1, y=y, progress_bar=False)
+    loc, scale = pvi.MeanFieldGaussian().loc_scale(result.state.q)
+    precision = 1.0 + n * k  # N(0, 1) prior, n * k unit-variance observations
+    np.testing.assert_allclose(loc, [float(y.sum()) / precision], rtol=1e-5)
+    np.testing.assert_allclose(scale, [precision**-0.5], rtol=1e-5)
+    with pytest.raises(ValueError, match="partition_plate 'data' holds another partition_plate, 'columns'"):
+        pvi.PVI(two_partition_plates, pvi.MeanFieldGaussian(), parts, update, pvi.Sequential()).build(y=y)
+
+
 @pytest.mark.parametrize("client", [0, 2])
 def test_non_finite_observations_name_the_client_and_site(linear_data, client):
     X, y = linear_data
