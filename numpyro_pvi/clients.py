@@ -87,6 +87,26 @@ def split_client_data(clients: Sequence[tuple[tuple, dict]], first_size: int, pl
     return ClientColumns(columns, is_row, sizes, ArgsLayout(treedef, tuple(static)), _unsure(columns, sizes))
 
 
+def check_row_shapes(split: ClientColumns, clients: Sequence[int], plate: str) -> None:
+    """Each of ``clients``' row arguments has client 0's shape past its rows axis, so that its rows are data of
+    the kind the model was read on (client 0's call, or the pooled data's); a ``ValueError`` names the client and
+    the argument otherwise (e.g. ``y`` of shape ``(n, 1)`` where client 0's is ``(n,)``: under a plate of ``n``
+    it would broadcast to ``n * n`` likelihood terms).
+
+    **Example:** ``check_row_shapes(split, range(1, len(split.sizes)), "data")``.
+    """
+    names = split.layout.array_names()
+    for column, row, name in zip(split.columns, split.is_row, names):
+        want = np.shape(column[0])[1:]
+        for m in clients if row else ():
+            if np.shape(column[m])[1:] != want:
+                raise ValueError(f"Client {m}'s data does not fit the model: its row argument '{name}' has shape "
+                                 f"{np.shape(column[m])}, rows of shape {np.shape(column[m])[1:]}, but client 0's "
+                                 f"rows are of shape {want} ({np.shape(column[0])} in all). Every client's row "
+                                 f"arguments of plate '{plate}' must have the same shape past the rows axis (e.g. y "
+                                 "of shape (n,) in every client, not (n, 1)).")
+
+
 def _unsure(columns: list, sizes: tuple) -> tuple:
     """The clients whose size differs from client 0's while some leaf keeps client 0's row count and shape."""
     same = [col for col in columns if np.ndim(col[0]) >= 1 and np.shape(col[0])[0] == sizes[0]

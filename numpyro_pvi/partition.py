@@ -23,6 +23,7 @@ import numpy as np
 import numpyro
 
 PARTITION_TAG = "_pvi_partition"
+NESTED_TAG = "_pvi_nested_partition"  # (outer, inner): a partition plate inside another of another name
 
 
 class partition_plate(numpyro.plate):
@@ -63,8 +64,13 @@ class partition_plate(numpyro.plate):
     def process_message(self, msg: dict) -> None:
         super().process_message(msg)
         if msg["type"] == "sample":
-            # Tag (on a copy: the user's `infer` dict is never mutated) every sample site inside.
-            msg["infer"] = {**(msg.get("infer") or {}), PARTITION_TAG: self.name}
+            # Tag (on a copy: the user's `infer` dict is never mutated) every sample site inside; a site already
+            # tagged by an inner partition plate of another name records both (refused when the model is read).
+            infer = {**(msg.get("infer") or {}), PARTITION_TAG: self.name}
+            inner = (msg.get("infer") or {}).get(PARTITION_TAG)
+            if inner is not None and inner != self.name:
+                infer[NESTED_TAG] = (self.name, inner)
+            msg["infer"] = infer
 
 
 # ----------------------------------------------------------------------------- splitting helpers
@@ -178,6 +184,26 @@ class ArgsLayout(NamedTuple):
         for pos, value in self.static:
             leaves.insert(pos, value)
         return jax.tree_util.tree_unflatten(self.treedef, leaves)
+
+    def array_names(self) -> list[str]:
+        """How the user wrote each array leaf, for messages: ``"y"``, ``"argument 0"``, ``"batch['x']"``.
+
+        **Example:** for ``model(X, y=y)``, ``layout.array_names()`` is ``["argument 0", "y"]``.
+        """
+        fixed = {pos for pos, _ in self.static}
+        positions = [i for i in range(self.treedef.num_leaves) if i not in fixed]
+        paths, _ = jax.tree_util.tree_flatten_with_path(jax.tree_util.tree_unflatten(
+            self.treedef, list(range(self.treedef.num_leaves))))
+        return [_argument_name(paths[i][0]) for i in positions]
+
+
+def _argument_name(path: tuple) -> str:
+    """``(args, kwargs)``'s key path -> ``"argument 0"``, ``"y"``, ``"batch['x']"``."""
+    if len(path) < 2:
+        return jax.tree_util.keystr(path)
+    head, rest = path[1], jax.tree_util.keystr(path[2:])
+    name = f"argument {head.idx}" if isinstance(head, jax.tree_util.SequenceKey) else str(head.key)
+    return name + rest
 
 
 def check_partitions(partitions: Sequence, num_data: int, plate_name: str) -> None:

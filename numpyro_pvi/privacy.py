@@ -12,9 +12,12 @@ loss over a run is the composition of the releases it made, which the RDP accoun
 * Local averaging (``DPLocalAveraging``): a release is one Gaussian mechanism:
   ``SelfComposed(Gaussian(sigma), releases)``.
 
-The number of releases of client ``m`` is read from the run's history: the updates it sent
-(``history.attempts[:, m]``), less the rounds whose update was refused for its budget
-(``Rejection.BUDGET``, which releases nothing). Every sent update counts, merged or not: the server saw it.
+The number of releases of client ``m`` is read from the run's *state*, the count the client's budget gate
+reads (``PrivateUpdate.num_releases``, e.g. ``DPState.releases``), so that ``privacy_spent`` and the budget
+never disagree, and a run resumed from a checkpoint (without its history) still counts every release. Every
+update the client sent counts, merged or rejected (the server saw it, :class:`~numpyro_pvi.CountsRejectedUpdates`);
+a round refused for its budget (``Rejection.BUDGET``) releases nothing, and so does an update that raised or
+timed out (``Rejection.RAISED``/``TIMEOUT``: the server never reads it; a timed-out Ray actor is killed).
 
 **Client sampling** (``Synchronous(clients_per_round=K)``): if the draw of each round's clients is random,
 independent of the data and unpredictable to the adversary, a round is, for one row of client ``m``, the
@@ -53,13 +56,17 @@ def _accounting() -> Any:
 
 @runtime_checkable
 class PrivateUpdate(Protocol):
-    """A local update whose releases are differentially private: ``dp_event(num_rows, num_releases)``.
+    """A local update whose releases are differentially private: ``dp_event(num_rows, num_releases)``, and
+    ``num_releases(client_states)``, each client's releases so far as its state counts them (the one count
+    that drives both its budget and :func:`privacy_spent`).
 
     **Example:** ``pvi.DPGradientUpdate(...).dp_event(100, 3)`` is the ``DpEvent`` of 3 releases of a
-    client of 100 rows.
+    client of 100 rows; ``update.num_releases(result.state.client_states)`` each client's count.
     """
 
     def dp_event(self, num_rows: int, num_releases: int) -> Any: ...
+
+    def num_releases(self, client_states: Any) -> Any: ...
 
 
 def dp_sgd_event(sampling_rate: float, noise_multiplier: float, num_steps: int) -> Any:
@@ -160,16 +167,39 @@ def calibrate_noise_multiplier(target_epsilon: float, delta: float, sampling_rat
 
 
 def releases(result: PVIRunResult) -> np.ndarray:
-    """``(M,)`` how many updates each client released in the run: attempts, less rounds refused for budget.
+    """``(M,)`` how many updates each client released in the run, read from its state (the count its budget
+    gate reads): sent updates, merged or rejected; none for a round refused for budget, raised or timed out.
 
     **Example:** ``pvi.privacy.releases(result)`` is ``[20, 20, ...]`` after 20 synchronous rounds.
     """
+    update = _private(result.inference.local_update)
+    counts = np.asarray(update.num_releases(result.state.client_states))
+    return counts[:result.num_clients].astype(int)
+
+
+def _private(update: Any) -> PrivateUpdate:
+    if not isinstance(update, PrivateUpdate):
+        raise TypeError(f"privacy_spent: the run's local update {type(update).__name__} is not differentially private "
+                        "(use pvi.DPGradientUpdate or pvi.DPLocalAveraging).")
+    return update
+
+
+def _rounds_covering(result: PVIRunResult, released: np.ndarray) -> int:
+    """The number of rounds in ``result.history``, checked to hold every release the state counts (a run resumed
+    without ``init_history`` has fewer rounds in its history than it ran: "secret" credits each round)."""
     history = result.history
-    if history is None:
-        return np.zeros(result.num_clients, dtype=int)
-    attempts = np.asarray(history.attempts)[:, :result.num_clients]
-    refused = np.asarray(history.rejection)[:, :result.num_clients] == Rejection.BUDGET
-    return np.sum(np.where(refused, 0, attempts), axis=0).astype(int)
+    seen = np.zeros(result.num_clients, int)
+    if history is not None:
+        attempts = np.asarray(history.attempts)[:, :result.num_clients]
+        silent = np.isin(np.asarray(history.rejection)[:, :result.num_clients],
+                         [int(Rejection.BUDGET), int(Rejection.TIMEOUT), int(Rejection.RAISED)])
+        seen = np.sum(np.where(silent, 0, attempts), axis=0)
+    if not np.array_equal(seen, released):
+        raise ValueError(f"client_sampling='secret' credits every round of the run, but this result's history holds "
+                         f"{seen.tolist()} releases where the clients' states count {released.tolist()} (a run "
+                         "resumed without its earlier rounds): pass init_history=<the earlier result's history> when "
+                         "resuming, or use client_sampling='known'.")
+    return 0 if history is None else len(np.asarray(history.attempts))
 
 
 def privacy_spent(result: PVIRunResult, delta: float, client_sampling: str = "known",
@@ -184,16 +214,14 @@ def privacy_spent(result: PVIRunResult, delta: float, client_sampling: str = "kn
 
     **Example:** ``result.privacy_spent(1e-5)``; ``result.privacy_spent(1e-5, client_sampling="secret")``.
     """
-    update = result.inference.local_update
-    if not isinstance(update, PrivateUpdate):
-        raise TypeError(f"privacy_spent: the run's local update {type(update).__name__} is not differentially private "
-                        "(use pvi.DPGradientUpdate or pvi.DPLocalAveraging).")
+    update = _private(result.inference.local_update)
     check_delta(delta)
     if client_sampling not in ("known", "secret"):
         raise ValueError(f"client_sampling must be 'known' or 'secret', got {client_sampling!r}.")
     sizes, released = result.problem.sizes, releases(result)
     if client_sampling == "secret":
-        rates, rounds = client_sampling_rates(result, client_rates), len(np.asarray(result.history.attempts))
+        rates = client_sampling_rates(result, client_rates)
+        rounds = _rounds_covering(result, released)
         return np.array([client_sampled_epsilon(update.dp_event(int(n), 1), float(p), rounds, delta) if r > 0 else 0.0
                          for n, p, r in zip(sizes, rates, released)])
     return np.array([epsilon(update.dp_event(int(n), int(r)), delta) if r > 0 else 0.0

@@ -9,6 +9,7 @@ dtypes reuses an earlier problem's steps without recompiling.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -19,7 +20,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from numpyro_pvi.backends import VmapBackend
-from numpyro_pvi.clients import ClientColumns, append_client, buckets, split_client_data, split_pooled, stack
+from numpyro_pvi.clients import (
+    ClientColumns,
+    append_client,
+    buckets,
+    check_row_shapes,
+    split_client_data,
+    split_pooled,
+    stack,
+)
 from numpyro_pvi.densities import local_model, log_likelihood, log_prior
 from numpyro_pvi.families import Family, NatParams
 from numpyro_pvi.local_updates.base import Client, ClientProblem
@@ -126,9 +135,7 @@ def add_client(inference: PVI, problem: Problem, args: tuple, kwargs: dict) -> P
     recompiles only when it grows.
     """
     split = append_client(problem.split, args, kwargs, problem.sites.plate)
-    new = [len(split.sizes) - 1]  # the other clients were checked when they joined
-    _check_unsure(inference.model, problem.sites, split, new)
-    _check_observations(problem.sites, split, new)
+    check_clients(inference.model, problem.sites, split, [len(split.sizes) - 1])  # the others: when they joined
     rows, capacity = problem.rows, problem.capacity
     if split.sizes[-1] > rows:
         rows = max(split.sizes[-1], 2 * rows)
@@ -148,14 +155,29 @@ def _read(inference: PVI, args: tuple, kwargs: dict) -> tuple[ModelSites, Client
         first_args, first_kwargs = partitions[0]
         sites = inference.family.prepare_sites(read_model(model, first_args, first_kwargs, who="Client 0's data"))
         split = split_client_data(partitions, sites.plate_size, sites.plate)
-        _check_unsure(model, sites, split, range(len(split.sizes)))
-        _check_observations(sites, split, range(1, len(split.sizes)))  # client 0's: checked by read_model
+        check_clients(model, sites, split, range(1, len(split.sizes)))  # client 0's: checked by read_model
         return sites, split
     if not args and not kwargs:
         raise TypeError("Pass the pooled data to init/update/run (or give partitions=pvi.ClientData(...)).")
     sites = inference.family.prepare_sites(read_model(model, args, kwargs, who="The pooled data"))
     parts = [np.arange(sites.plate_size)] if partitions is None else list(partitions)
     return sites, split_pooled(args, kwargs, parts, sites.plate_size, sites.plate)
+
+
+def check_clients(model: Any, sites: ModelSites, split: ClientColumns, clients: Sequence[int]) -> None:
+    """The checks of every path that takes a client's data without reading the model on it (``ClientData``'s
+    clients past the first, :meth:`PVI.add_client`): its row arguments have client 0's shape past the rows
+    (:func:`~numpyro_pvi.clients.check_row_shapes`), its partition plate has as many rows as its row
+    arguments, and its observations are finite and in their likelihood's support. The data the model is
+    read on (the pooled data, client 0's, a Flower site's own) get the same checks from
+    :func:`~numpyro_pvi.sites.read_model`, so every client's data passes one set of checks.
+
+    **Example:** ``check_clients(model, problem.sites, split, [3])`` before client 3 joins.
+    """
+    clients = list(clients)
+    check_row_shapes(split, clients, sites.plate)
+    _check_unsure(model, sites, split, clients)
+    _check_observations(sites, split, clients)
 
 
 def _check_observations(sites: ModelSites, split: ClientColumns, clients: Sequence[int]) -> None:
@@ -183,8 +205,65 @@ def _check_unsure(model: Any, sites: ModelSites, split: ClientColumns, clients: 
                              f"{size} in its model call, but its row arguments have {split.sizes[m]} rows.")
 
 
+STATE_COPIES = 2  # a round's compiled step holds the old state and the new one at least (no buffer donation)
+
+
+def factor_bytes(family: Any, dim: int) -> int:
+    """Bytes of one factor (one set of natural parameters) of ``family`` over ``dim`` coordinates, read from the
+    shapes of ``family.zeros(dim)`` without allocating it: ``4 D (D + 1)`` for a full-rank Gaussian in float32,
+    ``8 D`` for a mean-field one.
+
+    **Example:** ``factor_bytes(pvi.FullRankGaussian(), 20_000)`` is 1,600,080,000 (1.6 GB).
+    """
+    shapes = jax.eval_shape(lambda: family.zeros(dim))
+    return sum(int(np.prod(leaf.shape, dtype=np.int64)) * leaf.dtype.itemsize for leaf in jax.tree.leaves(shapes))
+
+
+def state_bytes(family: Any, dim: int, num_clients: int) -> int:
+    """A lower bound on the memory a run needs: ``q``, the prior factor and ``num_clients`` client factors
+    (:func:`factor_bytes` each), held ``STATE_COPIES`` times while a round's step runs.
+
+    **Example:** ``state_bytes(pvi.FullRankGaussian(), 20_000, 4)`` is about 19 GB.
+    """
+    return STATE_COPIES * (num_clients + 2) * factor_bytes(family, dim)
+
+
+def available_memory() -> int:
+    """Bytes the run can still allocate: the default JAX device's free memory where it reports one (GPU), else
+    the host's ``MemAvailable`` (``/proc/meminfo``), else its free pages (``os.sysconf``)."""
+    stats = jax.devices()[0].memory_stats() or {}
+    if "bytes_limit" in stats:
+        return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def check_memory(family: Any, dim: int, num_clients: int) -> None:
+    """Refuse, before anything compiles, a run whose state cannot fit (:func:`state_bytes` against
+    :func:`available_memory`), with a ``MemoryError`` that gives both figures; a full-rank family at
+    ``D = 20,000`` otherwise died in XLA with a raw out-of-memory error.
+
+    **Example:** ``check_memory(pvi.FullRankGaussian(), problem.sites.dim, problem.capacity)``.
+    """
+    needed, available = state_bytes(family, dim, num_clients), available_memory()
+    if needed > available:
+        raise MemoryError(f"{family!r} over D = {dim} coordinates with {num_clients} client factors needs at least "
+                          f"{needed / 1e9:.2f} GB ({num_clients + 2} factors of {factor_bytes(family, dim) / 1e9:.3g} "
+                          f"GB, q and the prior's included, times {STATE_COPIES} copies while a round runs), but "
+                          f"only {available / 1e9:.2f} GB are available. Use pvi.MeanFieldGaussian(), or "
+                          "pvi.SiteFamilies with a FullRankGaussian block only on the sites that need correlations, "
+                          "or fewer clients.")
+
+
 def _assemble(inference: PVI, sites: ModelSites, split: ClientColumns, rows: int, capacity: int, source: tuple,
               reuse: Problem | None, grow: bool = False) -> Problem:
+    check_memory(inference.family, sites.dim, capacity)
     by_size = isinstance(inference.backend, VmapBackend) and not sites.has_local
     bucketed = buckets(split, by_size, rows, capacity, grow)
     first_client = bucketed[0].clients

@@ -43,19 +43,38 @@ class PVI:
     """Partitioned variational inference (Bui et al. 2018; Ashman et al. 2022) for a NumPyro model.
 
     The model marks its data plate with :func:`~numpyro_pvi.partition_plate`. Its global latent
-    sites get a Gaussian ``q`` in unconstrained space built from one factor per client; each client
+    sites get an approximation ``q`` (of the ``family``) built from one factor per client; each client
     improves its factor against its cavity with ``local_update``; ``server`` schedules the clients
     and merges their damped updates. With one partition this is global VI (``SVI`` with
     ``AutoDiagonalNormal`` / ``AutoMultivariateNormal``).
 
     :param model: a NumPyro model with one ``partition_plate`` holding its observations.
-    :param family: ``MeanFieldGaussian()`` or ``FullRankGaussian()``.
+    :param family: the family of ``q`` and of the factors: :class:`~numpyro_pvi.MeanFieldGaussian` or
+        :class:`~numpyro_pvi.FullRankGaussian` (Gaussian in the unconstrained space of every global site);
+        :class:`~numpyro_pvi.Gamma`, :class:`~numpyro_pvi.Beta` or :class:`~numpyro_pvi.Dirichlet` (in a
+        site's own space: conjugate to Poisson, Bernoulli, categorical likelihoods); or
+        :class:`~numpyro_pvi.SiteFamilies` ``({"w": FullRankGaussian(), "tau": Gamma()})``, a family per
+        site (block-diagonal ``q``). See ``docs/families.md``.
     :param partitions: index arrays into the partition plate of the pooled data passed to
-        ``init``/``run`` (e.g. from :func:`~numpyro_pvi.split_iid`), ``ClientData`` for federated
-        clients that never pool data, or ``None`` for one partition (global VI).
-    :param local_update: how a client improves its factor, e.g. ``GradientUpdate(...)``.
-    :param server: ``Synchronous(damping)`` (default) or ``Sequential()``.
-    :param backend: ``"vmap"`` (default: a round's clients in one compiled, vmapped call) or ``"loop"``.
+        ``init``/``run`` (e.g. from :func:`~numpyro_pvi.split_iid` or :func:`~numpyro_pvi.split_by_label`),
+        :class:`~numpyro_pvi.ClientData` for federated clients that never pool data, or ``None`` for one
+        partition (global VI).
+    :param local_update: how a client improves its factor: :class:`~numpyro_pvi.GradientUpdate` (an optax
+        optimiser on the local free energy; local latents and hyperparameters),
+        :class:`~numpyro_pvi.NaturalGradientUpdate` (CVI), :class:`~numpyro_pvi.MomentMatchingUpdate` (EP),
+        :class:`~numpyro_pvi.SNEPUpdate` (stochastic natural-gradient EP), and the differentially private
+        :class:`~numpyro_pvi.DPGradientUpdate` and :class:`~numpyro_pvi.DPLocalAveraging`; or any
+        :class:`~numpyro_pvi.LocalUpdate`.
+    :param server: how rounds run and merge: :class:`~numpyro_pvi.Synchronous` (default ``Synchronous()``:
+        every client from the same ``q``, merged with :class:`~numpyro_pvi.HeavyBall` damping; a float or
+        :class:`~numpyro_pvi.AdaptiveDamping` instead; ``clients_per_round=K`` samples clients),
+        :class:`~numpyro_pvi.Sequential` (clients in turn, each from the last one's ``q``),
+        :class:`~numpyro_pvi.Asynchronous` (merged as they arrive, stale updates handled) or
+        :class:`~numpyro_pvi.Continual` (each client once, as it joins with :meth:`add_client`).
+    :param backend: where clients run: ``"vmap"`` (default: a round's clients in one compiled, vmapped call),
+        ``"loop"`` (one at a time), ``"ray"`` / :class:`~numpyro_pvi.RayBackend` (a Ray actor per client),
+        or any :class:`~numpyro_pvi.Backend`. Sites that hold their own data run under Flower
+        (:mod:`numpyro_pvi.flower`).
     :param int num_elbo_particles: samples of the global ELBO estimate recorded every round.
     :param hyper_optimizer: optax optimiser of the model's hyperparameters (``numpyro.param`` sites
         outside the partition plate, in unconstrained space); default ``optax.rprop(0.1)``. After

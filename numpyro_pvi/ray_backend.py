@@ -9,6 +9,7 @@ for: when a round runs on other data (new arrays, :meth:`PVI.add_client`), they 
 from __future__ import annotations
 
 import hashlib
+import warnings
 from typing import Any
 
 import jax
@@ -32,6 +33,24 @@ def digest(client: Client) -> str:
     for leaf in jax.tree.leaves(client):
         h.update(np.ascontiguousarray(np.asarray(leaf)).tobytes())
     return h.hexdigest()
+
+
+def start_ray(ray: Any, num_cpus: int | None) -> None:
+    """``ray.init(num_cpus=num_cpus)`` for this process, without the alarms Ray's start raises beside JAX.
+
+    Ray starts its daemons (GCS server, raylet, monitors) with ``subprocess.Popen(..., preexec_fn=...)``, which
+    runs the interpreter's fork hooks: JAX's prints "os.fork() was called ... will likely lead to a deadlock",
+    though the child only sets its signals and runs another program (no JAX, no thread of ours in it); and
+    Ray leaves the ``/dev/null`` handles it opened for them to the garbage collector (``ResourceWarning``).
+    Neither is about this process's state, so both are silenced during ``ray.init`` only; the actors are
+    started by the raylet, not forked from this process.
+
+    **Example:** ``start_ray(ray, 2)`` (what ``RayBackend(num_workers=2)`` does when Ray is not running).
+    """
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", r"os\.fork\(\) was called", RuntimeWarning)
+        warnings.filterwarnings("ignore", category=ResourceWarning)
+        ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
 
 
 class RayBackend:
@@ -68,7 +87,7 @@ class RayBackend:
 
     def prepare(self, local_update: Any, problem: ClientProblem) -> ClientRunner:
         if not self.ray.is_initialized():
-            self.ray.init(num_cpus=self.num_workers, include_dashboard=False, log_to_driver=False)
+            start_ray(self.ray, self.num_workers)
         self.close()  # actors of an earlier problem hold other data and CPU shares
         runner = RayRunner(self, local_update, problem)
         self.runners = [runner]

@@ -23,7 +23,7 @@ from numpyro.distributions.transforms import (
 from numpyro.infer.inspect import get_model_relations
 
 from numpyro_pvi.model_trace import compiled_trace, read_shapes
-from numpyro_pvi.partition import PARTITION_TAG
+from numpyro_pvi.partition import NESTED_TAG, PARTITION_TAG
 
 
 @dataclass(frozen=True)
@@ -185,6 +185,13 @@ def check_observed(name: str, site: dict, finite: bool, in_support: bool, who: s
 
 def _partition_plate(trace: dict) -> str:
     """The name of the model's one partition plate (with no subsampling)."""
+    for name, site in trace.items():
+        if site["type"] == "sample" and NESTED_TAG in (site.get("infer") or {}):
+            outer, inner = site["infer"][NESTED_TAG]
+            raise ValueError(f"partition_plate '{outer}' holds another partition_plate, '{inner}' (around site "
+                             f"'{name}'): PVI partitions one plate. Keep the plate whose rows are split across "
+                             f"clients as the partition plate and make '{inner}' or '{outer}' a numpyro.plate (a "
+                             "numpyro.plate inside the partition plate is supported).")
     plates = {s["infer"].get(PARTITION_TAG) for s in trace.values()
               if s["type"] == "sample" and s.get("infer") and PARTITION_TAG in s["infer"]}
     if not plates:

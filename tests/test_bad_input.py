@@ -9,6 +9,7 @@ import pytest
 from jax import random
 
 import numpyro_pvi as pvi
+from numpyro_pvi import problem as problems
 
 from conftest import linear_model, logistic_model
 
@@ -25,6 +26,22 @@ def test_observations_that_broadcast_against_the_batch(linear_data):
         pvi_for(linear_model).build(X, y=y[:, None])  # (n, 1) under a plate of n: an (n, n) likelihood
 
 
+def test_every_path_that_takes_a_client_refuses_y_of_shape_n_by_1(linear_data):
+    # before the shared check, a later client's y of shape (n, 1) was accepted (add_client: q's mean -0.02
+    # against the exact 1.06); only the data the model is read on (pooled, client 0's) was checked
+    X, y = linear_data
+    first, second = ((X[:100],), {"y": y[:100]}), ((X[100:160],), {"y": y[100:160, None]})
+    message = r"Client 1's data does not fit the model: its row argument 'y' has shape \(60, 1\)"
+    with pytest.raises(ValueError, match=message):
+        pvi_for(linear_model, pvi.ClientData([first, second])).build()
+    start = pvi.PVI(linear_model, pvi.MeanFieldGaussian(), pvi.ClientData([first]), UPDATE, pvi.Continual())
+    problem = start.build()
+    with pytest.raises(ValueError, match=message):
+        start.add_client(start.init(random.PRNGKey(0), problem), problem, *second[0], **second[1])
+    with pytest.raises(ValueError, match=r"\(n, 1\)"):  # a Flower site reads the model on its own data
+        pvi_for(linear_model).build(*second[0], **second[1])
+
+
 def test_nested_partition_plates():
     def model(y=None):
         mu = numpyro.sample("mu", dist.Normal(0.0, 1.0))
@@ -34,6 +51,36 @@ def test_nested_partition_plates():
 
     with pytest.raises(ValueError, match="'y' is inside partition plate 'data' more than once"):
         pvi_for(model).build(y=jnp.zeros(5))
+
+
+def test_a_plate_inside_the_partition_plate_is_exact_and_a_second_partition_plate_is_named():
+    # each row of the partition plate holds K observations under an inner numpyro.plate: the likelihood counts all
+    # n * K of them, so one round of CVI (step 1, exact on a Gaussian likelihood) gives the exact posterior
+    n, k = 40, 5
+    y = 1.0 + random.normal(random.PRNGKey(1), (n, k))
+
+    def inner_plate(y):
+        mu = numpyro.sample("mu", dist.Normal(0.0, 1.0))
+        with pvi.partition_plate("data", y.shape[0], dim=-2):
+            with numpyro.plate("inner", y.shape[1], dim=-1):
+                numpyro.sample("y", dist.Normal(mu, 1.0), obs=y)
+
+    def two_partition_plates(y):
+        mu = numpyro.sample("mu", dist.Normal(0.0, 1.0))
+        with pvi.partition_plate("data", y.shape[0], dim=-2):
+            with pvi.partition_plate("columns", y.shape[1], dim=-1):
+                numpyro.sample("y", dist.Normal(mu, 1.0), obs=y)
+
+    parts = [np.arange(0, 5), np.arange(5, 12), np.arange(12, 40)]  # uneven: padded rows are masked
+    update = pvi.NaturalGradientUpdate(step_size=1.0, num_steps=1, num_particles=16)
+    result = pvi.PVI(inner_plate, pvi.MeanFieldGaussian(), parts, update, pvi.Sequential()).run(
+        random.PRNGKey(0), 1, y=y, progress_bar=False)
+    loc, scale = pvi.MeanFieldGaussian().loc_scale(result.state.q)
+    precision = 1.0 + n * k  # N(0, 1) prior, n * k unit-variance observations
+    np.testing.assert_allclose(loc, [float(y.sum()) / precision], rtol=1e-5)
+    np.testing.assert_allclose(scale, [precision**-0.5], rtol=1e-5)
+    with pytest.raises(ValueError, match="partition_plate 'data' holds another partition_plate, 'columns'"):
+        pvi.PVI(two_partition_plates, pvi.MeanFieldGaussian(), parts, update, pvi.Sequential()).build(y=y)
 
 
 @pytest.mark.parametrize("client", [0, 2])
@@ -95,6 +142,34 @@ def test_arguments_are_checked():
         pvi.PVI(linear_model, pvi.MeanFieldGaussian(), None, UPDATE, hyper_optimizer="adam")
     with pytest.raises(ValueError, match="num_elbo_particles must be a positive integer"):
         pvi.PVI(linear_model, pvi.MeanFieldGaussian(), None, UPDATE, num_elbo_particles=0)
+
+
+def test_a_state_too_large_for_memory_is_named_before_anything_compiles(monkeypatch):
+    # before: a FullRankGaussian at D = 20,000 died in XLA with a raw out-of-memory error
+    def wide_model(X, y=None):
+        w = numpyro.sample("w", dist.Normal(0.0, 1.0).expand([X.shape[1]]).to_event(1))
+        with pvi.partition_plate("data", X.shape[0]):
+            numpyro.sample("y", dist.Normal(X @ w, 1.0), obs=y)
+
+    def no_compiling(*args, **kwargs):
+        raise AssertionError("compiled before the memory check")
+
+    monkeypatch.setattr(problems, "available_memory", lambda: 8 * 10**9)  # the same figure on every machine
+    monkeypatch.setattr(problems, "compile_steps", no_compiling)
+    X, y = jnp.zeros((8, 20_000)), jnp.zeros(8)
+    # 6 factors (4 clients, q, the prior's) of 20,000 x 20,001 float32, twice: 19.2 GB
+    with pytest.raises(MemoryError, match=r"D = 20000 coordinates with 4 client factors needs at least 19.20 GB "
+                                          r".*only 8.00 GB are available"):
+        pvi.PVI(wide_model, pvi.FullRankGaussian(), np.array_split(np.arange(8), 4), UPDATE).build(X, y=y)
+    assert problems.state_bytes(pvi.MeanFieldGaussian(), 20_000, 4) == 2 * 6 * 2 * 20_000 * 4  # 1.9 MB: it fits
+
+
+@pytest.mark.parametrize("site_variance", [1.0, (1.0,), (2.0, 1.0), ("a", 1.0), (0.0, 1.0)])
+def test_snep_site_variance_must_be_an_interval(site_variance):
+    # before: site_variance=1.0 raised a bare "TypeError: object of type 'float' has no len()"
+    with pytest.raises(ValueError, match=r"SNEPUpdate: site_variance must be None or a pair \(v_min, v_max\)"):
+        pvi.SNEPUpdate(site_variance=site_variance)
+    assert pvi.SNEPUpdate(site_variance=[0.1, 10]).site_variance == (0.1, 10)
 
 
 @pytest.mark.parametrize("num_rounds", [0, -1, 2.5, "3"])

@@ -9,6 +9,7 @@ from scipy.integrate import quad
 
 import numpyro_pvi as pvi
 from numpyro_pvi import privacy
+from numpyro_pvi.backends import failed_result, stack, take
 
 from conftest import linear_model
 
@@ -86,6 +87,72 @@ def test_updates_the_server_rejects_still_count_towards_the_budget(linear_data):
     assert np.all(result.privacy_spent(DELTA) <= 2.0)
 
 
+class TimingOutBackend:
+    """The loop backend, except that client 1's first ``timeouts`` updates time out (as RayBackend reports an actor
+    too slow for its ``timeout``: a failed result, the client's state kept)."""
+
+    jit_group = False
+
+    def __init__(self, timeouts):
+        self.timeouts = timeouts
+
+    def prepare(self, local_update, problem):
+        run = pvi.LoopBackend().prepare(local_update, problem)
+
+        def timing_out(ids, keys, cavities, q, states, clients, hyper=()):
+            if [int(m) for m in ids] == [1] and self.timeouts > 0:
+                self.timeouts -= 1
+                return stack([failed_result(take(cavities, 0), take(states, 0), hyper, pvi.Rejection.TIMEOUT)])
+            return run(ids, keys, cavities, q, states, clients, hyper)
+
+        return timing_out
+
+
+def test_a_client_that_times_out_is_counted_once_by_budget_and_privacy_spent(linear_data):
+    # before: privacy_spent counted the history's attempts (timeouts included: 5 for client 1, epsilon over its
+    # budget of 2) while the budget gate counted the state's releases (2); one count now drives both
+    X, y = linear_data
+    update = pvi.DPGradientUpdate(optax.adam(1e-2), num_steps=STEPS, batch_size=BATCH, clip_norm=1.0,
+                                  noise_multiplier=SIGMA, privacy_budget=(2.0, DELTA))
+    inference = pvi.PVI(linear_model, pvi.MeanFieldGaussian(), PARTS, update, pvi.Sequential(),
+                        TimingOutBackend(timeouts=3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", pvi.PVIWarning)
+        result = inference.run(random.PRNGKey(0), ROUNDS, X, y=y, progress_bar=False)
+    codes = np.asarray(result.history.rejection)[:, 1]
+    np.testing.assert_array_equal(codes, [pvi.Rejection.TIMEOUT] * 3 + [pvi.Rejection.NONE] * 2)
+    assert np.asarray(result.history.attempts)[:, 1].sum() == ROUNDS  # the history saw 5 attempts
+    released = privacy.releases(result)
+    np.testing.assert_array_equal(released, np.asarray(result.state.client_states.releases))
+    np.testing.assert_array_equal(released, [0, 2, 4])  # client 1: its two rounds after the time-outs
+    np.testing.assert_allclose(result.privacy_spent(DELTA), [0.0] + [_dp_sgd_epsilon(n, r) for n, r in
+                                                                   zip(SIZES[1:], (2, 4))], rtol=1e-12)
+    assert np.all(result.privacy_spent(DELTA) <= 2.0)
+
+
+def test_a_run_resumed_without_its_history_spends_what_its_releases_spent(sampled_run, linear_data):
+    # before: privacy_spent read the history only, so a run resumed from a checkpoint without init_history
+    # reported epsilon 0 for the rounds before the checkpoint
+    X, y = linear_data
+    first = sampled_run  # 2 of 3 clients a round for 5 rounds; the same inference and data: nothing recompiles
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", pvi.PVIWarning)
+        resumed = first.inference.run(random.PRNGKey(1), 1, X, y=y, progress_bar=False, init_state=first.state)
+    made = np.sum(np.asarray(first.history.attempts), 0) + np.sum(np.asarray(resumed.history.attempts), 0)
+    assert made.sum() == 2 * (ROUNDS + 1)
+    np.testing.assert_array_equal(privacy.releases(resumed), made)
+    np.testing.assert_allclose(resumed.privacy_spent(DELTA), [_dp_sgd_epsilon(n, int(r)) for n, r in
+                                                              zip(SIZES, made)], rtol=1e-12)
+    with pytest.raises(ValueError, match="pass init_history"):  # "secret" credits rounds the history lacks
+        resumed.privacy_spent(DELTA, client_sampling="secret")
+    whole = resumed._replace(history=type(first.history)(*(np.concatenate([np.asarray(a), np.asarray(b)])
+                                                            for a, b in zip(first.history, resumed.history))))
+    update = first.inference.local_update
+    np.testing.assert_allclose(whole.privacy_spent(DELTA, client_sampling="secret"),
+                               [privacy.client_sampled_epsilon(update.dp_event(n, 1), 2 / 3, ROUNDS + 1, DELTA)
+                                for n in SIZES], rtol=1e-12)
+
+
 def _gaussian_exact_epsilon(sigma, delta):
     """Balle & Wang (2018): the exact epsilon of the Gaussian mechanism of noise sigma (sensitivity 1)."""
     def excess(eps):
@@ -103,10 +170,10 @@ def test_local_averaging_is_the_gaussian_mechanism_per_release(budget_run):
     result, _ = budget_run
     update = pvi.DPLocalAveraging(pvi.GradientUpdate(optax.adam(1e-2), 10), num_shards=4, clip_norm=1.0,
                                   noise_multiplier=3.0)
-    history = result.history._replace(attempts=np.array([[1, 1, 1], [2, 0, 1], [1, 1, 1]]),
-                                      rejection=np.array([[0, 0, 0], [0, 0, 0], [0, 0, int(pvi.Rejection.BUDGET)]]))
-    averaged = result._replace(history=history, inference=result.inference.__class__(
-        linear_model, pvi.MeanFieldGaussian(), PARTS, update, pvi.Sequential()))
+    counted = result.state.client_states._replace(releases=np.array([4, 2, 2]))  # the clients' own counts
+    averaged = result._replace(state=result.state._replace(client_states=counted),
+                               inference=result.inference.__class__(linear_model, pvi.MeanFieldGaussian(), PARTS,
+                                                                    update, pvi.Sequential()))
     np.testing.assert_array_equal(privacy.releases(averaged), [4, 2, 2])
     spent = averaged.privacy_spent(DELTA)
     for releases, eps in zip([4, 2, 2], spent):
@@ -217,7 +284,9 @@ def test_secret_client_sampling_credits_every_round_at_rate_k_over_m(sampled_run
 def test_secret_client_sampling_of_all_clients_is_the_unamplified_epsilon(sampled_run):
     result = sampled_run  # the same history read as K = M: every client took part in every round
     every = result.history._replace(attempts=np.ones((ROUNDS, 3), int), rejection=np.zeros((ROUNDS, 3), int))
-    everyone = result._replace(history=every, inference=result.inference.__class__(
+    counted = result.state.client_states._replace(releases=np.full(3, ROUNDS))  # and so the clients count
+    everyone = result._replace(history=every, state=result.state._replace(client_states=counted),
+                               inference=result.inference.__class__(
         linear_model, pvi.MeanFieldGaussian(), PARTS, result.inference.local_update, pvi.Synchronous(damping=0.5)))
     np.testing.assert_allclose(everyone.privacy_spent(DELTA, client_sampling="secret"),
                                everyone.privacy_spent(DELTA), rtol=1e-12)

@@ -1,5 +1,7 @@
 """RayBackend: clients as actors that hold their own data, match vmap, fail safely, run truly asynchronously."""
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,7 +11,7 @@ from test_backends import FaultyUpdate
 from test_site_families import normal_gamma_model
 
 import numpyro_pvi as pvi
-from numpyro_pvi.ray_backend import RayRunner, digest, unpad
+from numpyro_pvi.ray_backend import RayRunner, digest, start_ray, unpad
 
 from conftest import exact_linear_posterior, linear_model
 from test_hyperparameters import noise_model, type_ii_ml_sigma
@@ -330,3 +332,25 @@ def test_ray_asynchronous_samples_at_most_k_clients_in_flight(ray_cluster, linea
     np.testing.assert_allclose(loc, mean, rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(scale_tril @ scale_tril.T, cov, rtol=1e-3, atol=1e-6)
     backend.close()
+
+
+class LoudRay:
+    """What ray.init does beside JAX (measured on Ray's start: JAX's fork hook fires on every daemon it spawns with
+    a preexec_fn, and the daemons' /dev/null handles are left unclosed)."""
+
+    def init(self, **kwargs):
+        self.kwargs = kwargs
+        warnings.warn("os.fork() was called. os.fork() is incompatible with multithreaded code, and JAX is "
+                      "multithreaded, so this will likely lead to a deadlock.", RuntimeWarning, stacklevel=2)
+        warnings.warn("unclosed file <_io.TextIOWrapper name='/dev/null' mode='w'>", ResourceWarning, stacklevel=2)
+
+
+def test_starting_ray_raises_no_alarm_and_nothing_else_is_silenced():
+    # before: every RayBackend run printed the fork warning and ResourceWarnings of Ray's daemons
+    loud = LoudRay()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        start_ray(loud, 2)
+    assert loud.kwargs == {"num_cpus": 2, "include_dashboard": False, "log_to_driver": False}
+    with pytest.warns(RuntimeWarning, match="os.fork"):  # only ray.init's own are silenced
+        loud.init()

@@ -18,6 +18,8 @@ the same family is exact; a conjugate likelihood (Poisson / exponential / Normal
 Bernoulli / binomial for ``Beta``, categorical / multinomial for ``Dirichlet``) has a site that is exactly
 linear in ``T``, which :meth:`ExponentialFamily.site_from_draws` recovers exactly by least squares (the
 natural gradient of ``E_q[f]`` is the regression coefficient of ``f`` on ``T`` under ``q``: Salimans & Knowles 2013).
+So ``NaturalGradientUpdate(step_size=1.0)`` (or EP) is exact in one round of an undamped server,
+``Sequential()`` or ``Synchronous(1.0)``; the default ``Synchronous()`` damps its first round.
 """
 
 from __future__ import annotations

@@ -103,6 +103,10 @@ class DPLocalAveraging:
         """A release the server rejected still counts towards the budget (it was sent)."""
         return old._replace(releases=new.releases)
 
+    def num_releases(self, client_states: DPState) -> jax.Array:
+        """``(M,)`` each client's releases so far: the count its budget gate reads (``privacy_spent`` too)."""
+        return client_states.releases
+
     def init_state(self, problem: ClientProblem) -> DPState:
         """No release yet; the wrapped update's state (which must hold no arrays)."""
         inner = self.local_update.init_state(problem)

@@ -176,6 +176,10 @@ class DPGradientUpdate:
         """A release the server rejected still counts towards the budget (it was sent)."""
         return old._replace(releases=new.releases)
 
+    def num_releases(self, client_states: DPState) -> jax.Array:
+        """``(M,)`` each client's releases so far: the count its budget gate reads (``privacy_spent`` too)."""
+        return client_states.releases
+
     def init_state(self, problem: ClientProblem) -> DPState:
         """No release yet."""
         return DPState(jnp.zeros((), jnp.int32))

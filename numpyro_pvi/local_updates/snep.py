@@ -63,6 +63,13 @@ class SNEPState(NamedTuple):
     visited: jax.Array
 
 
+def _is_interval(value: Any) -> bool:
+    """Whether ``value`` is a pair ``(low, high)`` of real numbers with ``0 < low < high``."""
+    return (isinstance(value, (tuple, list)) and len(value) == 2
+            and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)
+            and 0.0 < value[0] < value[1])
+
+
 class SNEPUpdate:
     """Stochastic natural-gradient EP local steps with persistent MCMC (Hasenclever et al. 2017).
 
@@ -126,10 +133,10 @@ class SNEPUpdate:
                 raise ValueError(f"SNEPUpdate: {name} must be an integer >= {low}, got {value!r}.")
         if not (isinstance(average, (int, float)) and 0.0 < average <= 1.0):
             raise ValueError(f"SNEPUpdate: average must be in (0, 1], got {average!r}.")
-        if site_variance is not None and (len(site_variance) != 2 or not 0.0 < site_variance[0] < site_variance[1]):
-            raise ValueError(f"SNEPUpdate: site_variance must be None or (v_min, v_max) with 0 < v_min < v_max, "
-                             f"got {site_variance!r}.")
-        if step_decay is not None and not step_decay > 0:
+        if site_variance is not None and not _is_interval(site_variance):
+            raise ValueError(f"SNEPUpdate: site_variance must be None or a pair (v_min, v_max) of numbers with "
+                             f"0 < v_min < v_max, got {site_variance!r}.")
+        if step_decay is not None and not (isinstance(step_decay, (int, float)) and step_decay > 0):
             raise ValueError(f"SNEPUpdate: step_decay must be positive or None, got {step_decay!r}.")
         self.step_size, self.num_inner, self.num_outer, self.alpha = float(step_size), num_inner, num_outer, alpha
         self.num_chains, self.average = num_chains, float(average)
