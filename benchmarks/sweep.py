@@ -380,12 +380,14 @@ def row(i: int, o: Outcome) -> str:
     verdict = f"**{o.verdict}**" if o.verdict in ("WRONG-SILENT", "ERROR") else o.verdict
     cells = [str(i), *o.cell.values(), verdict, f(o.nuts_mean), f(o.nuts_sd), f(o.vi_mean), f(o.vi_sd),
              str(o.converged), str(o.rounds), o.warnings.replace("|", "/"), f"{o.seconds:.0f}"]
+    if o.verdict == "not run":
+        cells[-4:] = ["", "", "", ""]
     return "| " + " | ".join(cells) + " |"
 
 
 def table(outcomes: list[Outcome], header: str) -> str:
     counts = {v: sum(o.verdict == v for o in outcomes) for v in ("RIGHT", "FLAGGED", "WRONG-SILENT", "refused",
-                                                               "ERROR")}
+                                                               "ERROR", "not run")}
     lines = [header, "", "Verdicts: " + ", ".join(f"{k} {v}" for k, v in counts.items()), "",
              "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     lines += [row(i, o) for i, o in enumerate(outcomes, 1)]
@@ -421,9 +423,12 @@ def main() -> None:
     if options.table:
         outcomes = [Outcome(**json.loads(line)) for line in options.rows.read_text().splitlines()]
         order = [json.dumps(c) for c in design + refusal_probes()]
+        ran = {json.dumps(o.cell) for o in outcomes}
+        outcomes += [Outcome(c, "not run", np.nan, np.nan, np.nan, np.nan, None, 0, "", 0.0)
+                     for c in design if json.dumps(c) not in ran]
         outcomes.sort(key=lambda o: order.index(json.dumps(o.cell)))
         minutes = sum(o.seconds for o in outcomes) / 60
-        num_cells = sum(o.cell in design for o in outcomes)
+        num_cells = sum(o.cell in design and o.verdict != "not run" for o in outcomes)
     else:
         print(f"design: {len(design)} cells (running {len(cells)}), {len(probes)} refusal probes", flush=True)
         start, outcomes = time.perf_counter(), []
@@ -434,8 +439,9 @@ def main() -> None:
                 with open(options.rows, "a") as f:
                     f.write(json.dumps(outcomes[-1]._asdict(), default=str) + "\n")
         minutes, num_cells = (time.perf_counter() - start) / 60, len(cells)
+    num_probes = sum(o.cell not in design for o in outcomes)
     header = (f"Sweep of {datetime.date.today()} at commit {git_commit()}: {num_cells} of {len(design)} design "
-              f"cells and {len(outcomes) - num_cells} refusal probes in {minutes:.1f} min on {os.cpu_count()} "
+              f"cells and {num_probes} refusal probes in {minutes:.1f} min on {os.cpu_count()} "
               f"CPU cores (rounds <= {NUM_ROUNDS}, tol = {TOL}).")
     text = table(outcomes, header)
     print(text)
