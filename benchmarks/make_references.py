@@ -63,8 +63,9 @@ def guide_parts(kind: str, model, spec, init) -> list:
     if kind == "fullrank":
         hidden = list(spec.local_sites)
         parts = [AutoMultivariateNormal(block(model, hide=hidden), init_loc_fn=init_loc_fn, init_scale=0.05)]
-        if hidden:
-            parts.append(AutoNormal(block(model, expose=hidden), init_loc_fn=init_loc_fn, init_scale=0.05))
+        if hidden:  # hide the global sites, not expose the locals: the partition plate must stay seen
+            globals_ = [site for site in init if site not in hidden]
+            parts.append(AutoNormal(block(model, hide=globals_), init_loc_fn=init_loc_fn, init_scale=0.05))
         return parts
     return [AutoNormal(block(model, hide=[spec.gamma_site]), init_loc_fn=init_loc_fn, init_scale=0.05),
             gamma_guide(spec.gamma_site, float(np.mean(init[spec.gamma_site])))]
