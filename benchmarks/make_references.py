@@ -7,7 +7,7 @@ the global sites (full rank; per-row local latents keep ``AutoNormal``, as PVI's
 ``SiteFamilies`` a Gamma guide on the model's positive site beside ``AutoNormal`` (mean field) on the rest.
 Each entry is site -> [means, sds] of the constrained draws, flattened.
 
-    python benchmarks/make_references.py                 # all (about 5 minutes on 2 cores)
+    python benchmarks/make_references.py                 # all (about 40 min on the shared 2-core machine)
     python benchmarks/make_references.py negbin          # one model, both priors
 """
 
