@@ -134,10 +134,16 @@ class NaturalGradientUpdate:
 
             out = backtrack(propose, beta, max_halvings=max_backtracks)  # none acceptable: t unchanged
             new = jax.tree.map(lambda a, b: jnp.where(out.valid, a, b), out.value, t)
-            if laplace_site is not None:  # the Laplace site when no halving passes (and it does)
-                use = ~out.valid & acceptable(laplace_site)
-                new = jax.tree.map(lambda a, b: jnp.where(use, a, b), laplace_site, new)
-            return (new, clamped + out.halvings), None
+            if laplace_site is None:
+                return (new, clamped + out.halvings), None
+            # The Laplace site when no halving passes, or when it beats the step by more than ``tolerance``: from a
+            # wide q the Bonnet / Price site of a log link sees exp(huge) curvature and collapses q's variance at
+            # a wrong mean, a step that still raises F_m (issue 23, problem 3). Counted as one clamp.
+            laplace_value = _free_energy(family, cavity, laplace_site, loglik, eps)
+            better = laplace_value > _free_energy(family, cavity, new, loglik, eps) + tolerance
+            use = (~out.valid | better) & acceptable(laplace_site)
+            new = jax.tree.map(lambda a, b: jnp.where(use, a, b), laplace_site, new)
+            return (new, clamped + out.halvings + (use & out.valid)), None
 
         return step
 
