@@ -41,6 +41,27 @@ def scale_model(X, y=None):
         numpyro.sample("y", dist.Normal(X @ w, sigma), obs=y)
 
 
+def normal_gamma_model(X, y=None):
+    """Linear regression with an unknown noise precision: w ~ N(0, 4 I), tau ~ Gamma(2, 1) (conjugate per block)."""
+    w = numpyro.sample("w", dist.Normal(0.0, 2.0).expand([2]).to_event(1))
+    tau = numpyro.sample("tau", dist.Gamma(2.0, 1.0))
+    with pvi.partition_plate("data", X.shape[0]):
+        numpyro.sample("y", dist.Normal(X @ w, 1.0 / jnp.sqrt(tau)), obs=y)
+
+
+def normal_gamma_vb(X, y, iters=200):
+    """Coordinate-ascent mean-field VB for w ~ N(0, 4 I), tau ~ Gamma(2, 1), y ~ N(X w, 1 / tau)."""
+    X, y = np.asarray(X, np.float64), np.asarray(y, np.float64)
+    a = 2.0 + 0.5 * len(y)
+    e_tau = 1.0
+    for _ in range(iters):
+        cov = np.linalg.inv(e_tau * X.T @ X + np.eye(2) / 4.0)
+        mean = cov @ (e_tau * X.T @ y)
+        b = 1.0 + 0.5 * (np.sum((y - X @ mean) ** 2) + np.trace(X.T @ X @ cov))
+        e_tau = a / b
+    return mean, cov, a, b
+
+
 def exact_linear_posterior(X, y):
     """Mean and covariance of w under linear_model (prior N(0, I), noise NOISE)."""
     X, y = np.asarray(X, np.float64), np.asarray(y, np.float64)

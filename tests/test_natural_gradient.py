@@ -1,5 +1,6 @@
 """``NaturalGradientUpdate`` (CVI): exact on a conjugate model, the global VI fixed point, safe steps."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import numpyro
@@ -9,8 +10,9 @@ import pytest
 from jax import random
 
 import numpyro_pvi as pvi
+from numpyro_pvi.families import NatParams
 
-from conftest import exact_linear_posterior, linear_model, logistic_model
+from conftest import exact_linear_posterior, linear_model, logistic_model, normal_gamma_model, normal_gamma_vb
 
 
 @pytest.mark.parametrize("server", [pvi.Sequential(), pvi.Synchronous(1.0)], ids=["sequential", "synchronous"])
@@ -73,3 +75,96 @@ def test_cvi_halves_steps_that_would_make_q_improper(family):
 def test_natural_gradient_update_arguments_are_checked(kwargs, match):
     with pytest.raises(ValueError, match=match):
         pvi.NaturalGradientUpdate(**kwargs)
+
+
+def poisson_model(X, y=None):
+    """Poisson log-link regression with a wide intercept prior, N(0, 10^2) (issue 23, problem 3)."""
+    b = numpyro.sample("b", dist.Normal(0.0, 10.0))
+    w = numpyro.sample("w", dist.Normal(0.0, 1.0).expand([X.shape[1]]).to_event(1))
+    with pvi.partition_plate("data", X.shape[0]):
+        numpyro.sample("y", dist.Poisson(jnp.exp(b + X @ w)), obs=y)
+
+
+# NUTS (500 warm-up + 500 draws, one chain, seeds 0 and 1) on the data below, (b, w): the seeds' means differ by
+# at most 0.1 sd, their sds by at most 8 %; seed 0 is stored. Command: the script in the commit that added this test
+# (MCMC(NUTS(poisson_model), num_warmup=500, num_samples=500).run(PRNGKey(seed), X, y=y)).
+POISSON_NUTS_MEAN = np.array([2.3898, 0.4588, -0.2919, 0.2144])
+POISSON_NUTS_SD = np.array([0.0149, 0.0290, 0.0312, 0.0294])
+
+
+def test_cvi_from_a_wide_prior_on_a_poisson_log_link_reaches_nuts():
+    k1, k2 = random.split(random.PRNGKey(0))
+    X = 0.5 * random.normal(k1, (400, 3))
+    y = dist.Poisson(jnp.exp(2.4 + X @ jnp.array([0.5, -0.3, 0.2]))).sample(k2)
+    family = pvi.FullRankGaussian()
+    inference = pvi.PVI(poisson_model, family, pvi.split_iid(random.PRNGKey(4), 400, 4),
+                        pvi.NaturalGradientUpdate(step_size=0.5, num_steps=5), pvi.Synchronous(0.5))
+    result = inference.run(random.PRNGKey(0), 6, X, y=y, progress_bar=False)
+    loc, scale_tril = family.loc_scale(result.state.q)
+    sd = np.sqrt(np.diag(np.asarray(scale_tril @ scale_tril.T)))
+    # Before: the first step's Bonnet/Price site (E_q[exp(b)] under b ~ N(0, 10^2)) collapsed q to b = -1 with sds
+    # of 1e-4, an accepted step that raised the estimated F_m, and q stayed there (nothing clamped, no warning).
+    # Now the Laplace site, which beats that step on F_m, is taken (counted in clamped). Measured (seed 0): means
+    # within 0.05 NUTS sd, sds within 5 %; asserted at the issue's bar (0.25 sd, 25 %).
+    assert np.max(np.abs(np.asarray(loc) - POISSON_NUTS_MEAN) / POISSON_NUTS_SD) < 0.25
+    np.testing.assert_allclose(sd, POISSON_NUTS_SD, rtol=0.25)
+    assert result.history.clamped[0].sum() > 0 and result.history.clamped[1:].sum() == 0
+
+
+def gamma_sites(family, q, f, num_sites=200, pairs=16):
+    """``num_sites`` sites of ``f(theta, c)`` from ``2 pairs`` draws each, ``c ~ N(0, 1)`` (another block's draw)."""
+    def one(key):
+        theta = family.draw(q, key, pairs)
+        c = random.normal(random.fold_in(key, 1), (theta.shape[0],))
+        values, grads = jax.vmap(jax.value_and_grad(f))(theta, c)
+        site = family.site_from_draws(q, theta, values, grads, jax.vmap(jax.hessian(f))(theta, c))
+        return jnp.stack([site.eta1[0], site.eta2[0]])
+    return np.asarray(jax.vmap(one)(random.split(random.PRNGKey(0), num_sites)))
+
+
+def test_gamma_site_is_exact_where_conjugate_and_unbiased_otherwise():
+    """The Gamma block's CVI site (pathwise, control variates): 200 sites of 32 draws each, c ~ N(0, 1) standing for
+    another block's draw. Measured (python: these calls, and ExponentialFamily.site_from_draws for the
+    least-squares site that Gamma used before): sds (eta1, eta2) below."""
+    family = pvi.Gamma()
+    concentrated = family.from_params(jnp.array([80.0]), jnp.array([40.0]))  # as a Normal precision's q is
+    # Conjugate, the other block additive: exact (sds 6e-4, 3e-4; least squares: 97, 49 with a bias of 8 and 4).
+    got = gamma_sites(family, concentrated, lambda t, c: 20.0 * jnp.log(t[0]) - 25.0 * t[0] + 3.0 * c)
+    np.testing.assert_allclose(got, np.broadcast_to([20.0, -25.0], got.shape), rtol=1e-3)
+    # Conjugate, the other block in the coefficient (a Normal likelihood's precision t times a residual sum of
+    # squares): sds 6.1, 3.1 against least squares' 129, 66. Asserted: the mean within 3 se, sds below 10 and 5.
+    got = gamma_sites(family, concentrated, lambda t, c: 20.0 * jnp.log(t[0]) - (25.0 + 2.0 * c) * t[0])
+    assert np.all(np.abs(got.mean(0) - [20.0, -25.0]) < 3 * got.std(0) / np.sqrt(len(got)))
+    assert got.std(0)[0] < 10.0 and got.std(0)[1] < 5.0
+    # Not conjugate: f = -t^2 under Gamma(4, 2), whose site F^-1 d E_q[f] / d eta is known in closed form; unbiased
+    # (measured: 0.3 and 0.2 se off; least squares 1.4 and 1.9 se off, the O(1/S) bias of a ratio estimator).
+    q = family.from_params(jnp.array([4.0]), jnp.array([2.0]))
+
+    def expected(nat):  # E_q[-t^2] = -(Var t + E[t]^2)
+        mean, var = family.mean_var(family.to_params(nat))
+        return -jnp.sum(var + mean**2)
+
+    grad = jax.grad(expected)(q)
+    fisher = jax.jacfwd(lambda v: family.mean_stats(family.to_params(NatParams(v[:1], v[1:]))))(
+        jnp.concatenate([q.eta1, q.eta2]))
+    exact = np.linalg.solve(fisher, np.concatenate([grad.eta1, grad.eta2]))
+    got = gamma_sites(family, q, lambda t, c: -t[0] ** 2)
+    assert np.all(np.abs(got.mean(0) - exact) < 3 * got.std(0) / np.sqrt(len(got))), (got.mean(0), exact)
+
+
+def test_cvi_normal_gamma_is_within_half_a_percent_of_mean_field_vb():
+    """Issue 23, problem 7: the Gamma block's shape and rate were 1.8 % low at 1,000 draws (a bias: the least-squares
+    site's noise along the collinear (log tau, tau) direction, filtered by the step's backtracking). Measured with
+    the pathwise site (seeds 0-2, 10 rounds): shape and rate within 0.14-0.37 %; w's means within 0.01 sd."""
+    X = random.normal(random.PRNGKey(4), (48, 2))
+    y = X @ jnp.array([1.0, -0.5]) + 0.7 * random.normal(random.PRNGKey(5), (48,))
+    mean, cov, a, b = normal_gamma_vb(X, y)
+    family = pvi.SiteFamilies({"w": pvi.FullRankGaussian(), "tau": pvi.Gamma()})
+    inference = pvi.PVI(normal_gamma_model, family, np.split(np.arange(48), [5, 14, 30]),
+                        pvi.NaturalGradientUpdate(1.0, num_particles=1000), pvi.Sequential())
+    result = inference.run(random.PRNGKey(0), 10, X, y=y, progress_bar=False)
+    w_block, tau_block = family.split(result.state.q)
+    shape, rate = pvi.Gamma().to_params(tau_block)
+    np.testing.assert_allclose([float(shape[0]), float(rate[0])], [a, b], rtol=0.005)
+    w_mean, _ = pvi.FullRankGaussian().moments(w_block)
+    np.testing.assert_allclose(w_mean, mean, atol=0.05 * np.sqrt(np.diag(cov)).min())

@@ -20,7 +20,7 @@ from scipy.optimize import minimize
 
 import numpyro_pvi as pvi
 
-from conftest import assert_checkpoint_resumes
+from conftest import assert_checkpoint_resumes, normal_gamma_model, normal_gamma_vb  # noqa: F401 (re-exported)
 
 NOISE = 0.5
 N = 48
@@ -32,13 +32,6 @@ def linear_model(X, y=None):
     b = numpyro.sample("b", dist.Normal(0.0, 2.0))
     with pvi.partition_plate("data", X.shape[0]):
         numpyro.sample("y", dist.Normal(X @ w + b, NOISE), obs=y)
-
-
-def normal_gamma_model(X, y=None):
-    w = numpyro.sample("w", dist.Normal(0.0, 2.0).expand([2]).to_event(1))
-    tau = numpyro.sample("tau", dist.Gamma(2.0, 1.0))
-    with pvi.partition_plate("data", X.shape[0]):
-        numpyro.sample("y", dist.Normal(X @ w, 1.0 / jnp.sqrt(tau)), obs=y)
 
 
 @pytest.fixture(scope="module")
@@ -97,19 +90,6 @@ def test_backends_agree_and_checkpoint_resumes_exactly(data, tmp_path):
     with pytest.raises(ValueError, match="family"):
         pvi.load(tmp_path / "run.npz", cvi(pvi.SiteFamilies({"b": pvi.FullRankGaussian()}), pvi.Synchronous(1.0)),
                  result.problem)
-
-
-def normal_gamma_vb(X, y, iters=200):
-    """Coordinate-ascent mean-field VB for w ~ N(0, 4 I), tau ~ Gamma(2, 1), y ~ N(X w, 1 / tau)."""
-    X, y = np.asarray(X, np.float64), np.asarray(y, np.float64)
-    a = 2.0 + 0.5 * len(y)
-    e_tau = 1.0
-    for _ in range(iters):
-        cov = np.linalg.inv(e_tau * X.T @ X + np.eye(2) / 4.0)
-        mean = cov @ (e_tau * X.T @ y)
-        b = 1.0 + 0.5 * (np.sum((y - X @ mean) ** 2) + np.trace(X.T @ X @ cov))
-        e_tau = a / b
-    return mean, cov, a, b
 
 
 @pytest.fixture(scope="module")

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import numpyro.distributions as dist
-from jax.scipy.special import digamma
+from jax.scipy.special import digamma, polygamma
 from numpyro.distributions import constraints
 from numpyro.distributions.kl import kl_divergence
 from numpyro.distributions.transforms import ExpTransform, SigmoidTransform, StickBreakingTransform, biject_to
@@ -78,6 +78,51 @@ class Gamma(ExponentialFamily):
         """``(digamma(a) - log b, a / b)``."""
         a, b = params
         return jnp.concatenate([digamma(a) - jnp.log(b), a / b])
+
+    def site_from_draws(self, nat: NatParams, zeta: jax.Array, values: jax.Array, grads: jax.Array,
+                        hessians: jax.Array | None) -> NatParams:
+        """``grad_mu E_q[f]`` from pathwise gradients, with the sufficient statistics' as control variates.
+
+        ``d E_q[f] / d eta = E[f'(theta) d theta / d eta]`` (implicit reparameterisation of the Gamma draws:
+        ``jax.lax.random_gamma_grad``) minus ``a . (mean of d T(theta) / d eta - F)``, ``F = Cov_q(T)`` the
+        Fisher matrix, then ``F^-1``. The coefficients ``a`` are the mean over the draws of ``f``'s local
+        ``(log theta, theta)`` coefficients (from its first and second derivatives) when Hessians are given,
+        else the least-squares site. Unbiased for any ``a`` (but for the ``O(1 / S)`` of estimating it);
+        exact up to the other blocks' noise when ``f`` is affine in ``T`` (a Gamma block conjugate to the
+        likelihood): a Normal precision, a Poisson rate. The regression of ``f`` on ``T`` instead carries the
+        other blocks' variation of ``f`` and the collinearity of ``log theta`` and ``theta`` (issue 23, 7).
+
+        **Example:** ``f = 3 log theta - 2 theta`` is conjugate: its site is ``(3, -2)`` from any draws.
+
+        .. doctest::
+
+            >>> import jax, jax.numpy as jnp, numpyro_pvi as pvi
+            >>> family = pvi.Gamma()
+            >>> q = family.from_params(jnp.array([5.0]), jnp.array([2.0]))
+            >>> theta = family.draw(q, jax.random.PRNGKey(0), 8)
+            >>> f = lambda t: jnp.sum(3.0 * jnp.log(t) - 2.0 * t)
+            >>> site = family.site_from_draws(q, theta, jax.vmap(f)(theta), jax.vmap(jax.grad(f))(theta),
+            ...                               jax.vmap(jax.hessian(f))(theta))
+            >>> jnp.round(site.eta1, 4), jnp.round(site.eta2, 4)
+            (Array([3.], dtype=float32), Array([-2.], dtype=float32))
+        """
+        shape, rate = self.to_params(nat)
+        # d theta / d (eta1, eta2) = (d theta / d shape, -d theta / d rate), each (S, D)
+        dtheta = jnp.stack([jax.lax.random_gamma_grad(shape, zeta * rate) / rate, zeta / rate], axis=-1)
+        dstats = jnp.stack([1.0 / zeta, jnp.ones_like(zeta)], axis=-1)[..., :, None] * dtheta[..., None, :]
+        fisher = jnp.stack([jnp.stack([polygamma(1, shape), 1.0 / rate], -1),
+                            jnp.stack([1.0 / rate, shape / rate**2], -1)], -2)  # (D, 2, 2): Cov(log theta, theta)
+        if hessians is None:
+            coef = super().site_from_draws(nat, zeta, values, grads, None)
+            coef = jnp.stack([coef.eta1, coef.eta2], axis=-1)
+        else:
+            curv = jnp.diagonal(hessians, axis1=-2, axis2=-1)  # f'' per coordinate; T' = (1/theta, 1)
+            coef = jnp.mean(jnp.stack([-(zeta**2) * curv, grads + zeta * curv], axis=-1), axis=0)
+        coef = jax.lax.stop_gradient(coef)
+        pathwise = jnp.mean(grads[..., None] * dtheta, axis=0)  # (D, 2)
+        control = jnp.einsum("dk,dkp->dp", coef, jnp.mean(dstats, axis=0) - fisher)
+        site = jnp.linalg.solve(fisher, (pathwise - control)[..., None])[..., 0]
+        return NatParams(site[..., 0], site[..., 1])
 
     def base(self, concentration: jax.Array, rate: jax.Array) -> dist.Distribution:
         """``Gamma(shape, rate)`` over ``(D,)`` (accurate ``log_prob`` and ``entropy`` at any concentration)."""

@@ -10,8 +10,9 @@ whose Gaussian form is ``eta2 = E_q[H] / 2``, ``eta1 = E_q[g] - E_q[H] mu`` (Bon
 ``jax.hessian`` (Stein's lemma from gradients above ``max_hessian_dim``). A step is halved (counted in
 ``RoundInfo.clamped``) until ``q`` is proper and its estimated local free energy is finite and has not
 fallen by more than ``tolerance`` (from a wide prior a step can give a proper ``q`` far out in a tail
-where, e.g., ``exp`` overflows); if no halving passes, the client's Laplace site is taken if it passes,
-else no step.
+where, e.g., ``exp`` overflows); if no halving passes, or the client's Laplace site beats the step's local
+free energy by more than ``tolerance`` (from a wide prior an accepted step can collapse q's variance at a
+wrong mean), the Laplace site is taken if it passes, else no step.
 
 Hyperparameters are supported (the client returns ``E_q[d log p(y_m | theta) / d hyper]`` at its new
 ``q``); local latent variables are not (use ``GradientUpdate``).
@@ -35,8 +36,9 @@ class NaturalGradientUpdate:
 
     Each step is halved until ``q`` is valid and its local free energy ``F_m(q)`` (estimated with the
     step's own draws, so old and new ``q`` are compared with common random numbers) is finite and no more
-    than ``tolerance`` below the current one; if no halving passes, the client's Laplace site (the mode and
-    curvature of ``cavity * p(y_m | theta)``) is taken if it passes, else no step.
+    than ``tolerance`` below the current one; if no halving passes, or the client's Laplace site (the mode and
+    curvature of ``cavity * p(y_m | theta)``) beats the step's ``F_m`` by more than ``tolerance``, the Laplace site
+    is taken if it passes (counted in ``RoundInfo.clamped``), else no step.
 
     :param float step_size: ``beta`` in ``(0, 1]``; 1 is the fixed-point (EP-like) update.
     :param int num_steps: natural-gradient steps per client visit.
@@ -134,10 +136,16 @@ class NaturalGradientUpdate:
 
             out = backtrack(propose, beta, max_halvings=max_backtracks)  # none acceptable: t unchanged
             new = jax.tree.map(lambda a, b: jnp.where(out.valid, a, b), out.value, t)
-            if laplace_site is not None:  # the Laplace site when no halving passes (and it does)
-                use = ~out.valid & acceptable(laplace_site)
-                new = jax.tree.map(lambda a, b: jnp.where(use, a, b), laplace_site, new)
-            return (new, clamped + out.halvings), None
+            if laplace_site is None:
+                return (new, clamped + out.halvings), None
+            # The Laplace site when no halving passes, or when it beats the step by more than ``tolerance``: from a
+            # wide q the Bonnet / Price site of a log link sees exp(huge) curvature and collapses q's variance at
+            # a wrong mean, a step that still raises F_m (issue 23, problem 3). Counted as one clamp.
+            laplace_value = _free_energy(family, cavity, laplace_site, loglik, eps)
+            better = laplace_value > _free_energy(family, cavity, new, loglik, eps) + tolerance
+            use = (~out.valid | better) & acceptable(laplace_site)
+            new = jax.tree.map(lambda a, b: jnp.where(use, a, b), laplace_site, new)
+            return (new, clamped + out.halvings + (use & out.valid)), None
 
         return step
 
