@@ -1,41 +1,12 @@
 """In-process backends: a failing client is rejected, never fatal; vmap over devices changes no number."""
 
-import time
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 from jax import random
 
 import numpyro_pvi as pvi
 
-from conftest import linear_model
-from test_servers import UNEQUAL, ExactLinearUpdate
-
-
-class FaultyUpdate(ExactLinearUpdate):
-    """The client holding `size` rows raises (mode="raise") or takes `seconds` longer (mode="sleep")."""
-
-    def __init__(self, size, mode, seconds=0.0):
-        self.size, self.mode, self.seconds = size, mode, seconds
-
-    def bind(self, problem):
-        exact = super().bind(problem)
-        size, mode, seconds = self.size, self.mode, self.seconds
-
-        def host(n):
-            if int(n) == size:
-                if mode == "raise":
-                    raise RuntimeError("client failure injected by the test")
-                time.sleep(seconds)
-            return np.float32(0.0)
-
-        def client_update(rng_key, client, cavity, q, state, hyper=()):
-            zero = jax.pure_callback(host, jax.ShapeDtypeStruct((), jnp.float32), client.size)
-            result = exact(rng_key, client, cavity, q, state)
-            return result._replace(free_energy=result.free_energy + zero)
-
-        return client_update
+from conftest import UNEQUAL, FaultyUpdate, linear_model
 
 
 def test_loop_backend_rejects_a_raising_client(linear_data):

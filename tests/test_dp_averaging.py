@@ -4,12 +4,10 @@ import numpy as np
 import optax
 import pytest
 from jax import random
-from test_exponential_families import poisson_model
-from test_site_families import normal_gamma_model
 
 import numpyro_pvi as pvi
 
-from conftest import assert_checkpoint_resumes, linear_model
+from conftest import assert_checkpoint_resumes, linear_model, normal_gamma_model, poisson_model
 
 PARTS = pvi.split_iid(random.PRNGKey(5), 300, 3)  # three clients of 100 rows
 

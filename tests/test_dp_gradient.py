@@ -5,13 +5,18 @@ import optax
 import pytest
 from jax import random
 from numpyro.distributions.transforms import biject_to
-from test_exponential_families import bernoulli_model, categorical_model
-from test_site_families import normal_gamma_model, normal_gamma_vb
 
 import numpyro_pvi as pvi
 from numpyro_pvi.local_updates import dp_params
 
-from conftest import exact_linear_posterior, linear_model
+from conftest import (
+    bernoulli_model,
+    categorical_model,
+    exact_linear_posterior,
+    linear_model,
+    normal_gamma_model,
+    normal_gamma_vb,
+)
 
 PARTS = pvi.split_iid(random.PRNGKey(5), 300, 3)  # three clients of 100 rows
 

@@ -18,27 +18,11 @@ from numpyro_pvi.families import NatParams
 from numpyro_pvi.families.exponential import regression_site
 from numpyro_pvi.merge import merge
 
+from conftest import bernoulli_model, categorical_model, poisson_model
+
 SIZES = [3, 7, 12, 15, 20]  # five uneven clients
 N = sum(SIZES)
 PARTS = np.split(np.arange(N), np.cumsum(SIZES)[:-1])
-
-
-def poisson_model(y=None):
-    rate = numpyro.sample("rate", dist.Gamma(2.0, 0.5))
-    with pvi.partition_plate("data", y.shape[0]):
-        numpyro.sample("y", dist.Poisson(rate), obs=y)
-
-
-def bernoulli_model(y=None):
-    p = numpyro.sample("p", dist.Beta(2.0, 3.0))
-    with pvi.partition_plate("data", y.shape[0]):
-        numpyro.sample("y", dist.Bernoulli(p), obs=y)
-
-
-def categorical_model(y=None):
-    probs = numpyro.sample("probs", dist.Dirichlet(jnp.array([1.0, 2.0, 0.5, 3.0])))
-    with pvi.partition_plate("data", y.shape[0]):
-        numpyro.sample("y", dist.Categorical(probs), obs=y)
 
 
 def one_round(model, family, **data):

@@ -24,9 +24,10 @@ pytest.importorskip("ray")
 
 from flwr.serverapp import ServerApp  # noqa: E402
 from flwr.simulation import run_simulation  # noqa: E402
-from test_site_families import normal_gamma_model  # noqa: E402
 
 from numpyro_pvi.flower import PVIStrategy, client_app, tree_from_record, tree_to_record  # noqa: E402
+
+from conftest import normal_gamma_model  # noqa: E402
 
 NUM_CLIENTS, GROUPS, NUM_ROUNDS, DAMPING = 4, 3, 3, 0.5
 SAMPLED = dict(clients_per_round=2, client_weights=[1.0, 2.0, 3.0, 4.0])  # 2 of the 4 sites per round, weighted
@@ -55,7 +56,7 @@ def by_value():
     """The sites run in Ray workers, which cannot import the test modules: ship their models by value."""
     import ray.cloudpickle
 
-    modules = [sys.modules[__name__], sys.modules["test_site_families"]]
+    modules = [sys.modules[__name__], sys.modules["conftest"]]
     for module in modules:
         ray.cloudpickle.register_pickle_by_value(module)
     yield

@@ -8,20 +8,12 @@ import numpyro.distributions as dist
 import optax
 import pytest
 from jax import random
-from numpyro.distributions import constraints
-from scipy.optimize import minimize_scalar
 
 import numpyro_pvi as pvi
 
+from conftest import noise_model, type_ii_ml_sigma
+
 N = 60
-
-
-def noise_model(X, y=None):
-    """Bayesian linear regression whose noise scale is a learned hyperparameter."""
-    w = numpyro.sample("w", dist.Normal(0.0, 1.0).expand([X.shape[1]]).to_event(1))
-    sigma = numpyro.param("sigma", 1.0, constraint=constraints.positive)
-    with pvi.partition_plate("data", X.shape[0]):
-        numpyro.sample("y", dist.Normal(X @ w, sigma), obs=y)
 
 
 def log_evidence(X, y, log_sigma):
@@ -35,18 +27,6 @@ def data():
     X = random.normal(random.PRNGKey(0), (N, 3))
     y = X @ jnp.array([1.0, -0.5, 0.3]) + 0.5 * random.normal(random.PRNGKey(1), (N,))
     return X, y
-
-
-def type_ii_ml_sigma(X, y):
-    """The type-II maximum-likelihood noise scale of ``noise_model``, by a bounded scalar search (float64)."""
-    X, y = (np.asarray(a, np.float64) for a in (X, y))
-    n = X.shape[0]
-
-    def nll(log_sigma):
-        cov = X @ X.T + np.exp(2 * log_sigma) * np.eye(n)
-        return 0.5 * (np.linalg.slogdet(cov)[1] + y @ np.linalg.solve(cov, y))
-
-    return float(np.exp(minimize_scalar(nll, bounds=(-5, 2), method="bounded", options={"xatol": 1e-8}).x))
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ from numpyro.infer.autoguide import AutoMultivariateNormal
 
 import numpyro_pvi as pvi
 
-from conftest import exact_linear_posterior, linear_model, logistic_model
+from conftest import exact_linear_posterior, linear_model, logistic_model, robust_model
 
 
 @pytest.mark.parametrize("server", [pvi.Sequential(), pvi.Synchronous(1.0)], ids=["sequential", "synchronous"])
@@ -95,8 +95,6 @@ def test_ep_covariance_is_closer_to_nuts_than_global_vi(skewed_reference):
 
 @pytest.mark.parametrize("family", [pvi.MeanFieldGaussian(), pvi.FullRankGaussian()], ids=["mean_field", "full_rank"])
 def test_power_ep_halves_steps_that_would_make_q_improper(family):
-    from test_natural_gradient import robust_model
-
     X = random.normal(random.PRNGKey(0), (40, 2))
     y = (X @ jnp.array([1.0, -0.5]) + 0.1 * random.normal(random.PRNGKey(1), (40,))).at[:10].set(30.0)
     # importance sampling from the cavity (not the Laplace proposal, whose well-centred draws no longer need

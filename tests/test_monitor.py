@@ -9,14 +9,12 @@ import numpy as np
 import optax
 import pytest
 from jax import enable_x64, random
-from test_backends import FaultyUpdate
 
 import numpyro_pvi as pvi
 from numpyro_pvi.families import NatParams
 from numpyro_pvi.monitor import STOP_REASONS, RunMonitor, q_change, trend
 
-from conftest import exact_linear_posterior, linear_model
-from test_servers import UNEQUAL, ExactLinearUpdate, PoisonedUpdate
+from conftest import UNEQUAL, ExactLinearUpdate, FaultyUpdate, PoisonedUpdate, exact_linear_posterior, linear_model
 
 FIVE = np.array_split(np.arange(300), 5)
 

@@ -12,7 +12,14 @@ from jax import random
 import numpyro_pvi as pvi
 from numpyro_pvi.families import NatParams
 
-from conftest import exact_linear_posterior, linear_model, logistic_model, normal_gamma_model, normal_gamma_vb
+from conftest import (
+    exact_linear_posterior,
+    linear_model,
+    logistic_model,
+    normal_gamma_model,
+    normal_gamma_vb,
+    robust_model,
+)
 
 
 @pytest.mark.parametrize("server", [pvi.Sequential(), pvi.Synchronous(1.0)], ids=["sequential", "synchronous"])
@@ -46,13 +53,6 @@ def test_cvi_and_gradient_updates_share_the_fixed_point(logistic_data, family):
     # Cholesky factor is the larger error); twice that is the tolerance.
     assert np.max(np.abs(loc_ng - loc_gd) / sd_gd) < 0.04
     np.testing.assert_allclose(sd_ng, sd_gd, rtol=0.09)
-
-
-def robust_model(X, y=None):
-    """Cauchy-noise regression: not log-concave, so a full CVI step can make the site precision negative."""
-    w = numpyro.sample("w", dist.Normal(0.0, 10.0).expand([X.shape[1]]).to_event(1))
-    with pvi.partition_plate("data", X.shape[0]):
-        numpyro.sample("y", dist.StudentT(1.0, X @ w, 0.1), obs=y)
 
 
 @pytest.mark.parametrize("family", [pvi.MeanFieldGaussian(), pvi.FullRankGaussian()], ids=["mean_field", "full_rank"])

@@ -16,8 +16,7 @@ from jax import random
 
 import numpyro_pvi as pvi
 
-from conftest import linear_model, logistic_model
-from test_servers import ExactLinearUpdate
+from conftest import ExactLinearUpdate, linear_model, logistic_model
 
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 

@@ -12,7 +12,7 @@ from numpyro.infer.autoguide import AutoDiagonalNormal, AutoMultivariateNormal
 
 import numpyro_pvi as pvi
 
-from conftest import NOISE, exact_linear_posterior, linear_model, logistic_model, scale_model
+from conftest import NOISE, ExactLinearUpdate, exact_linear_posterior, linear_model, logistic_model, scale_model
 
 PARTS = [np.arange(0, 60), np.arange(60, 180), np.arange(180, 300)]  # unequal partitions of 300 rows
 
@@ -200,8 +200,6 @@ def test_guide_works_with_predictive_and_history_is_recorded(linear_data):
 
 
 def test_elbo_at_the_exact_posterior_is_the_log_evidence(linear_data):
-    from test_servers import ExactLinearUpdate
-
     X, y = linear_data
     inference = pvi.PVI(linear_model, pvi.FullRankGaussian(), PARTS, ExactLinearUpdate(), pvi.Sequential())
     result = inference.run(random.PRNGKey(0), 1, X, y=y, progress_bar=False)

@@ -7,15 +7,21 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import random
-from test_backends import FaultyUpdate
-from test_site_families import normal_gamma_model
 
 import numpyro_pvi as pvi
 from numpyro_pvi.ray_backend import RayRunner, digest, start_ray, unpad
 
-from conftest import exact_linear_posterior, linear_model
-from test_hyperparameters import noise_model, type_ii_ml_sigma
-from test_servers import UNEQUAL, ExactLinearUpdate, PoisonedUpdate
+from conftest import (
+    UNEQUAL,
+    ExactLinearUpdate,
+    FaultyUpdate,
+    PoisonedUpdate,
+    exact_linear_posterior,
+    linear_model,
+    noise_model,
+    normal_gamma_model,
+    type_ii_ml_sigma,
+)
 
 ray = pytest.importorskip("ray")
 
@@ -25,7 +31,7 @@ def ray_cluster():
     import sys
 
     # the workers cannot import the test modules
-    for name in ["conftest", "test_servers", "test_hyperparameters", "test_backends", "test_site_families", __name__]:
+    for name in ["conftest", __name__]:
         ray.cloudpickle.register_pickle_by_value(sys.modules[name])
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield

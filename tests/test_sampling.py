@@ -8,8 +8,7 @@ from jax import enable_x64, random
 
 import numpyro_pvi as pvi
 
-from conftest import exact_linear_posterior, linear_model
-from test_servers import UNEQUAL, ExactLinearUpdate
+from conftest import UNEQUAL, ExactLinearUpdate, exact_linear_posterior, linear_model
 
 
 def _run(server, data, rounds, seed=0):

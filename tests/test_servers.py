@@ -9,43 +9,7 @@ from jax import enable_x64, random
 import numpyro_pvi as pvi
 from numpyro_pvi.families import NatParams
 
-from conftest import NOISE, exact_linear_posterior, linear_model
-
-
-class ExactLinearUpdate:
-    """The exact local optimum for `linear_model`: q_new = cavity x the client's Gaussian likelihood."""
-
-    def init_state(self, problem):
-        return ()
-
-    def bind(self, problem):
-        def client_update(rng_key, client, cavity, q, state, hyper=()):
-            X, y = client.arrays  # leaves of ((X,), {"y": y})
-            Xm = X * client.mask[:, None]
-            likelihood = NatParams(Xm.T @ y / NOISE**2, -0.5 * Xm.T @ X / NOISE**2)
-            return pvi.ClientResult(cavity + likelihood - q, jnp.zeros(()), state)
-
-        return client_update
-
-
-class PoisonedUpdate(ExactLinearUpdate):
-    """Returns NaN for the client holding `bad_size` rows."""
-
-    def __init__(self, bad_size):
-        self.bad_size = bad_size
-
-    def bind(self, problem):
-        exact = super().bind(problem)
-
-        def client_update(rng_key, client, cavity, q, state, hyper=()):
-            result = exact(rng_key, client, cavity, q, state)
-            poison = jnp.where(client.size == self.bad_size, jnp.nan, 0.0)
-            return result._replace(delta=jax.tree.map(lambda d: d + poison, result.delta))
-
-        return client_update
-
-
-UNEQUAL = [np.arange(0, 40), np.arange(40, 130), np.arange(130, 150), np.arange(150, 300)]
+from conftest import UNEQUAL, ExactLinearUpdate, PoisonedUpdate, exact_linear_posterior, linear_model
 
 
 @pytest.mark.parametrize("server, rounds, backend", [

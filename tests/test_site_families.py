@@ -20,7 +20,7 @@ from scipy.optimize import minimize
 
 import numpyro_pvi as pvi
 
-from conftest import assert_checkpoint_resumes, normal_gamma_model, normal_gamma_vb  # noqa: F401 (re-exported)
+from conftest import assert_checkpoint_resumes, normal_gamma_model, normal_gamma_vb
 
 NOISE = 0.5
 N = 48

@@ -8,7 +8,10 @@ Tolerances are about 3x the worst case measured over seeds 0-4 by ``python bench
 import jax.numpy as jnp
 import numpy as np
 from jax import random
-from test_snep_blocks import (
+
+import numpyro_pvi as pvi
+
+from conftest import (
     CONCENTRATION,
     categorical_data,
     categorical_pvi,
@@ -18,8 +21,6 @@ from test_snep_blocks import (
     normal_gamma_ep,
     normal_gamma_pvi,
 )
-
-import numpyro_pvi as pvi
 
 UPDATE = pvi.MomentMatchingUpdate(tilted="nuts", num_samples=400, num_warmup=200, num_chains=2)
 

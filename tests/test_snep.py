@@ -15,7 +15,7 @@ from jax import random
 import numpyro_pvi as pvi
 from numpyro_pvi.local_updates.moment_matching import importance_moments, laplace
 
-from conftest import exact_linear_posterior, linear_model, logistic_model
+from conftest import exact_linear_posterior, linear_model, logistic_model, robust_model
 
 FULL_RANK = pvi.FullRankGaussian()
 
@@ -151,8 +151,6 @@ def test_snep_update_arguments_are_checked(kwargs, match):
 
 
 def test_snep_never_returns_nan_on_a_heavy_tailed_model():
-    from test_natural_gradient import robust_model
-
     X = random.normal(random.PRNGKey(0), (40, 2))
     y = (X @ jnp.array([1.0, -0.5]) + 0.1 * random.normal(random.PRNGKey(1), (40,))).at[:10].set(30.0)
     family = pvi.MeanFieldGaussian()

@@ -11,44 +11,27 @@ The tolerances come from the Monte Carlo spread of the chains' plain averages, m
 import jax
 import jax.numpy as jnp
 import numpy as np
-import numpyro
-import numpyro.distributions as dist
 import pytest
 from jax import random
-from test_site_families import normal_gamma_model
 
 import numpyro_pvi as pvi
-from numpyro_pvi.families import NatParams
 
-SIZES = [9, 10, 12, 14, 16]  # five uneven clients (one vmap bucket: one compiled shape)
-N = sum(SIZES)
-PARTS = np.split(np.arange(N), np.cumsum(SIZES)[:-1])
-CONCENTRATION = np.array([1.0, 2.0, 0.5, 3.0])
-
-
-def poisson_model(y=None):
-    rate = numpyro.sample("rate", dist.Gamma(2.0, 0.5))
-    with pvi.partition_plate("data", y.shape[0]):
-        numpyro.sample("y", dist.Poisson(rate), obs=y)
-
-
-def categorical_model(y=None):
-    probs = numpyro.sample("probs", dist.Dirichlet(jnp.asarray(CONCENTRATION)))
-    with pvi.partition_plate("data", y.shape[0]):
-        numpyro.sample("y", dist.Categorical(probs), obs=y)
+from conftest import (
+    EP_N,
+    EP_PARTS,
+    categorical_data,
+    categorical_pvi,
+    dirichlet_errors,
+    ng_errors,
+    normal_gamma_data,
+    normal_gamma_ep,
+    normal_gamma_pvi,
+    poisson_model,
+)
 
 
 def poisson_data():
-    return random.poisson(random.PRNGKey(0), 3.0, (N,)).astype(jnp.float32)
-
-
-def categorical_data():
-    return random.categorical(random.PRNGKey(0), jnp.log(jnp.array([0.1, 0.2, 0.3, 0.4])), shape=(N,))
-
-
-def normal_gamma_data():
-    X = random.normal(random.PRNGKey(4), (N, 2))
-    return X, X @ jnp.array([1.0, -0.5]) + 0.7 * random.normal(random.PRNGKey(5), (N,))
+    return random.poisson(random.PRNGKey(0), 3.0, (EP_N,)).astype(jnp.float32)
 
 
 def gamma_errors(q, y, prior=(2.0, 0.5)):
@@ -59,67 +42,8 @@ def gamma_errors(q, y, prior=(2.0, 0.5)):
     return abs(float(marginals.mean[0]) - a / b) / sd, abs(float(np.sqrt(marginals.variance[0])) / sd - 1.0)
 
 
-def dirichlet_errors(q, y):
-    """Max over categories of ``|mean error| / sd`` and ``|sd ratio - 1|`` against the exact posterior."""
-    exact = pvi.Dirichlet().marginals(pvi.Dirichlet().from_params(
-        jnp.asarray(CONCENTRATION + np.bincount(np.asarray(y), minlength=4), jnp.float32)))
-    marginals = pvi.Dirichlet().marginals(q)
-    sd = np.sqrt(exact.variance)
-    return (float(np.max(np.abs(marginals.mean - exact.mean) / sd)),
-            float(np.max(np.abs(np.sqrt(marginals.variance) / sd - 1.0))))
-
-
-def normal_gamma_ep(X, y, grid=20000):
-    """EP's fixed point with one client: the exact posterior's moments of ``w`` and ``E[tau]``, ``E[log tau]``.
-
-    ``p(tau | y) ∝ Gamma(tau; 2, 1) N(y; 0, I / tau + 4 X X^T)`` on a grid (float64), and ``w | tau, y`` is Gaussian.
-    """
-    X, y = np.asarray(X, np.float64), np.asarray(y, np.float64)
-    tau = np.linspace(1e-3, 12.0, grid)
-    u, s, _ = np.linalg.svd(X, full_matrices=False)  # X X^T = u diag(s^2) u^T; the rest of C is I / tau
-    proj, rest = u.T @ y, y @ y - np.sum((u.T @ y) ** 2)
-    var = 1.0 / tau[:, None] + 4.0 * s**2
-    log_post = (np.log(tau) - tau) - 0.5 * (np.sum(np.log(var), 1) + (len(y) - len(s)) * np.log(1.0 / tau)
-                                             + np.sum(proj**2 / var, 1) + tau * rest)
-    weights = np.exp(log_post - log_post.max())
-    weights /= weights.sum()
-    precision = tau[:, None, None] * (X.T @ X) + np.eye(2) / 4.0
-    cov = np.linalg.inv(precision)
-    means = np.einsum("gij,gj->gi", cov, tau[:, None] * (X.T @ y))
-    mean = weights @ means
-    second = np.einsum("g,gij->ij", weights, cov + np.einsum("gi,gj->gij", means, means))
-    return mean, second - np.outer(mean, mean), weights @ tau, weights @ np.log(tau)
-
-
-def ng_errors(family, q, reference):
-    """Errors of ``SiteFamilies({"w": FullRankGaussian(), "tau": Gamma()})``'s ``q`` against EP's fixed point:
-    ``w``'s mean (in sds) and sds (relative), and the Gamma's mean and sd (relative to the moment-matched Gamma's)."""
-    mean, cov, e_tau, e_log_tau = reference
-    w_block, tau_block = family.split(q)
-    w_mean, w_cov = pvi.FullRankGaussian().moments(w_block)
-    sd = np.sqrt(np.diag(cov))
-    matched = pvi.Gamma().from_mean_params(NatParams(jnp.array([e_log_tau], jnp.float32),
-                                                     jnp.array([e_tau], jnp.float32)), tau_block)
-    exact, got = pvi.Gamma().marginals(matched), pvi.Gamma().marginals(tau_block)
-    return (float(np.max(np.abs(np.asarray(w_mean) - mean) / sd)),
-            float(np.max(np.abs(np.sqrt(np.diag(np.asarray(w_cov))) / sd - 1.0))),
-            abs(float(got.mean[0] / exact.mean[0]) - 1.0),
-            abs(float(np.sqrt(got.variance[0] / exact.variance[0])) - 1.0))
-
-
 def poisson_pvi(server, backend="vmap", update=None):
-    return pvi.PVI(poisson_model, pvi.Gamma(), partitions=PARTS, server=server, backend=backend,
-                   local_update=update or pvi.SNEPUpdate())
-
-
-def categorical_pvi(update=None):
-    return pvi.PVI(categorical_model, pvi.Dirichlet(), partitions=PARTS, server=pvi.Synchronous(1.0),
-                   local_update=update or pvi.SNEPUpdate())
-
-
-def normal_gamma_pvi(update=None):
-    family = pvi.SiteFamilies({"w": pvi.FullRankGaussian(), "tau": pvi.Gamma()})
-    return pvi.PVI(normal_gamma_model, family, partitions=[np.arange(N)], server=pvi.Sequential(),
+    return pvi.PVI(poisson_model, pvi.Gamma(), partitions=EP_PARTS, server=server, backend=backend,
                    local_update=update or pvi.SNEPUpdate())
 
 
@@ -134,8 +58,8 @@ def test_poisson_gamma_sequential_is_the_exact_posterior():
     assert mean_error < 0.001 and sd_error < 0.008
     assert int(result.history.clamped.sum()) == 0 and bool(result.state.client_states.visited.all())
     # the check can fail: posteriors that double-count or drop a client's data are far outside the tolerances
-    twice = np.concatenate([np.asarray(y), np.asarray(y)[PARTS[-1]]])
-    dropped = np.asarray(y)[np.concatenate(PARTS[1:])]
+    twice = np.concatenate([np.asarray(y), np.asarray(y)[EP_PARTS[-1]]])
+    dropped = np.asarray(y)[np.concatenate(EP_PARTS[1:])]
     for data in (twice, dropped):
         wrong = pvi.Gamma().from_params(jnp.array([2.0 + float(data.sum())]), jnp.array([0.5 + len(data)]))
         assert gamma_errors(wrong, y)[1] > 9 * 0.008
@@ -213,6 +137,7 @@ def test_mean_parameters_and_chain_coordinates(family, q):
 
 def test_the_gaussian_site_clamp_is_refused_by_name():
     family = pvi.SiteFamilies({"rate": pvi.Gamma()})
-    inference = pvi.PVI(poisson_model, family, partitions=PARTS, local_update=pvi.SNEPUpdate(site_variance=(0.01, 1.0)))
+    inference = pvi.PVI(poisson_model, family, partitions=EP_PARTS,
+                        local_update=pvi.SNEPUpdate(site_variance=(0.01, 1.0)))
     with pytest.raises(ValueError, match="site_variance"):
         inference.init(random.PRNGKey(0), inference.build(y=poisson_data()))
