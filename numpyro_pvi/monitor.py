@@ -17,7 +17,8 @@ round's :class:`~numpyro_pvi.RoundInfo` and issues a :class:`PVIWarning` (once p
 
 A run is **converged** (:meth:`RunMonitor.earned`) only when its last round moved ``q`` by at most ``tol``
 *and* every update that round was merged (none rejected or clamped away; a client out of privacy budget
-aside) *and* every client has been merged at least once (client sampling) *and* the ELBO is not falling.
+aside) *and* every client has been merged at least once (client sampling) *and* the ELBO is not falling *and*
+``q`` is not drifting one way with more than ``tol`` still to go (:attr:`RunMonitor.drifting`).
 """
 
 from __future__ import annotations
@@ -155,7 +156,21 @@ class RunMonitor:
         every client has been merged at least once, and the ELBO is not falling."""
         info = self.last
         return (info is not None and self.tol is not None and bool(info.change <= self.tol) and self.all_merged
-                and not self.falling and bool(np.all(self.merged)))
+                and not self.falling and bool(np.all(self.merged)) and not self.drifting)
+
+    @property
+    def drifting(self) -> bool:
+        """Whether ``q`` moves one way, slowly: its last moves go in one direction (mean cosine above
+        :data:`DIRECTED`) and the distance still to go, ``change * r / (1 - r)`` for a change shrinking by ``r``
+        a round (a linearly converging iteration), exceeds ``tol``. A small step is then not a settled ``q``:
+        an ill-conditioned posterior can move ``q`` by 0.04 sds a round while it is still 0.25 sds away."""
+        seen = trend(list(self.moves))
+        if seen is None or self.tol is None or self.last is None:
+            return False
+        _, shrink, cosine = seen
+        if cosine <= DIRECTED:
+            return False
+        return shrink >= 1.0 or self.last.change * shrink / (1.0 - shrink) > self.tol
 
     def after_round(self, info: RoundInfo, staleness: list, move: np.ndarray | None = None) -> None:
         """Check one round (``staleness``: of the updates rejected as stale; ``move``: :func:`q_move`)."""
@@ -272,7 +287,8 @@ class RunMonitor:
                 "(clients_per_round) run more rounds until every client has been drawn; continuing from a bare state, "
                 "pass init_history= so the run knows which clients were merged before.")
         limit = FAR if tol is None else tol
-        if info.change <= limit or (tol is None and self.rounds + self.before < 2):
+        drifting = tol is not None and self.drifting
+        if (info.change <= limit and not drifting) or (tol is None and self.rounds + self.before < 2):
             return "num_rounds", ""
         return self._moving(info.change, tol)
 
@@ -281,6 +297,8 @@ class RunMonitor:
         head = (f"The run did not converge in {self.rounds} rounds: its last round moved q by {change:.3g} posterior "
                 f"sds (tol={tol})" if tol is not None else
                 f"The run ended far from converged: its last round moved q by {change:.3g} posterior sds")
+        if tol is not None and change <= tol:
+            head += ", a small step but one of many in the same direction: q is still drifting toward its fixed point"
         more = "Run more rounds (run(..., init_state=result) continues; a DP run spends privacy budget every round)"
         more += "." if tol is not None else ", or pass tol= to run until q settles."
         seen = trend(list(self.moves))

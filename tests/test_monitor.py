@@ -140,6 +140,8 @@ def stack(infos):
     return pvi.RoundInfo(*(np.stack([np.asarray(x) for x in field]) for field in zip(*infos)))
 
 
+DRIFT = [np.array([0.04, -0.02, 0.01]) * 0.95**r for r in range(6)]
+HALVING = [np.array([0.04, -0.02, 0.01]) * 0.5**r * 16 for r in range(6)]  # the last moves q by 0.02 sds
 EVERY = stack([round_info(1.0)])  # a history in which every client was merged
 CASES = {  # name: (rounds, tol, moves, history, converged, stopped_because, a phrase of its warning)
     "settled": ([round_info(1.0, -200), round_info(0.1, -150), round_info(0.001, -149)], 0.01, None, None,
@@ -169,6 +171,13 @@ CASES = {  # name: (rounds, tol, moves, history, converged, stopped_because, a p
                  "swings back and forth"),
     "too few rounds": ([round_info(1.0, -200), round_info(0.5, -100)], 0.01, SHRINKING[:2], None, False,
                        "not_settled", "too few rounds (moves of q) to tell"),
+    # one way at 0.04 sds a round, shrinking x0.95: below tol=0.05 but about 0.8 sds from where q settles (the
+    # sweep's hierarchical cell: converged=True at 0.24 sds from the mean-field optimum)
+    "drifting below tol": ([round_info(np.abs(m).max(), -100 + r) for r, m in enumerate(DRIFT)], 0.05, DRIFT, None,
+                           False, "still_moving", "still drifting toward its fixed point"),
+    # one way, halving each round: 0.02 sds still to go once a round moves 0.02 sds
+    "converging below tol": ([round_info(np.abs(m).max(), -100 + r) for r, m in enumerate(HALVING)], 0.05,
+                             HALVING, None, True, "converged", None),
     "no tol": ([round_info(1.0, -200), round_info(0.1, -150)], None, None, None, None, "num_rounds", None),
     "no tol, far": ([round_info(np.abs(m).max() * 10, -100 + r) for r, m in enumerate(JITTER)], None,
                     [10 * m for m in JITTER], None, None, "noise_floor", "ended far from converged"),
