@@ -16,9 +16,9 @@ round's :class:`~numpyro_pvi.RoundInfo` and issues a :class:`PVIWarning` (once p
   floor of the local updates, or swinging back and forth.
 
 A run is **converged** (:meth:`RunMonitor.earned`) only when its last round moved ``q`` by at most ``tol``
-*and* every update that round was merged (none rejected or clamped away; a client out of privacy budget
-aside) *and* every client has been merged at least once (client sampling) *and* the ELBO is not falling *and*
-``q`` is not drifting one way with more than ``tol`` still to go (:attr:`RunMonitor.drifting`).
+*and* every update that round was merged unclamped (none rejected, clamped away or clamped at all; a client out
+of privacy budget aside) *and* every client has been merged at least once (client sampling) *and* the ELBO is
+not falling *and* ``q`` is not drifting one way with more than ``tol`` still to go (:attr:`RunMonitor.drifting`).
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ STOP_REASONS = {
     "converged": "q settled within tol, every update of the last round merged, every client merged once",
     "num_rounds": "all rounds run; no tol was given and nothing went wrong",
     "not_merged": "updates of the last round were rejected or clamped away",
+    "clamped": "updates of the last round were clamped: q stopped where the clamps held it, not where clients agree",
     "unmerged_clients": "some clients were never merged (client sampling)",
     "elbo_falling": "the ELBO fell in each of the last rounds",
     "still_moving": "q still moving (its change shrinking or going one way): more rounds help",
@@ -143,7 +144,7 @@ class RunMonitor:
         self.fallen = 0.0  # how far the ELBO fell in its last STALL_ROUNDS rounds (0 unless it fell in each)
         self.moves: deque = deque(maxlen=TREND_ROUNDS)  # the last moves of q (q_move)
         self.last: RoundInfo | None = None
-        self.all_merged, self.falling, self.rounds = False, False, 0
+        self.all_merged, self.clamped, self.falling, self.rounds = False, False, False, 0
 
     def warn(self, cause: str, message: str) -> None:
         if cause not in self.warned:
@@ -156,7 +157,7 @@ class RunMonitor:
         every client has been merged at least once, and the ELBO is not falling."""
         info = self.last
         return (info is not None and self.tol is not None and bool(info.change <= self.tol) and self.all_merged
-                and not self.falling and bool(np.all(self.merged)) and not self.drifting)
+                and not self.clamped and not self.falling and bool(np.all(self.merged)) and not self.drifting)
 
     @property
     def drifting(self) -> bool:
@@ -187,6 +188,7 @@ class RunMonitor:
             self._nothing_merged(info, staleness)
         spent = rejection == Rejection.BUDGET  # a client out of budget sends nothing more: its factor is final
         self.all_merged = bool(np.any(attempts & ~gone)) and not np.any(attempts & gone & ~spent)
+        self.clamped = bool(np.any(np.asarray(info.clamped)[attempts] > 0))
         merged_now = (np.asarray(info.accepted) > 0) & ~(gone & (rejection == 0))  # not clamped away
         self.merged = _grown(self.merged, attempts.size, False)
         self.merged[:attempts.size] |= merged_now
@@ -275,6 +277,14 @@ class RunMonitor:
             return "not_merged", (f"The run did not converge in {self.rounds} rounds: updates of its last round were "
                                   f"rejected or clamped away (rejected: {_reasons(codes) or 'none'}; steps clamped: "
                                   f"{int(np.asarray(info.clamped).sum())}), so q's small change is not convergence.")
+        if tol is not None and self.clamped:
+            attempted = np.asarray(info.attempts) > 0
+            clients = np.flatnonzero(attempted & (np.asarray(info.clamped) > 0)).tolist()
+            return "clamped", (f"The run did not converge in {self.rounds} rounds: the updates of client(s) "
+                               f"{clients[:10]} in its last round were clamped ({int(np.asarray(info.clamped).sum())} "
+                               "steps halved or replaced to keep q valid), so q stopped where the clamps held it, not "
+                               "where the clients agree. Use a smaller local step size, more particles or chains, or "
+                               "start nearer the answer (init_loc_fn).")
         if self.falling:
             return "elbo_falling", (f"The run did not converge in {self.rounds} rounds: the ELBO fell in each of its "
                                     f"last {STALL_ROUNDS} rounds (by {self.fallen:.4g}). Use a smaller damping or "

@@ -152,6 +152,10 @@ CASES = {  # name: (rounds, tol, moves, history, converged, stopped_because, a p
                    False, "not_merged", "raised x1"),
     "clamped away": ([round_info(1.0, -200), round_info(0.0, -200, clamped=3, moved=False)], 0.01, None, None,
                      False, "not_merged", "steps clamped: 12"),
+    # merged and moving, but clamped (the sweep's SNEP cell on a skewed Poisson split: 40+ steps clamped each
+    # round, q settled 8.6 NUTS sds off and main said converged=True)
+    "clamped, moved": ([round_info(1.0, -200), round_info(0.001, -199, clamped=[0, 41, 0, 0])], 0.01, None, None,
+                       False, "clamped", "client(s) [1] in its last round were clamped (41 steps"),
     "budget spent": ([round_info(1.0, -200), round_info(0.001, -199, rejection=[0, 6, 0, 0])], 0.01, None, None,
                      True, "converged", None),  # a client out of privacy budget sends nothing more: its factor is final
     "sampled": ([round_info(0.001, -200, attempts=[1, 0, 0, 0])] * 3, 0.01, None, None, False, "unmerged_clients",
