@@ -17,6 +17,8 @@ from scipy import special, stats
 import numpyro_pvi as pvi
 from numpyro_pvi.pvi import ELBO_KEY
 
+from conftest import CONCENTRATION, bernoulli_model, categorical_model
+
 DRAWS = 4000  # draws of q per entropy check
 N = 200  # rows of the conjugate models
 PARTS = [np.arange(0, 120), np.arange(120, N)]
@@ -121,18 +123,6 @@ def poisson_model(counts=None):
         numpyro.sample("counts", dist.Poisson(rate), obs=counts)
 
 
-def bernoulli_model(y=None):
-    p = numpyro.sample("p", dist.Beta(2.0, 3.0))
-    with pvi.partition_plate("data", y.shape[0]):
-        numpyro.sample("y", dist.Bernoulli(p), obs=y)
-
-
-def categorical_model(y=None):
-    probs = numpyro.sample("probs", dist.Dirichlet(jnp.array([1.0, 2.0, 3.0])))
-    with pvi.partition_plate("data", y.shape[0]):
-        numpyro.sample("y", dist.Categorical(probs), obs=y)
-
-
 @pytest.fixture(scope="module")
 def conjugate_data():
     X = random.normal(random.PRNGKey(0), (N, 2)) @ jnp.array([[1.0, 0.9], [0.0, 0.44]])  # correlated: the
@@ -190,8 +180,8 @@ def _conjugate_case(name, data):
         q = pvi.Beta().from_params(jnp.array([a]), jnp.array([b]))
         return bernoulli_model, pvi.Beta(), {"y": data["coins"]}, evidence, q, []
     if name == "Dirichlet":
-        prior = np.array([1.0, 2.0, 3.0])
-        alpha = prior + np.bincount(np.asarray(data["labels"]), minlength=3)
+        prior = CONCENTRATION
+        alpha = prior + np.bincount(np.asarray(data["labels"]), minlength=prior.size)
         log_b = lambda v: np.sum(special.gammaln(v)) - special.gammaln(np.sum(v))  # noqa: E731
         q = pvi.Dirichlet().from_params(jnp.asarray(alpha, jnp.float32))
         return categorical_model, pvi.Dirichlet(), {"y": data["labels"]}, log_b(alpha) - log_b(prior), q, []
