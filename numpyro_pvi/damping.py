@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from numpyro_pvi.heavy_ball import HeavyBall, HeavyBallState
+from numpyro_pvi.monitor import largest, q_move
 
 SWING_COSINE = -0.5  # a round that moved q back against the last one: the cosine of their steps below this ...
 SWING_CHANGE = 0.25  # ... and both moved q by more than this many posterior sds
@@ -110,14 +111,6 @@ def initial_state(damping: Damping, q: Any, factors: Any, family: Any = None) ->
     return FixedDampingState(jnp.full((n,), jnp.nan, dtype), jnp.zeros((), dtype), jnp.zeros((), jnp.int32))
 
 
-def _step(family: Any, old: Any, new: Any) -> np.ndarray:
-    """``q``'s move from ``old`` to ``new``: marginal means' changes in (new) posterior sds, log sds' changes."""
-    a, b = family.marginals(old), family.marginals(new)
-    variance = np.asarray(b.variance, np.float64)
-    return np.concatenate([(np.asarray(b.mean) - np.asarray(a.mean)) / np.sqrt(variance),
-                           0.5 * (np.log(variance) - np.log(np.asarray(a.variance, np.float64)))])
-
-
 def current(damping: Damping, state: Any) -> Any:
     """The damping a merge starts from: the fixed value, or the adaptive state's (traced under ``jit``)."""
     return damping if isinstance(damping, float) else state.rho
@@ -135,8 +128,8 @@ def accelerate(damping: Damping, family: Any, before: Any, after: Any, clean: bo
 
 
 def _record_step(fixed: FixedDampingState, family: Any, old: Any, new: Any) -> FixedDampingState:
-    step = _step(family, old, new)
-    change = float(np.max(np.abs(step), initial=0.0)) if np.all(np.isfinite(step)) else float("inf")
+    step = np.asarray(q_move(family, old, new), np.float64)
+    change = largest(step)
     previous = np.asarray(fixed.step, np.float64)
     swing = False
     if previous.shape == step.shape and np.all(np.isfinite(step)) and np.all(np.isfinite(previous)):
