@@ -111,9 +111,10 @@ class PVIRunResult(NamedTuple):
     ``inference`` (configuration) and the ``problem`` (data, sites, compiled steps) it ran on; all immutable.
 
     ``converged`` says whether the run converged (``None`` if no ``tol`` was given): its last round moved ``q``
-    by at most ``tol``, every update of that round was merged, every client was merged at least once and the
-    ELBO was not falling. ``stopped_because`` says why the run stopped: ``"converged"``, or (all rounds run)
-    ``"num_rounds"`` (no ``tol``, nothing wrong), ``"not_merged"``, ``"unmerged_clients"``, ``"elbo_falling"``,
+    by at most ``tol``, every update of that round was merged and none clamped, every client was merged at least
+    once, the ELBO was not falling and ``q`` was not drifting one way with more than ``tol`` still to go.
+    ``stopped_because`` says why the run stopped: ``"converged"``, or (all rounds run) ``"num_rounds"`` (no
+    ``tol``, nothing wrong), ``"not_merged"``, ``"clamped"``, ``"unmerged_clients"``, ``"elbo_falling"``,
     ``"still_moving"`` (more rounds help), ``"noise_floor"`` (more particles or local steps help, not rounds),
     ``"swinging"`` or ``"not_settled"`` (:data:`numpyro_pvi.monitor.STOP_REASONS`); every reason but
     ``"converged"`` and ``"num_rounds"`` comes with a :class:`~numpyro_pvi.PVIWarning` that names it.
