@@ -134,6 +134,8 @@ class HeavyBall:
             rho, beta = self._parameters(hb, rho_used)
         else:
             delta, rho, beta = jnp.full_like(q_start, jnp.nan), rho_used, 0.0
+        if not any(bool(jnp.any(v != 0)) for v in jax.tree.leaves(hb.velocity)):
+            beta = 0.0  # restarted (or the first round): no velocity, no momentum, and a drop now halves the damping
         merged = jax.tree.map(jnp.subtract, after.factors, before.factors)
         q, factors = _extrapolate(family, after.q, after.factors, merged, hb.velocity, rho / rho_used - 1.0, beta)
         dtype = hb.rho.dtype
@@ -165,8 +167,8 @@ class HeavyBall:
             return min(rho_used, ceiling), 0.0
         low = 0.5 * float(jnp.nanmin(hb.lambda_min))
         high = 1.25 * float(jnp.nanmedian(hb.lambda_max))
-        rho, beta = polyak_parameters(low, high)
-        return min(rho, self.maximum, ceiling), min(beta, self.max_momentum)
+        rho, beta = polyak_parameters(low, high, self.max_momentum)
+        return min(rho, self.maximum, ceiling), beta
 
     def after_round(self, hb: HeavyBallState, elbo: float) -> HeavyBallState:
         """The state once the round's ELBO is known: an ELBO drop restarts the momentum (the next round adds
@@ -210,14 +212,26 @@ def ritz_bounds(steps: np.ndarray, changes: np.ndarray, rcond: float = 1e-8) -> 
     return float(np.clip(eigenvalues.min(), 1e-3, 1.0)), float(np.clip(eigenvalues.max(), 1.0, 20.0))
 
 
-def polyak_parameters(lambda_min: float, lambda_max: float) -> tuple[float, float]:
-    """Polyak's heavy-ball damping and momentum for a spectrum in ``[lambda_min, lambda_max]``.
+def polyak_parameters(lambda_min: float, lambda_max: float, max_momentum: float = 1.0) -> tuple[float, float]:
+    """Polyak's heavy-ball damping and momentum for a spectrum in ``[lambda_min, lambda_max]``, the momentum at most
+    ``max_momentum``.
+
+    Heavy ball contracts an eigenvalue ``l``'s mode at the rate ``sqrt(beta)`` while ``rho * l`` lies in
+    ``[(1 - sqrt(beta))^2, (1 + sqrt(beta))^2]``, and diverges once ``rho * l > 2 (1 + beta)``. Polyak's pair puts
+    ``rho * lambda_max`` at the top of that interval; a momentum capped below Polyak's lowers the top, so the damping
+    is lowered with it to ``(1 + sqrt(beta))^2 / lambda_max``. (Capping only the momentum diverged: the spectrum
+    estimated on sklearn's diabetes data, ``[5e-4, 4.05]``, gave ``rho = 1`` and ``beta = 0.7``, and
+    ``rho * lambda_max = 4.05 > 3.4``.)
 
     **Example:** ``polyak_parameters(1.0, 1.0)`` is ``(1.0, 0.0)`` (one exact step); ``(0.139, 4.61)`` gives
-    ``(0.63, 0.50)``.
+    ``(0.63, 0.50)``; ``(0.139, 4.61, 0.3)`` gives ``(0.52, 0.30)``.
     """
     low, high = np.sqrt(lambda_min), np.sqrt(lambda_max)
-    return float(4.0 / (low + high) ** 2), float(((high - low) / (high + low)) ** 2)
+    rho, beta = 4.0 / (low + high) ** 2, ((high - low) / (high + low)) ** 2
+    if beta > max_momentum:
+        beta = max_momentum
+        rho = min(rho, (1.0 + np.sqrt(beta)) ** 2 / lambda_max)
+    return float(rho), float(beta)
 
 
 def _extrapolate(family: Any, q: Any, factors: Any, merged: Any, velocity: Any, rescale: float, beta: float) -> tuple:
