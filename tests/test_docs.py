@@ -126,3 +126,52 @@ def test_every_default_in_the_docs_is_the_codes():
             ("Asynchronous", "max_staleness"), ("AdaptiveDamping", "initial"), ("HeavyBall", "max_momentum"),
             ("PVI", "backend")} <= checked
     assert len(checked) >= 15, sorted(checked)
+
+
+# ----------------------------------------------------------------------------- what the docs say in prose
+#
+# Issue 23, problem 9: privacy.md called AdaptiveDamping "the default damping of `Synchronous`" (heavy ball is),
+# and families.md and privacy.md promised a conjugate exponential-family block the exact posterior in one round,
+# which only an undamped server gives (the default Synchronous() halves its first round). Both tests fail on the
+# docs of dce833c.
+
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+DAMPINGS = re.compile(r"\b(HeavyBall|AdaptiveDamping)\b")
+SERVER_DEFAULT = re.compile(r"the default (?:damping )?of `(?:pvi\.)?(Synchronous|Asynchronous)(?:\(\))?`"
+                            r"|`(?:pvi\.)?(Synchronous|Asynchronous)\(\)`'s default")
+ONE_ROUND_EXACT = re.compile(r"exact (?:posterior )?in one round"
+                             r"|one (?:synchronous )?round (?:of .{0,60}?)?gives the exact")
+EXPONENTIAL_FAMILY = re.compile(r"\b(?:Gamma|Beta|Dirichlet)\b|exponential[- ]famil")
+UNDAMPED = re.compile(r"Sequential\(\)|Synchronous\(1\.0\)|undamped")
+
+
+def test_the_damping_the_docs_call_a_servers_default_is_its_default():
+    """"``X``, the default (damping) of ``S``" and "``S()``'s default (damping), ``X``": the damping named nearest
+    the phrase (within 80 characters either side) is the type ``S()`` takes."""
+    checked = 0
+    for page in PAGES:
+        text = re.sub(r"\s+", " ", page.read_text())
+        for match in SERVER_DEFAULT.finditer(text):
+            server, (start, end) = match[1] or match[2], match.span()
+            before = text[max(0, start - 80):start]
+            named = [(len(before) - d.end(), d[1]) for d in DAMPINGS.finditer(before)]
+            named += [(d.start(), d[1]) for d in DAMPINGS.finditer(text[end:end + 80])]
+            if named:
+                default = type(getattr(pvi, server)().damping).__name__
+                assert min(named)[1] == default, f"{page.name}: {min(named)[1]} called the default of {server}, " \
+                                                 f"which is {default}: ...{text[start - 60:end + 20]}..."
+                checked += 1
+    assert checked >= 3  # privacy.md, troubleshooting.md, federated.md state one today
+
+
+def test_exact_in_one_round_names_an_undamped_server():
+    """A paragraph (or list item) promising an exponential-family block the exact posterior in one round names
+    the servers that merge the whole update: ``Sequential()`` or ``Synchronous(1.0)``."""
+    claims = 0
+    for page in PAGES:
+        for unit in re.split(r"\n\s*\n|\n(?=\s*[*-] )", page.read_text()):
+            text = re.sub(r"\s+", " ", unit)
+            if ONE_ROUND_EXACT.search(text) and EXPONENTIAL_FAMILY.search(text):
+                claims += 1
+                assert UNDAMPED.search(text), f"{page.name}: exact in one round under which server? {text[:160]}"
+    assert claims >= 3  # README, families.md, privacy.md

@@ -92,14 +92,20 @@ POISSON_NUTS_MEAN = np.array([2.3898, 0.4588, -0.2919, 0.2144])
 POISSON_NUTS_SD = np.array([0.0149, 0.0290, 0.0312, 0.0294])
 
 
-def test_cvi_from_a_wide_prior_on_a_poisson_log_link_reaches_nuts():
+# Issue 23, problem 3 (Synchronous(0.5)) and problem 1, second bullet (Synchronous(AdaptiveDamping())). Measured
+# with this set-up and run(PRNGKey(0), 20, ..., tol=0.05) under AdaptiveDamping: at dce833c converged=True after
+# 15 rounds, 1.7 NUTS sds off (b and w), no warning; now converged after 4 rounds, every mean within 0.04 sd.
+@pytest.mark.parametrize("server, tol", [(pvi.Synchronous(0.5), None), (pvi.Synchronous(pvi.AdaptiveDamping()), 0.05)],
+                         ids=["half", "adaptive"])
+def test_cvi_from_a_wide_prior_on_a_poisson_log_link_reaches_nuts(server, tol):
     k1, k2 = random.split(random.PRNGKey(0))
     X = 0.5 * random.normal(k1, (400, 3))
     y = dist.Poisson(jnp.exp(2.4 + X @ jnp.array([0.5, -0.3, 0.2]))).sample(k2)
     family = pvi.FullRankGaussian()
     inference = pvi.PVI(poisson_model, family, pvi.split_iid(random.PRNGKey(4), 400, 4),
-                        pvi.NaturalGradientUpdate(step_size=0.5, num_steps=5), pvi.Synchronous(0.5))
-    result = inference.run(random.PRNGKey(0), 6, X, y=y, progress_bar=False)
+                        pvi.NaturalGradientUpdate(step_size=0.5, num_steps=5), server)
+    result = inference.run(random.PRNGKey(0), 6, X, y=y, progress_bar=False, tol=tol)
+    assert tol is None or result.converged is True  # with tol: converged, and (below) right
     loc, scale_tril = family.loc_scale(result.state.q)
     sd = np.sqrt(np.diag(np.asarray(scale_tril @ scale_tril.T)))
     # Before: the first step's Bonnet/Price site (E_q[exp(b)] under b ~ N(0, 10^2)) collapsed q to b = -1 with sds

@@ -1,5 +1,9 @@
 """PVI end to end: exact posteriors, agreement with NumPyro SVI, backends, the posterior API, bad input."""
 
+import inspect
+import pydoc
+import re
+
 import jax.numpy as jnp
 import numpy as np
 import numpyro
@@ -268,3 +272,18 @@ def test_bad_constructor_arguments(kwargs, error):
     args = dict(model=linear_model, family=pvi.MeanFieldGaussian(), partitions=PARTS, local_update=gradient_update(10))
     with pytest.raises(error):
         pvi.PVI(**{**args, **kwargs})
+
+
+def test_help_names_every_family_update_server_and_damping():
+    # issue 23, problem 9: help(pvi.PVI) listed two families and two servers (dce833c: "``Synchronous(damping)``
+    # (default) or ``Sequential()``"); what help() prints must name every one the package exports
+    text = pydoc.render_doc(pvi.PVI, renderer=pydoc.plaintext)
+    exported = [getattr(pvi, name) for name in pvi.__all__]
+    updates = [c.__name__ for c in exported if inspect.isclass(c) and c is not pvi.LocalUpdate
+               and issubclass(c, pvi.LocalUpdate)]
+    servers = [c.__name__ for c in exported if inspect.isclass(c) and c is not pvi.Server
+               and issubclass(c, pvi.Server)]
+    assert len(updates) >= 6 and len(servers) >= 4, (updates, servers)
+    families = ["MeanFieldGaussian", "FullRankGaussian", "Gamma", "Beta", "Dirichlet", "SiteFamilies"]
+    for name in [*families, *updates, *servers, "HeavyBall", "AdaptiveDamping", "RayBackend"]:
+        assert re.search(rf"\b{name}\b", text), f"help(pvi.PVI) does not name {name}"
