@@ -263,7 +263,7 @@ class PVI:
         state = state._replace(damping=damping.after_round(self.server.damping, state.damping, elbo, backtracked))
         move = q_move(self.family, old_q, state.q)
         info = RoundInfo(elbo, *round.record(), time.perf_counter() - start, round.rejection, round.moved,
-                         largest(move), round.bytes_received, round.bytes_sent)
+                         largest(move), round.bytes_received, round.bytes_sent, round.inflation)
         monitor.after_round(info, round.staleness, move)
         note = damping.warning(self.server.damping, state.damping)  # an oscillating or falling run says so
         if note is not None:
@@ -328,7 +328,7 @@ class PVI:
                     last.append((state.q, state.factors, state.prior_factor))
                     rounds.set_postfix(elbo=f"{info.elbo:.4g}", rejected=int(info.num_rejected),
                                        clamped=int(np.sum(info.clamped)), change=f"{info.change:.2g}")
-                    if monitor.earned:
+                    if monitor.finished:
                         break
         finally:
             cancel_in_flight(problem.steps.runner, in_flight)
