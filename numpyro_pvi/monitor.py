@@ -314,6 +314,8 @@ class RunMonitor:
             return "not_merged", (f"The run did not converge in {self.rounds} rounds: updates of its last round were "
                                   f"rejected or clamped away (rejected: {_reasons(codes) or 'none'}; steps clamped: "
                                   f"{int(np.asarray(info.clamped).sum())}), so q's small change is not convergence.")
+        if self.correlated:  # before "clamped": with correlated clients a factorised family's clamps are a symptom
+            return "factorised_correlation", self._correlation_message()
         if tol is not None and self.clamped:
             attempted = np.asarray(info.attempts) > 0
             clients = np.flatnonzero(attempted & (np.asarray(info.clamped) > 0)).tolist()
@@ -322,8 +324,6 @@ class RunMonitor:
                                "steps halved or replaced to keep q valid), so q stopped where the clamps held it, not "
                                "where the clients agree. Use a smaller local step size, more particles or chains, or "
                                "start nearer the answer (init_loc_fn).")
-        if self.correlated:
-            return "factorised_correlation", self._correlation_message()
         if self.falling:
             return "elbo_falling", (f"The run did not converge in {self.rounds} rounds: the ELBO fell in each of its "
                                     f"last {STALL_ROUNDS} rounds (by {self.fallen:.4g}). Use a smaller damping or "
