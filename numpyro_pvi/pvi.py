@@ -291,8 +291,10 @@ class PVI:
         :param tol: stop once the run has converged: a round moved ``q`` by at most ``tol`` posterior sds
             (``RoundInfo.change``: the largest change of a marginal mean in sds, or of a marginal log sd),
             every update of that round was merged (none rejected, none clamped), every client has been
-            merged at least once (client sampling), the ELBO is not falling and ``q`` is not drifting one way
-            with more than ``tol`` still to go; ``result.converged`` says
+            merged at least once (client sampling), the ELBO is not falling, ``q`` is not drifting one way
+            with more than ``tol`` still to go, and ``q`` is not a factorised EP / SNEP fixed point over correlated
+            clients (such a run stops once ``q`` settles, ``stopped_because == "factorised_correlation"``);
+            ``result.converged`` says
             whether it did. Pick it above the Monte Carlo noise of the local updates (e.g. 0.05 for
             ``GradientUpdate`` with a few particles, far less for exact or natural-gradient updates); a run
             whose ``q`` jitters at that noise floor says so (``stopped_because == "noise_floor"``).
