@@ -263,7 +263,7 @@ class PVI:
         state = state._replace(damping=damping.after_round(self.server.damping, state.damping, elbo, backtracked))
         move = q_move(self.family, old_q, state.q)
         info = RoundInfo(elbo, *round.record(), time.perf_counter() - start, round.rejection, round.moved,
-                         largest(move), round.bytes_received, round.bytes_sent)
+                         largest(move), round.bytes_received, round.bytes_sent, round.inflation)
         monitor.after_round(info, round.staleness, move)
         note = damping.warning(self.server.damping, state.damping)  # an oscillating or falling run says so
         if note is not None:
@@ -291,8 +291,10 @@ class PVI:
         :param tol: stop once the run has converged: a round moved ``q`` by at most ``tol`` posterior sds
             (``RoundInfo.change``: the largest change of a marginal mean in sds, or of a marginal log sd),
             every update of that round was merged (none rejected, none clamped), every client has been
-            merged at least once (client sampling), the ELBO is not falling and ``q`` is not drifting one way
-            with more than ``tol`` still to go; ``result.converged`` says
+            merged at least once (client sampling), the ELBO is not falling, ``q`` is not drifting one way
+            with more than ``tol`` still to go, and ``q`` is not a factorised EP / SNEP fixed point over correlated
+            clients (such a run stops once ``q`` settles, ``stopped_because == "factorised_correlation"``);
+            ``result.converged`` says
             whether it did. Pick it above the Monte Carlo noise of the local updates (e.g. 0.05 for
             ``GradientUpdate`` with a few particles, far less for exact or natural-gradient updates); a run
             whose ``q`` jitters at that noise floor says so (``stopped_because == "noise_floor"``).
@@ -328,7 +330,7 @@ class PVI:
                     last.append((state.q, state.factors, state.prior_factor))
                     rounds.set_postfix(elbo=f"{info.elbo:.4g}", rejected=int(info.num_rejected),
                                        clamped=int(np.sum(info.clamped)), change=f"{info.change:.2g}")
-                    if monitor.earned:
+                    if monitor.finished:
                         break
         finally:
             cancel_in_flight(problem.steps.runner, in_flight)

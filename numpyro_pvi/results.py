@@ -116,7 +116,9 @@ class PVIRunResult(NamedTuple):
     ``stopped_because`` says why the run stopped: ``"converged"``, or (all rounds run) ``"num_rounds"`` (no
     ``tol``, nothing wrong), ``"not_merged"``, ``"clamped"``, ``"unmerged_clients"``, ``"elbo_falling"``,
     ``"still_moving"`` (more rounds help), ``"noise_floor"`` (more particles or local steps help, not rounds),
-    ``"swinging"`` or ``"not_settled"`` (:data:`numpyro_pvi.monitor.STOP_REASONS`); every reason but
+    ``"swinging"``, ``"not_settled"``, or ``"factorised_correlation"`` (EP / SNEP with a factorised family over
+    correlated clients: ``q`` settled, early, at a fixed point whose sds are neither the posterior's nor
+    mean-field VI's) (:data:`numpyro_pvi.monitor.STOP_REASONS`); every reason but
     ``"converged"`` and ``"num_rounds"`` comes with a :class:`~numpyro_pvi.PVIWarning` that names it.
     ``average`` is the state averaged over the last rounds (``run(..., average_rounds=k)``), see :meth:`averaged`.
 

@@ -81,6 +81,7 @@ class Round:
         self.attempts, self.accepted, self.clamped = (np.zeros(num_clients, int) for _ in range(3))
         self.rejection, self.moved = np.zeros(num_clients, int), np.zeros(num_clients, bool)
         self.bytes_received, self.bytes_sent = np.zeros(num_clients, np.int64), np.zeros(num_clients, np.int64)
+        self.inflation = np.ones(num_clients)  # each client's last ClientResult.inflation
         self.staleness: list[int] = []  # how stale each update the server rejected as stale was (in merges)
         self.hyper_grad: dict = {}  # client -> its last accepted hyperparameter gradient this round
 
@@ -121,6 +122,7 @@ class Round:
         self.accepted[ids] += accepted
         self.clamped[ids] += np.asarray(out.clamped)[:n]
         self.rejection[ids], self.moved[ids] = np.asarray(out.rejection)[:n], np.asarray(out.moved)[:n]
+        self.inflation[ids] = np.asarray(out.inflation)[:n]
         if out.hyper_grad:
             for i, m in enumerate(ids):
                 if accepted[i]:

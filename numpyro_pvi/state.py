@@ -143,6 +143,10 @@ class RoundInfo(NamedTuple):
         of ``q`` and of its cavity (and the hyperparameters, if any), counted from the arrays sent.
     :ivar bytes_sent: ``(M,)`` bytes each client sent this round: per update, its natural-parameter delta and
         its free energy (and its hyperparameter gradient, if any).
+    :ivar inflation: ``(M,)`` the variance inflation each client's last update found in its tilted distribution
+        beyond what the family can hold (``ClientResult.inflation``; EP and SNEP measure it, 1 otherwise); with a
+        factorised family and several clients a large one ends the run unconverged
+        (``stopped_because == "factorised_correlation"``).
 
     **Example:** ``state, info = inference.update(state, X, y=y)``; ``info.elbo``, ``info.num_rejected``;
     over a run, ``result.history.free_energy`` is ``(rounds, M)``.
@@ -160,6 +164,7 @@ class RoundInfo(NamedTuple):
     change: Any = None
     bytes_received: Any = None
     bytes_sent: Any = None
+    inflation: Any = None
 
     @property
     def num_rejected(self) -> Any:
@@ -177,6 +182,7 @@ class ClientOutcome(NamedTuple):
     :ivar hyper_grad: its gradient of the local free energy w.r.t. the hyperparameters (``()`` if none).
     :ivar rejection: why it was rejected (a :class:`Rejection` code, 0 if merged).
     :ivar moved: whether its delta was non-zero.
+    :ivar inflation: the variance inflation of its tilted distribution beyond the family's form (1 if not measured).
     """
 
     free_energy: jax.Array
@@ -186,3 +192,4 @@ class ClientOutcome(NamedTuple):
     hyper_grad: Any
     rejection: jax.Array
     moved: jax.Array
+    inflation: Any = 1.0

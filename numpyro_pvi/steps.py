@@ -138,8 +138,9 @@ def _apply_fn(family: Any, server: Any, local_update: Any) -> Callable:
         state = state._replace(q=merged.q, factors=merged.factors, client_states=client_states)
         damping = jnp.broadcast_to(merged.damping, ids.shape) * accepted
         clamped = jnp.broadcast_to(result.clamped, ids.shape)
+        inflation = jnp.broadcast_to(jnp.asarray(result.inflation, jnp.result_type(float)), ids.shape)
         return state, ClientOutcome(result.free_energy, accepted, damping, clamped, result.hyper_grad, rejection,
-                                    moved & accepted)
+                                    moved & accepted, inflation)
 
     return apply
 

@@ -76,7 +76,10 @@ class ClientResult(NamedTuple):
     keep ``q`` positive definite, a site variance clamped); it is reported in ``RoundInfo.clamped``.
     ``hyper_grad`` is ``d F_m / d hyper`` (unconstrained) for models with hyperparameters, else ``()``.
     ``failure`` is set by a backend whose client could not deliver (a :class:`~numpyro_pvi.Rejection` code:
-    timed out or raised); a local update leaves it 0.
+    timed out or raised); a local update leaves it 0. ``inflation`` is how far the correlations of the client's
+    tilted distribution that the family cannot hold inflate a variance
+    (:func:`~numpyro_pvi.families.gaussian.variance_inflation`; EP and SNEP report it, 1 if not measured); the
+    run's monitor reads it (``RoundInfo.inflation``) to flag a factorised EP fixed point.
 
     **Example:** a client that moves ``q`` to ``q_new`` returns
     ``ClientResult(delta=q_new - q, free_energy=f, state=state)``.
@@ -88,6 +91,7 @@ class ClientResult(NamedTuple):
     clamped: Any = 0
     hyper_grad: Any = ()
     failure: Any = 0
+    inflation: Any = 1.0
 
 
 @dataclass(frozen=True)

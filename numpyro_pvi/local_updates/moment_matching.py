@@ -27,6 +27,7 @@ import jax.numpy as jnp
 
 from numpyro_pvi.backtracking import backtrack
 from numpyro_pvi.families import Family, MeanParamFamily, NatParams
+from numpyro_pvi.families.gaussian import variance_inflation
 from numpyro_pvi.local_updates.base import Client, ClientProblem, ClientResult, local_free_energy
 from numpyro_pvi.local_updates.nuts import NUTSSettings, nuts_draws
 from numpyro_pvi.local_updates.site_moment_matching import bind_site_families
@@ -214,7 +215,7 @@ class MomentMatchingUpdate:
             q_new = q + delta
             zeta = family.to_dist(q_new).sample(fe_key, (64,))
             free_energy = local_free_energy(family, q_new, cavity, loglik, zeta)
-            return ClientResult(delta, free_energy, state, clamped)
+            return ClientResult(delta, free_energy, state, clamped, inflation=variance_inflation(family, cov))
 
         return client_update
 

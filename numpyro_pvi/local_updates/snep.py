@@ -47,6 +47,7 @@ import jax
 import jax.numpy as jnp
 
 from numpyro_pvi.families import Family, NatParams
+from numpyro_pvi.families.gaussian import variance_inflation
 from numpyro_pvi.local_updates.base import Client, ClientProblem, ClientResult, local_free_energy
 from numpyro_pvi.local_updates.moment_matching import laplace
 from numpyro_pvi.local_updates.snep_blocks import bind_blocks, init_block_state
@@ -177,7 +178,7 @@ def _client_update(update: SNEPUpdate, problem: ClientProblem, rng_key: jax.Arra
     loglik = lambda z: problem.log_likelihood(z, client)  # noqa: E731
     chain_key, loop_key, fe_key = jax.random.split(rng_key, 3)
     t_old = q - cavity
-    lap_q = _laplace_q(family, cavity, q, loglik, update.num_newton)
+    lap_q, inflation = _laplace_q(family, cavity, q, loglik, update.num_newton)
     q_local = jax.tree.map(lambda a, b: jnp.where(state.visited, a, b), q, lap_q)
     loc, scale = family.loc_scale(q_local)
     visit = SNEPVisit(family, cavity, loc, scale, loglik, state.count)
@@ -194,18 +195,22 @@ def _client_update(update: SNEPUpdate, problem: ClientProblem, rng_key: jax.Arra
     q_new = cavity + site
     zeta = family.to_dist(q_new).sample(fe_key, (64,))
     free_energy = local_free_energy(family, q_new, cavity, loglik, zeta)
-    return ClientResult(site - t_old, free_energy, new_state, clamped + (~finite))
+    return ClientResult(site - t_old, free_energy, new_state, clamped + (~finite), inflation=inflation)
 
 
-def _laplace_q(family: Family, cavity: NatParams, q: NatParams, loglik: Callable, num_newton: int) -> NatParams:
-    """The family's Laplace approximation of ``cavity * p(y_m | zeta)`` from ``q``'s mean (``q`` if not valid).
+def _laplace_q(family: Family, cavity: NatParams, q: NatParams, loglik: Callable,
+               num_newton: int) -> tuple[NatParams, jax.Array]:
+    """The family's Laplace approximation of ``cavity * p(y_m | zeta)`` from ``q``'s mean (``q`` if not valid), and
+    the variance inflation its dense covariance has beyond the family's form (``ClientResult.inflation``: a
+    deterministic estimate, where the chains' few draws would be noisy).
 
     A first visit starts there (for mean field: with the Laplace approximation's marginal variances).
     """
     log_tilted = lambda z: family.quadratic(cavity, z) + loglik(z)  # noqa: E731
-    mode, precision, _ = laplace(log_tilted, family.loc_scale(q)[0], family.dense_precision(q), num_newton)
+    mode, precision, chol = laplace(log_tilted, family.loc_scale(q)[0], family.dense_precision(q), num_newton)
     lap_q = family.from_dense_precision(mode, precision)
-    return jax.tree.map(lambda a, b: jnp.where(family.is_valid(lap_q), a, b), lap_q, q)
+    inflation = variance_inflation(family, jax.scipy.linalg.cho_solve((chol, True), jnp.eye(mode.shape[-1])))
+    return jax.tree.map(lambda a, b: jnp.where(family.is_valid(lap_q), a, b), lap_q, q), inflation
 
 
 def _carried_chains(family: Family, state: SNEPState, q_local: NatParams, rng_key: jax.Array) -> jax.Array:
