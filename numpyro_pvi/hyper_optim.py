@@ -52,7 +52,7 @@ def rprop(learning_rate: float = 0.1, eta_minus: float = 0.5, eta_plus: float = 
         >>> x = jnp.array(1.0)
         >>> state = optimizer.init(x)
         >>> update, state = optimizer.update(2 * x, state)  # the gradient of x**2
-        >>> float(update)
+        >>> round(float(update), 6)
         -0.1
     """
     for name, value in (("learning_rate", learning_rate), ("min_step_size", min_step_size),

@@ -63,7 +63,7 @@ class GradientUpdate:
         default ``elbo``; at least ``num_particles``). The server steps on the sum of the clients' estimates once a
         round, so their Monte Carlo noise is what is left near the optimum: on the 40-row, 8-weight noise-scale
         model of ``tests/test_hyperparameters.py`` 8 draws gave the summed gradient an sd of 1.5 (2.3 % of the noise
-        scale at the evidence's curvature), 256 draws 0.3; they cost one gradient, against ``num_steps`` of them.
+        scale at the evidence's curvature), 256 draws 0.37; they cost one gradient, against ``num_steps`` of them.
 
     **Example:**
 

@@ -55,7 +55,7 @@ class NaturalGradientUpdate:
     :param int num_hyper_particles: antithetic draws of ``q`` for the hyperparameters' gradient (the step's
         ``num_particles`` draws if those are more): the server steps on the sum of the clients' estimates once a
         round, so their noise is what is left near the optimum (16 draws: an sd of 0.86 on the noise-scale model of
-        ``tests/test_hyperparameters.py``, 1.3 % of its noise scale; 256: 0.2).
+        ``tests/test_hyperparameters.py``, 1.3 % of its noise scale; 256: 0.22).
 
     **Example:**
 
