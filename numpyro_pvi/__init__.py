@@ -32,6 +32,7 @@ from numpyro_pvi.families import (
     SiteFamilies,
 )
 from numpyro_pvi.heavy_ball import HeavyBall
+from numpyro_pvi.hyper_optim import rprop
 from numpyro_pvi.local_updates import (
     Client,
     ClientProblem,
@@ -102,6 +103,7 @@ __all__ = [
     "load",
     "save",
     "partition_plate",
+    "rprop",
     "split_by_label",
     "split_iid",
 ]
