@@ -159,6 +159,9 @@ class Bucket(NamedTuple):
 
 
 BUCKET_OVERHEAD = 0.1  # a bucket (a compiled shape, a vmapped call) must save this share of all rows of padding
+# ... and at least this many rows: a bucket compiles its own client update (seconds to minutes, once), while a
+# padded row costs microseconds a round; on a few hundred rows one bucket always wins (the sweep's skewed splits)
+MIN_BUCKET_SAVING = 1024
 
 
 def buckets(split: ClientColumns, by_size: bool, rows: int | None = None, capacity: int | None = None,
@@ -166,11 +169,12 @@ def buckets(split: ClientColumns, by_size: bool, rows: int | None = None, capaci
     """The clients in :class:`Bucket` s, so that a round's work follows the rows each client holds.
 
     With ``by_size``, clients of ``n`` rows start in the bucket of the power of two ``>= n`` and neighbouring
-    buckets are merged while a separate bucket saves less than ``BUCKET_OVERHEAD`` of all rows of padding (the
-    fewest compiled shapes for the padded rows, :func:`bucket_ranges`); each bucket is padded to its largest
-    client. One client of 9,901 rows and 99 of one row make two buckets, 9,901 rows and 99 rows, instead of
-    100 clients of 9,901 rows. Otherwise one bucket holds every client slot (``capacity``), padded to ``rows``
-    (default: the largest client), as :func:`stack` does. With ``grow`` (clients joining one by one), a
+    buckets are merged while a separate bucket saves less than ``BUCKET_OVERHEAD`` of all rows of padding, or less
+    than ``MIN_BUCKET_SAVING`` rows (the fewest compiled shapes for the padded rows, :func:`bucket_ranges`: each
+    bucket compiles its own client update, which a few hundred padded rows never pay back); each bucket is padded
+    to its largest client. One client of 9,901 rows and 99 of one row make two buckets, 9,901 rows and 99 rows,
+    instead of 100 clients of 9,901 rows. Otherwise one bucket holds every client slot (``capacity``), padded to
+    ``rows`` (default: the largest client), as :func:`stack` does. With ``grow`` (clients joining one by one), a
     bucket's rows and clients are padded to powers of two, so that its shapes, and the compiled steps, change
     only when it doubles.
     """
@@ -182,7 +186,7 @@ def buckets(split: ClientColumns, by_size: bool, rows: int | None = None, capaci
     units = np.unique(bound)
     counts, largest = [int(np.sum(bound == b)) for b in units], [int(sizes[bound == b].max()) for b in units]
     out = []
-    for lo, hi in bucket_ranges(counts, largest, BUCKET_OVERHEAD * sizes.sum()):
+    for lo, hi in bucket_ranges(counts, largest, max(BUCKET_OVERHEAD * sizes.sum(), MIN_BUCKET_SAVING)):
         ids = np.flatnonzero((bound >= units[lo]) & (bound <= units[hi - 1]))
         part = ClientColumns([[col[m] for m in ids] for col in split.columns], split.is_row,
                              tuple(int(n) for n in sizes[ids]), split.layout)

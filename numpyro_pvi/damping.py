@@ -51,7 +51,8 @@ class AdaptiveDamping:
         self.initial, self.grow, self.shrink, self.minimum, self.maximum = initial, grow, shrink, minimum, maximum
 
     def init(self) -> DampingState:
-        return DampingState(jnp.asarray(self.initial, jnp.result_type(float)), jnp.asarray(-jnp.inf))
+        dtype = jnp.result_type(float)  # not weak-typed: the state after a round has these types (no recompilation)
+        return DampingState(jnp.asarray(self.initial, dtype), jnp.asarray(-jnp.inf, dtype))
 
     def adapt(self, damping: DampingState, elbo: float, backtracked: bool) -> DampingState:
         """The damping for the next round, after a round that reached ``elbo``."""

@@ -120,3 +120,17 @@ def test_a_full_rank_client_whose_cavity_is_improper_is_rejected_when_visited(li
     np.testing.assert_array_equal(info.rejection, [0, pvi.Rejection.INVALID, 0, 0])
     np.testing.assert_array_equal(info.accepted, [1, 0, 1, 1])
     np.testing.assert_array_equal(state.factors.eta2[1], -2.0 * np.eye(3))  # its factor is untouched
+
+
+@pytest.mark.parametrize("server", [pvi.Sequential(), pvi.Synchronous(), pvi.Asynchronous()], ids=str)  # 3 dampings
+def test_a_round_keeps_the_state_types_so_the_steps_compile_once(linear_data, server):
+    """The compiled group step is keyed on the state's types, weak types included: a round that changes one (the
+    adaptive damping's ELBO started weak-typed, as ``jnp.asarray(-inf)``) compiles the whole client update again
+    in the next round, minutes for the sweep's asynchronous cells."""
+    X, y = linear_data
+    inference = pvi.PVI(linear_model, pvi.FullRankGaussian(), UNEQUAL, ExactLinearUpdate(), server)
+    state = inference.init(random.PRNGKey(0), X, y=y)
+    types = jax.tree.map(jax.typeof, state)
+    for _ in range(2):
+        state, _ = inference.update(state, X, y=y)
+        assert jax.tree.map(jax.typeof, state) == types
