@@ -1,5 +1,6 @@
 """RayBackend: clients as actors that hold their own data, match vmap, fail safely, run truly asynchronously."""
 
+import os
 import warnings
 
 import jax
@@ -240,12 +241,15 @@ def test_actors_hold_the_current_data_after_new_data_or_add_client(backend, line
     held_by_actors_is(problem)
     np.testing.assert_array_equal(info.accepted, [1, 1, 1, 1])
     np.testing.assert_allclose(inference.family.loc_scale(state.q)[0], exact_linear_posterior(X, y)[0], rtol=1e-4)
-    # the same clients with other values (equal shapes): the actors are given the new data
+    # the same clients with other values (equal shapes), in another problem: the actors are given the new data, and
+    # keep their processes (a new one would import JAX again: seconds of CPU each)
+    processes = ray.get([a.__ray_call__.remote(lambda self: os.getpid()) for a in backend.actors])
     other = pvi.PVI(linear_model, pvi.FullRankGaussian(), UNEQUAL, ExactLinearUpdate(), pvi.Synchronous(1.0), backend)
     for scale in (1.0, 2.0):
         new = other.build(X * scale, y=y)
         other.update(other.init(random.PRNGKey(0), new), new)
         held_by_actors_is(new)
+    assert ray.get([a.__ray_call__.remote(lambda self: os.getpid()) for a in backend.actors]) == processes
 
 
 def test_a_timeout_rejects_and_restarts_but_does_not_count_compilation(ray_cluster, linear_data):
