@@ -65,7 +65,8 @@ def by_value():
         ray.cloudpickle.register_pickle_by_value(module)
     with pytest.MonkeyPatch.context() as env:
         # the simulation's Ray starts its workers at nice 15: beside a busy process (CI's other xdist worker)
-        # the sites got a few per cent of a core; at 0 they share the cores evenly
+        # the sites get about 3 % of a core (the kernel's weights of nice 15 and 0: 36 and 1024); at 0 they share
+        # the cores evenly
         env.setenv("RAY_worker_niceness", "0")
         yield
     for module in modules:

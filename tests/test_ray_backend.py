@@ -39,8 +39,8 @@ def ray_cluster():
     for name in ["conftest", __name__]:
         ray.cloudpickle.register_pickle_by_value(sys.modules[name])
     with pytest.MonkeyPatch.context() as env:
-        # Ray starts its workers at nice 15: beside a busy process (CI's other xdist worker) the actors got a few
-        # per cent of a core and these tests took many times longer; at 0 they share the cores evenly
+        # Ray starts its workers at nice 15: beside a busy process (CI's other xdist worker) the actors get about
+        # 3 % of a core (the kernel's weights of nice 15 and 0: 36 and 1024); at 0 they share the cores evenly
         env.setenv("RAY_worker_niceness", "0")
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield
