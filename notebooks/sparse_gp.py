@@ -43,7 +43,9 @@ spec = importlib.util.spec_from_file_location("sparse_gp_example", EXAMPLE)
 sparse_gp = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(sparse_gp)
 
-ARGS = [] if FULL else ["--num-data", "150", "--num-clients", "5", "--rounds", "150", "--num-particles", "256",
+# fast: 60 rounds of 128 draws (measured: 0.030 exact-GP sd from the exact predictive mean, no rejected update;
+# with 150 rounds of 256 draws, five times the work: 0.052)
+ARGS = [] if FULL else ["--num-data", "150", "--num-clients", "5", "--rounds", "60", "--num-particles", "128",
                         "--seed", "2"]
 print(f"{'full' if FULL else 'fast'} setting: {' '.join(ARGS) or 'the example defaults'}")
 

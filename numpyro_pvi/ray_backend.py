@@ -2,8 +2,10 @@
 
 The server sends a client its cavity and ``q`` and receives its delta. A client whose update raises,
 exceeds ``timeout`` seconds or whose actor died is reported as a rejected update; a dead or timed-out
-actor is restarted from the client's data. The actors hold the data of the problem they were started
-for: when a round runs on other data (new arrays, :meth:`PVI.add_client`), they are replaced.
+actor is restarted from the client's data. The actors hold the data of the problem they were last given:
+when a round runs on other data (new arrays, :meth:`PVI.add_client`) or another problem, the live actors are
+given the new data and update (their processes, which have imported JAX, are kept); only dead, timed-out or
+surplus actors are killed.
 """
 
 from __future__ import annotations
@@ -88,8 +90,10 @@ class RayBackend:
     def prepare(self, local_update: Any, problem: ClientProblem) -> ClientRunner:
         if not self.ray.is_initialized():
             start_ray(self.ray, self.num_workers)
-        self.close()  # actors of an earlier problem hold other data and CPU shares
-        runner = RayRunner(self, local_update, problem)
+        # the actors of an earlier problem are given this problem's data and update at its first round: a new
+        # actor's process first imports JAX (seconds of CPU each)
+        idle = [actor for runner in self.runners for actor in runner.release()]
+        runner = RayRunner(self, local_update, problem, idle)
         self.runners = [runner]
         return runner
 
@@ -110,10 +114,11 @@ class RayBackend:
 class RayRunner:
     """The client runner of :class:`RayBackend` for one client problem (a :class:`~numpyro_pvi.ConcurrentRunner`).
 
-    Its actors hold the clients of the last ``clients`` it was called with; other clients replace them.
+    Its actors hold the clients of the last ``clients`` it was called with; other clients are loaded into them.
+    ``idle``: live actors of an earlier problem, loaded with this one's clients before any new actor is started.
     """
 
-    def __init__(self, backend: RayBackend, local_update: Any, problem: ClientProblem) -> None:
+    def __init__(self, backend: RayBackend, local_update: Any, problem: ClientProblem, idle: list = ()) -> None:
         self.backend, self.ray, self.timeout = backend, backend.ray, backend.timeout
         self.actor_class = self.ray.remote(num_cpus=backend.cpus_per_client)(ClientActor)
         self.local_update, self.problem = local_update, problem
@@ -122,30 +127,54 @@ class RayRunner:
         self.actors: list = []
         self.compiling: dict = {}  # client -> the reference of its actor's compilation, until it is collected
         self.compiled: set = set()  # clients whose actor has compiled its update
+        self.idle = list(idle)
+        # clients with a cancelled update: their actors are not given other data. A cancelled actor call can leave
+        # the actor waiting for it (measured: "Timed out waiting for seq_no ...", 30 s, then the actor unavailable)
+        self.abandoned: set = set()
 
     def _spawn(self, m: int) -> Any:
         self.compiled.discard(m)
+        self.abandoned.discard(m)
         return self.actor_class.remote(self.local_update, self.problem, self._own(m))
+
+    def _load(self, actor: Any, m: int) -> Any:
+        """Give a live actor client ``m``'s data and update; returns the reference to wait for."""
+        self.compiled.discard(m)
+        return actor.load.remote(self.local_update, self.problem, self._own(m))
 
     def _own(self, m: int) -> Client:
         return unpad(jax.device_get(take(self.clients, m)), self.problem.is_row)
 
     def sync(self, clients: Client) -> None:
-        """Make the actors hold ``clients`` (start them, or replace those whose data changed)."""
+        """Make the actors hold ``clients`` (start them, or give those whose data changed the new data)."""
         if clients is self.clients and self.actors:
             return
         self.clients = clients
         digests = [digest(self._own(m)) for m in range(int(np.sum(np.asarray(clients.size) > 0)))]
+        started = []  # the references to wait for: new actors' pings and live actors' loads
         for m, old in enumerate(self.digests[:len(digests)]):
-            if old != digests[m]:
+            if old != digests[m] and m in self.abandoned:
                 self.ray.kill(self.actors[m], no_restart=True)
                 self.actors[m] = self._spawn(m)
+                started.append(self.actors[m].ping.remote())
+            elif old != digests[m]:
+                started.append(self._load(self.actors[m], m))
         for m in range(len(digests), len(self.actors)):
             self.ray.kill(self.actors[m], no_restart=True)
-        self.actors = self.actors[:len(digests)] + [self._spawn(m) for m in range(len(self.actors), len(digests))]
-        self.digests = digests
+        self.actors = self.actors[:len(digests)]
+        for m in range(len(self.actors), len(digests)):
+            if self.idle:
+                self.actors.append(self.idle.pop(0))
+                started.append(self._load(self.actors[m], m))
+            else:
+                self.actors.append(self._spawn(m))
+                started.append(self.actors[m].ping.remote())
+        for actor in self.idle:  # more than this problem's clients
+            self.ray.kill(actor, no_restart=True)
+        self.idle, self.digests = [], digests
         try:
-            self.ray.get([actor.ping.remote() for actor in self.actors])
+            # a load that failed (its arguments could not be unpickled) would leave the last problem's update
+            self.ray.get(started)
         except self.ray.exceptions.RayError as e:
             raise RuntimeError("A Ray client actor failed to start. Its worker process must be able to import the "
                                "model's module (define the model in __main__, or register its module with "
@@ -197,7 +226,8 @@ class RayRunner:
 
     def cancel(self, handles: dict) -> None:
         """Abandon pending updates: their results are never read (a running one finishes on its actor)."""
-        for handle in handles.values():
+        for m, handle in handles.items():
+            self.abandoned.add(m)
             try:
                 self.ray.cancel(handle)
             except Exception:  # noqa: BLE001 - cancelling is best effort; the result is dropped either way
@@ -207,19 +237,37 @@ class RayRunner:
         """What each actor holds (:func:`digest` of its data), asked of the actors themselves."""
         return self.ray.get([actor.digest.remote() for actor in self.actors])
 
+    def release(self) -> list:
+        """Hand over the live actors (to the runner of another problem) and hold none.
+
+        The actors of clients with a cancelled update are killed instead.
+        """
+        actors = self.idle
+        for m, actor in enumerate(self.actors):
+            if m in self.abandoned:
+                self.ray.kill(actor, no_restart=True)
+            else:
+                actors.append(actor)
+        self.actors, self.idle, self.digests, self.clients = [], [], [], None
+        self.compiling, self.compiled, self.abandoned = {}, set(), set()
+        return actors
+
     def close(self) -> None:
-        for actor in self.actors:
+        for actor in self.release():
             self.ray.kill(actor, no_restart=True)
-        self.actors, self.digests, self.clients = [], [], None
-        self.compiling, self.compiled = {}, set()
 
 
 class ClientActor:
     """A Ray actor: one client's data and its jitted ``client_update`` (built in the actor's process)."""
 
     def __init__(self, local_update: Any, problem: ClientProblem, client: Client) -> None:
+        self.load(local_update, problem, client)
+
+    def load(self, local_update: Any, problem: ClientProblem, client: Client) -> bool:
+        """Hold ``client`` and its update for ``problem`` instead (the process, with JAX imported, is kept)."""
         self.client = jax.tree.map(jnp.asarray, client)
         self.client_update = jax.jit(local_update.bind(problem))
+        return True
 
     def compile(self, key: Any, cavity: Any, q: Any, state: Any, hyper: Any = ()) -> bool:
         """Compile the update for inputs like these, ahead of time (nothing runs)."""

@@ -1,5 +1,6 @@
 """RayBackend: clients as actors that hold their own data, match vmap, fail safely, run truly asynchronously."""
 
+import os
 import warnings
 
 import jax
@@ -25,6 +26,10 @@ from conftest import (
 
 ray = pytest.importorskip("ray")
 
+# Ray and Flower tests run on one xdist worker (`pytest -n 2 --dist loadgroup`): one Ray cluster and one set of
+# actors for the module, while the other worker runs the rest of the suite
+pytestmark = pytest.mark.xdist_group("ray")
+
 
 @pytest.fixture(scope="module")
 def ray_cluster():
@@ -33,44 +38,35 @@ def ray_cluster():
     # the workers cannot import the test modules
     for name in ["conftest", __name__]:
         ray.cloudpickle.register_pickle_by_value(sys.modules[name])
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    with pytest.MonkeyPatch.context() as env:
+        # Ray starts its workers at nice 15: beside a busy process (CI's other xdist worker) the actors get about
+        # 3 % of a core (the kernel's weights of nice 15 and 0: 36 and 1024); at 0 they share the cores evenly
+        env.setenv("RAY_worker_niceness", "0")
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
 
 
-def test_ray_synchronous_equals_vmap(ray_cluster, linear_data):
+@pytest.fixture(scope="module")
+def backend(ray_cluster):
+    """One RayBackend for the tests that need no special timeout or runner: its four actors are started once
+    (a new actor's process imports JAX: seconds of CPU each) and given each test's problem and data."""
+    backend = pvi.RayBackend()
+    yield backend
+    backend.close()
+
+
+def test_ray_synchronous_equals_vmap(backend, linear_data):
     import optax
 
     X, y = linear_data
     update = pvi.GradientUpdate(optax.adam(1e-2), num_steps=100, num_particles=4)
     states = []
-    for backend in ["vmap", pvi.RayBackend()]:
-        inference = pvi.PVI(linear_model, pvi.MeanFieldGaussian(), UNEQUAL, update, pvi.Synchronous(0.5), backend)
+    for where in ["vmap", backend]:
+        inference = pvi.PVI(linear_model, pvi.MeanFieldGaussian(), UNEQUAL, update, pvi.Synchronous(0.5), where)
         states.append(inference.run(random.PRNGKey(0), 2, X, y=y, progress_bar=False).state)
     np.testing.assert_allclose(states[0].q.eta1, states[1].q.eta1, rtol=1e-4)
     np.testing.assert_allclose(states[0].q.eta2, states[1].q.eta2, rtol=1e-4)
-
-
-TWO_CLIENTS = [np.arange(20), np.arange(20, 48)]  # two actors: each compiles its own update
-
-
-def test_ray_site_families_equal_vmap(ray_cluster):
-    """SiteFamilies (a full-rank Gaussian block and a Gamma block) on Ray actors: the vmap run's q, every leaf.
-
-    The block layout is read from the model on the driver; the actors receive the laid-out family with the problem.
-    """
-    X = random.normal(random.PRNGKey(4), (48, 2))
-    y = X @ jnp.array([1.0, -0.5]) + 0.7 * random.normal(random.PRNGKey(5), (48,))
-    runs = []
-    for backend in ["vmap", pvi.RayBackend()]:
-        family = pvi.SiteFamilies({"w": pvi.FullRankGaussian(), "tau": pvi.Gamma()})
-        update = pvi.NaturalGradientUpdate(step_size=1.0, num_particles=8)
-        inference = pvi.PVI(normal_gamma_model, family, TWO_CLIENTS, update, pvi.Sequential(), backend)
-        runs.append(inference.run(random.PRNGKey(1), 2, X, y=y, progress_bar=False))
-    assert isinstance(runs[1].state.q.eta2, tuple) and len(runs[1].state.q.eta2) == 2  # one eta2 per block
-    for a, b in zip(jax.tree.leaves(runs[0].state.q), jax.tree.leaves(runs[1].state.q)):
-        np.testing.assert_allclose(a, b, rtol=1e-4)
-    np.testing.assert_array_equal(runs[0].history.rejection, runs[1].history.rejection)  # the same merges
 
 
 def compile_in_every_actor(problem, state):
@@ -96,17 +92,18 @@ def fit_noise_model(server, backend, rounds, X, y, warm_up=False):
     state = inference.init(random.PRNGKey(0), X, y=y)
     if warm_up:
         compile_in_every_actor(inference.build(X, y=y), state)
-    result = inference.run(random.PRNGKey(0), rounds, X, y=y, init_state=state, progress_bar=False)
-    if backend != "vmap":
-        backend.close()
-    return result
+    return inference.run(random.PRNGKey(0), rounds, X, y=y, init_state=state, progress_bar=False)
 
 
-def test_ray_with_hyperparameters_equals_vmap(ray_cluster, linear_data):
+def test_ray_with_hyperparameters_equals_vmap(backend, linear_data):
     X, y = linear_data
-    ray_result, vmap_result = (fit_noise_model(pvi.Synchronous(0.5), b, 10, X, y) for b in (pvi.RayBackend(), "vmap"))
+    # 3 rounds: adam's first steps move log sigma by about the learning rate, 0.05 decayed to 5 % over the 3 rounds:
+    # 0.05 + 0.018 + 0.007, so sigma 1.0 -> about 0.93
+    with warnings.catch_warnings():  # 3 rounds: far from converged on purpose (PVIWarning "far")
+        warnings.simplefilter("ignore", pvi.PVIWarning)
+        ray_result, vmap_result = (fit_noise_model(pvi.Synchronous(0.5), b, 3, X, y) for b in (backend, "vmap"))
     sigma = float(vmap_result.hyperparameters["sigma"])
-    assert sigma < 0.9  # it moved from 1.0
+    assert sigma < 0.95  # it moved from 1.0
     # the same keys reach the same client updates, and the server sums the same hyperparameter gradients
     np.testing.assert_allclose(float(ray_result.hyperparameters["sigma"]), sigma, rtol=1e-4)
     np.testing.assert_allclose(ray_result.state.q.eta1, vmap_result.state.q.eta1, rtol=1e-4, atol=1e-4)
@@ -115,7 +112,9 @@ def test_ray_with_hyperparameters_equals_vmap(ray_cluster, linear_data):
 @pytest.mark.slow
 def test_ray_asynchronous_learns_hyperparameters(ray_cluster, linear_data):
     X, y = linear_data
-    result = fit_noise_model(pvi.Asynchronous(0.5), pvi.RayBackend(), 60, X, y, warm_up=True)
+    backend = pvi.RayBackend()
+    result = fit_noise_model(pvi.Asynchronous(0.5), backend, 60, X, y, warm_up=True)
+    backend.close()
     # Asynchronously the arrival order is Ray's (clients report 32-77 times in 60 rounds) and the server sums
     # every client's latest, possibly stale, gradient. Measured: 3.1 % and 3.4 % from the closed-form type-II ML
     # value (0.5194) in two runs; the in-process simulation with the same budget ends 2.0 % off (the decaying
@@ -125,9 +124,8 @@ def test_ray_asynchronous_learns_hyperparameters(ray_cluster, linear_data):
     assert sigma == pytest.approx(type_ii_ml_sigma(X, y), rel=0.06), sigma
 
 
-def test_ray_clients_hold_only_their_own_rows(ray_cluster, linear_data):
+def test_ray_clients_hold_only_their_own_rows(backend, linear_data):
     X, y = linear_data
-    backend = pvi.RayBackend()
     inference = pvi.PVI(linear_model, pvi.FullRankGaussian(), UNEQUAL, ExactLinearUpdate(), pvi.Synchronous(1.0),
                         backend)
     inference.update(inference.init(random.PRNGKey(0), X, y=y), X, y=y)  # the actors start with the first round
@@ -137,11 +135,11 @@ def test_ray_clients_hold_only_their_own_rows(ray_cluster, linear_data):
         np.testing.assert_array_equal(np.asarray(client.arrays[0]), np.asarray(X[rows]))
 
 
-def test_ray_asynchronous_with_a_5x_slower_client(ray_cluster, linear_data):
+def test_ray_asynchronous_with_a_5x_slower_client(backend, linear_data):
     X, y = linear_data
     update = FaultyUpdate(size=20, mode="sleep", seconds=0.5)  # client 2 is much slower than the others
     inference = pvi.PVI(linear_model, pvi.FullRankGaussian(), UNEQUAL, update,
-                        pvi.Asynchronous(damping=0.5), pvi.RayBackend())
+                        pvi.Asynchronous(damping=0.5), backend)
     state = inference.init(random.PRNGKey(0), X, y=y)
     inference.update(state, X, y=y)  # compiles in every actor
     attempts = np.zeros(4, int)
@@ -155,20 +153,18 @@ def test_ray_asynchronous_with_a_5x_slower_client(ray_cluster, linear_data):
     np.testing.assert_allclose(loc, mean, rtol=0.5**attempts[2] * 4)
 
 
-def test_ray_faults_are_rejected_and_recovered(ray_cluster, linear_data):
+def test_ray_faults_are_rejected_and_recovered(backend, linear_data):
     X, y = linear_data
     mean, _ = exact_linear_posterior(X, y)
     # a NaN update and a raising client are rejected, the others merge
     for update, bad in [(PoisonedUpdate(bad_size=20), 2), (FaultyUpdate(90, "raise"), 1)]:
-        inference = pvi.PVI(linear_model, pvi.FullRankGaussian(), UNEQUAL, update, pvi.Synchronous(1.0),
-                            pvi.RayBackend())
+        inference = pvi.PVI(linear_model, pvi.FullRankGaussian(), UNEQUAL, update, pvi.Synchronous(1.0), backend)
         state, info = inference.update(inference.init(random.PRNGKey(0), X, y=y), X, y=y)
         expected = np.ones(4, int)
         expected[bad] = 0
         np.testing.assert_array_equal(info.accepted, expected)
         assert bool(inference.family.is_valid(state.q))
     # a killed actor is restarted from its data: its client misses one round, then catches up
-    backend = pvi.RayBackend()
     inference = pvi.PVI(linear_model, pvi.FullRankGaussian(), UNEQUAL, ExactLinearUpdate(), pvi.Synchronous(1.0),
                         backend)
     state, info = inference.update(inference.init(random.PRNGKey(0), X, y=y), X, y=y)
@@ -187,20 +183,6 @@ def test_ray_faults_are_rejected_and_recovered(ray_cluster, linear_data):
     assert len(backend.actors) == 4 and not set(map(id, backend.actors)) & set(map(id, old))
     with pytest.raises(ray.exceptions.RayActorError):
         ray.get(old[0].ping.remote(), timeout=30)
-
-
-def test_ray_timeout_rejects_and_restarts(ray_cluster, linear_data):
-    X, y = linear_data
-    update = FaultyUpdate(size=20, mode="sleep", seconds=10.0)
-    backend = pvi.RayBackend(timeout=5.0)
-    inference = pvi.PVI(linear_model, pvi.FullRankGaussian(), UNEQUAL, update, pvi.Synchronous(1.0), backend)
-    state, info = inference.update(inference.init(random.PRNGKey(0), X, y=y), X, y=y)
-    np.testing.assert_array_equal(info.accepted, [1, 1, 0, 1])
-    assert info.rejection[2] == pvi.Rejection.TIMEOUT
-    old = backend.actors[2]  # restarted after its time-out
-    state, info = inference.update(state, X, y=y)
-    np.testing.assert_array_equal(info.accepted, [1, 1, 0, 1])
-    assert backend.actors[2] is not old
 
 
 class MarkerUpdate(ExactLinearUpdate):
@@ -226,10 +208,9 @@ class MarkerUpdate(ExactLinearUpdate):
         return client_update
 
 
-def test_a_second_run_merges_nothing_from_the_first(ray_cluster, linear_data):
+def test_a_second_run_merges_nothing_from_the_first(backend, linear_data):
     """Updates still in flight when an asynchronous run ends belong to that run: the next run never merges them."""
     X, y = linear_data
-    backend = pvi.RayBackend()
     inference = pvi.PVI(linear_model, pvi.FullRankGaussian(), UNEQUAL, MarkerUpdate(0.2), pvi.Asynchronous(0.5),
                         backend)
     state = inference.init(random.PRNGKey(0), X, y=y)
@@ -239,12 +220,10 @@ def test_a_second_run_merges_nothing_from_the_first(ray_cluster, linear_data):
     second = inference.run(random.PRNGKey(2), 2, X, y=y, init_state=marked(2.0), progress_bar=False)
     seen = second.history.free_energy[second.history.attempts > 0]
     assert seen.size > 0 and np.all(seen == 2.0), seen  # 1.0 would be an update of the first run
-    backend.close()
 
 
-def test_actors_hold_the_current_data_after_new_data_or_add_client(ray_cluster, linear_data):
+def test_actors_hold_the_current_data_after_new_data_or_add_client(backend, linear_data):
     X, y = linear_data
-    backend = pvi.RayBackend()
     clients = pvi.ClientData([((X[p],), {"y": y[p]}) for p in UNEQUAL[:3]])
     inference = pvi.PVI(linear_model, pvi.FullRankGaussian(), clients, ExactLinearUpdate(), pvi.Synchronous(1.0),
                         backend)
@@ -262,34 +241,42 @@ def test_actors_hold_the_current_data_after_new_data_or_add_client(ray_cluster, 
     held_by_actors_is(problem)
     np.testing.assert_array_equal(info.accepted, [1, 1, 1, 1])
     np.testing.assert_allclose(inference.family.loc_scale(state.q)[0], exact_linear_posterior(X, y)[0], rtol=1e-4)
-    # the same clients with other values (equal shapes): the actors are given the new data
+    # the same clients with other values (equal shapes), in another problem: the actors are given the new data, and
+    # keep their processes (a new one would import JAX again: seconds of CPU each)
+    processes = ray.get([a.__ray_call__.remote(lambda self: os.getpid()) for a in backend.actors])
     other = pvi.PVI(linear_model, pvi.FullRankGaussian(), UNEQUAL, ExactLinearUpdate(), pvi.Synchronous(1.0), backend)
     for scale in (1.0, 2.0):
         new = other.build(X * scale, y=y)
         other.update(other.init(random.PRNGKey(0), new), new)
         held_by_actors_is(new)
-    backend.close()
+    assert ray.get([a.__ray_call__.remote(lambda self: os.getpid()) for a in backend.actors]) == processes
 
 
-def test_a_timeout_shorter_than_compilation_is_no_livelock(ray_cluster, linear_data):
-    """A client's first compilation is not timed: a timeout shorter than it still lets every client through.
-    A client slower than the timeout every round is reported (and its data never reach q: said, not hidden)."""
+def test_a_timeout_rejects_and_restarts_but_does_not_count_compilation(ray_cluster, linear_data):
+    """A client's first compilation is not timed: a timeout shorter than it still lets every client through (no
+    livelock). A client slower than the timeout is rejected (TIMEOUT) and its actor restarted, and one slower every
+    round is reported (its data never reach q: said, not hidden)."""
     X, y = linear_data
-    backend = pvi.RayBackend(timeout=0.3)  # far less than an actor's first compilation (about a second)
+    backend = pvi.RayBackend(timeout=0.3)  # far less than a new actor's first compilation (about a second)
     inference = pvi.PVI(linear_model, pvi.FullRankGaussian(), UNEQUAL, ExactLinearUpdate(), pvi.Synchronous(1.0),
                         backend)
     result = inference.run(random.PRNGKey(0), 2, X, y=y, progress_bar=False)
     np.testing.assert_array_equal(result.history.accepted, np.ones((2, 4), int))
     np.testing.assert_allclose(inference.family.loc_scale(result.state.q)[0], exact_linear_posterior(X, y)[0],
                                rtol=1e-4)
-    slow = pvi.PVI(linear_model, pvi.FullRankGaussian(), UNEQUAL, FaultyUpdate(size=20, mode="sleep", seconds=2.0),
-                   pvi.Synchronous(1.0), pvi.RayBackend(timeout=0.5))
+    # client 2 sleeps 1 s, over three times the timeout (the same actors, given the new update; not timed either)
+    slow = pvi.PVI(linear_model, pvi.FullRankGaussian(), UNEQUAL, FaultyUpdate(size=20, mode="sleep", seconds=1.0),
+                   pvi.Synchronous(1.0), backend)
+    state, info = slow.update(slow.init(random.PRNGKey(0), X, y=y), X, y=y)
+    np.testing.assert_array_equal(info.accepted, [1, 1, 0, 1])
+    assert info.rejection[2] == pvi.Rejection.TIMEOUT
+    old = backend.actors[2]  # restarted after its time-out
     with pytest.warns(pvi.PVIWarning, match=r"Client\(s\) \[2\] timed out .* in each of the last 3 rounds"):
-        result = slow.run(random.PRNGKey(0), 3, X, y=y, progress_bar=False)
+        result = slow.run(random.PRNGKey(0), 3, X, y=y, init_state=state, progress_bar=False)
+    assert backend.actors[2] is not old
     assert (result.history.rejection[:, 2] == pvi.Rejection.TIMEOUT).all()
     assert (result.history.accepted[:, [0, 1, 3]] == 1).all()
     backend.close()
-    slow.backend.close()
 
 
 class CountingRunner(RayRunner):
@@ -315,8 +302,8 @@ class CountingRunner(RayRunner):
 
 class CountingRayBackend(pvi.RayBackend):
     def prepare(self, local_update, problem):
-        super().prepare(local_update, problem)
-        self.runners = [CountingRunner(self, local_update, problem)]
+        idle = super().prepare(local_update, problem).release()  # the live actors, for the counting runner
+        self.runners = [CountingRunner(self, local_update, problem, idle)]
         return self.runners[0]
 
 
@@ -338,6 +325,32 @@ def test_ray_asynchronous_samples_at_most_k_clients_in_flight(ray_cluster, linea
     np.testing.assert_allclose(loc, mean, rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(scale_tril @ scale_tril.T, cov, rtol=1e-3, atol=1e-6)
     backend.close()
+
+
+TWO_CLIENTS = [np.arange(20), np.arange(20, 48)]  # two actors (the module's last test: two are left over)
+
+
+def test_ray_site_families_equal_vmap(backend):
+    """SiteFamilies (a full-rank Gaussian block and a Gamma block) on Ray actors: the vmap run's q, every leaf.
+
+    The block layout is read from the model on the driver; the actors receive the laid-out family with the problem.
+    """
+    import optax
+
+    X = random.normal(random.PRNGKey(4), (48, 2))
+    y = X @ jnp.array([1.0, -0.5]) + 0.7 * random.normal(random.PRNGKey(5), (48,))
+    runs = []
+    for where in ["vmap", backend]:
+        family = pvi.SiteFamilies({"w": pvi.FullRankGaussian(), "tau": pvi.Gamma()})
+        # any update shows the layout at work; Adam's compiles in a third of CVI's time on this family (measured:
+        # 30 s against 88 s for the first in-process round, on this machine under load)
+        update = pvi.GradientUpdate(optax.adam(0.05), num_steps=10, num_particles=2)
+        inference = pvi.PVI(normal_gamma_model, family, TWO_CLIENTS, update, pvi.Sequential(), where)
+        runs.append(inference.run(random.PRNGKey(1), 2, X, y=y, progress_bar=False))
+    assert isinstance(runs[1].state.q.eta2, tuple) and len(runs[1].state.q.eta2) == 2  # one eta2 per block
+    for a, b in zip(jax.tree.leaves(runs[0].state.q), jax.tree.leaves(runs[1].state.q)):
+        np.testing.assert_allclose(a, b, rtol=1e-4)
+    np.testing.assert_array_equal(runs[0].history.rejection, runs[1].history.rejection)  # the same merges
 
 
 class LoudRay:
