@@ -5,8 +5,6 @@ linear in the family's sufficient statistics and the least-squares site recovers
 (float32: relative error ~1e-6 measured; asserted at 1e-5 relative).
 """
 
-import threading
-
 import jax.numpy as jnp
 import numpy as np
 import numpyro
@@ -121,20 +119,6 @@ def test_regression_site_is_the_natural_gradient_of_a_linear_function():
     theta = family.draw(q, random.PRNGKey(0), 16)
     values = jnp.sum(3.0 * jnp.log(theta) - 2.0 * theta, axis=1) + 7.0
     np.testing.assert_allclose(regression_site(family.stats(theta), values), [3.0, 3.0, -2.0, -2.0], rtol=1e-4)
-
-
-def test_regression_site_of_a_non_finite_draw_is_nan_not_a_hang():
-    """LAPACK's SVD behind ``jnp.linalg.lstsq`` loops forever on a matrix holding inf: the sweep's negbin cell (EP,
-    SiteFamilies, wide prior) hung at round 6 inside its group step once a Gamma block reached shape 9e9. The site
-    must come back (NaN, which the merge rejects as non-finite); the thread's timeout is what fails on a hang."""
-    stats = jnp.stack([jnp.arange(8.0), jnp.arange(8.0) ** 2], axis=1).at[0, 0].set(jnp.inf)
-    out = []
-    worker = threading.Thread(target=lambda: out.append(np.asarray(regression_site(stats, jnp.arange(8.0)))),
-                              daemon=True)
-    worker.start()
-    worker.join(timeout=60)
-    assert out, "regression_site did not return within 60 s on a draw holding inf"
-    assert np.all(np.isnan(out[0]))
 
 
 def test_prior_of_another_family_and_wrong_support_are_refused():

@@ -48,12 +48,8 @@ def regression_site(stats: jax.Array, values: jax.Array) -> jax.Array:
     center, spread = jnp.mean(stats, axis=0), jnp.std(stats, axis=0)
     spread = jnp.where(spread > 0, spread, 1.0)
     design = jnp.concatenate([jnp.ones_like(values)[:, None], (stats - center) / spread], axis=1)
-    centred = values - jnp.mean(values)
-    # LAPACK's SVD behind lstsq never returns on a matrix holding inf (Reference-LAPACK issue 1409): a non-finite
-    # draw gives NaN coefficients (which the callers reject as non-finite or invalid) instead of a hang
-    finite = jnp.all(jnp.isfinite(design)) & jnp.all(jnp.isfinite(centred))
-    coef, *_ = jnp.linalg.lstsq(jnp.where(finite, design, 0.0), jnp.where(finite, centred, 0.0))
-    return jnp.where(finite, coef[1:] / spread, jnp.nan)
+    coef, *_ = jnp.linalg.lstsq(design, values - jnp.mean(values))
+    return coef[1:] / spread
 
 
 def _base_transform(transform: Any) -> Any:
