@@ -29,6 +29,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -368,6 +369,24 @@ def run_cell(cell: dict, num_rounds: int = NUM_ROUNDS, tol: float = TOL, seed: i
                    "; ".join(dict.fromkeys(messages)), seconds)
 
 
+def run_cell_isolated(cell: dict, timeout: float) -> Outcome:
+    """:func:`run_cell` in a child process stopped after ``timeout`` seconds: a hang becomes the verdict
+    ``HANGS`` instead of stopping the sweep (a compiled step that never returns cannot be interrupted)."""
+    with tempfile.TemporaryDirectory() as folder:
+        out = Path(folder) / "outcome.json"
+        start = time.perf_counter()
+        try:
+            subprocess.run([sys.executable, __file__, "--one-cell", json.dumps(cell), "--one-out", str(out)],
+                           timeout=timeout, check=False)
+        except subprocess.TimeoutExpired:
+            return Outcome(cell, "HANGS", np.nan, np.nan, np.nan, np.nan, None, 0,
+                           f"stopped after {timeout:.0f} s", time.perf_counter() - start)
+        if not out.exists():
+            return Outcome(cell, "ERROR", np.nan, np.nan, np.nan, np.nan, None, 0,
+                           "the cell's process died", time.perf_counter() - start)
+        return Outcome(**json.loads(out.read_text()))
+
+
 # ------------------------------------------------------------------ the table
 
 COLUMNS = ["#", "model", "split", "prior", "update", "family", "server", "verdict", "mean err (NUTS sd)",
@@ -377,7 +396,7 @@ COLUMNS = ["#", "model", "split", "prior", "update", "family", "server", "verdic
 def row(i: int, o: Outcome) -> str:
     def f(x: float) -> str:
         return "" if np.isnan(x) else f"{x:.2f}"
-    verdict = f"**{o.verdict}**" if o.verdict in ("WRONG-SILENT", "ERROR") else o.verdict
+    verdict = f"**{o.verdict}**" if o.verdict in ("WRONG-SILENT", "ERROR", "HANGS") else o.verdict
     cells = [str(i), *o.cell.values(), verdict, f(o.nuts_mean), f(o.nuts_sd), f(o.vi_mean), f(o.vi_sd),
              str(o.converged), str(o.rounds), o.warnings.replace("|", "/"), f"{o.seconds:.0f}"]
     if o.verdict == "not run":
@@ -387,7 +406,7 @@ def row(i: int, o: Outcome) -> str:
 
 def table(outcomes: list[Outcome], header: str) -> str:
     counts = {v: sum(o.verdict == v for o in outcomes) for v in ("RIGHT", "FLAGGED", "WRONG-SILENT", "refused",
-                                                               "ERROR", "not run")}
+                                                               "ERROR", "HANGS", "not run")}
     lines = [header, "", "Verdicts: " + ", ".join(f"{k} {v}" for k, v in counts.items()), "",
              "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     lines += [row(i, o) for i, o in enumerate(outcomes, 1)]
@@ -412,7 +431,15 @@ def main() -> None:
                         help="append each outcome to this JSON-lines file as it ends; with --table, read them")
     parser.add_argument("--table", action="store_true", help="only render --rows' outcomes as the table")
     parser.add_argument("--no-probes", action="store_true", help="skip the refusal probes")
+    parser.add_argument("--timeout", type=float, default=None,
+                        help="run each cell in a child process stopped after this many seconds (verdict HANGS)")
+    parser.add_argument("--one-cell", default=None, help=argparse.SUPPRESS)  # the child of --timeout
+    parser.add_argument("--one-out", type=Path, default=None, help=argparse.SUPPRESS)
     options = parser.parse_args()
+    if options.one_cell:
+        outcome = run_cell(json.loads(options.one_cell))
+        options.one_out.write_text(json.dumps(outcome._asdict(), default=str))
+        return
     design = all_pairs(FACTORS, valid)
     limit = 4 if options.quick else options.cells
     cells = design[:limit] if limit else design
@@ -433,7 +460,7 @@ def main() -> None:
         print(f"design: {len(design)} cells (running {len(cells)}), {len(probes)} refusal probes", flush=True)
         start, outcomes = time.perf_counter(), []
         for i, cell in enumerate(cells + probes, 1):
-            outcomes.append(run_cell(cell))
+            outcomes.append(run_cell_isolated(cell, options.timeout) if options.timeout else run_cell(cell))
             print(row(i, outcomes[-1]), flush=True)
             if options.rows:
                 with open(options.rows, "a") as f:
