@@ -194,7 +194,9 @@ class RunMonitor:
     @property
     def settled(self) -> bool:
         """Whether ``q`` settled in the last round: it moved by at most ``tol``, every update that round was merged,
-        every client has been merged at least once, the ELBO is not falling and ``q`` is not drifting."""
+        every client has been merged at least once, the ELBO is not falling and ``q`` is not drifting. The run
+        stops there: it converged (:attr:`earned`), or ``q`` settled at a flagged fixed point (more rounds only hold
+        it there)."""
         info = self.last
         return (info is not None and self.tol is not None and bool(info.change <= self.tol) and self.all_merged
                 and not self.clamped and not self.falling and bool(np.all(self.merged)) and not self.drifting)
@@ -204,12 +206,6 @@ class RunMonitor:
         """Whether the last round converged: ``q`` settled (:attr:`settled`) where it is meant to
         (not :attr:`correlated`)."""
         return self.settled and not self.correlated
-
-    @property
-    def finished(self) -> bool:
-        """Whether the run should stop: it converged, or ``q`` settled at a flagged fixed point (more rounds only
-        hold it there)."""
-        return self.settled
 
     @property
     def correlated(self) -> bool:
@@ -237,8 +233,16 @@ class RunMonitor:
         if seen is not None and seen[2] > DIRECTED and self.last is not None:
             shrink = seen[1]
             whole = np.inf if shrink >= 1.0 else self.last.change * shrink / (1.0 - shrink)
-        floor = 0.5 * (FAR if self.tol is None else self.tol)
-        return max(whole, coordinate_drift(moves, floor)[0])
+        return max(whole, self._slow_coordinate()[0])
+
+    @property
+    def _limit(self) -> float:
+        """The change a run must get below: ``tol``, or :data:`FAR` without one."""
+        return FAR if self.tol is None else self.tol
+
+    def _slow_coordinate(self) -> tuple[float, int]:
+        """:func:`coordinate_drift` of the last moves, counting coordinates that moved more than half the limit."""
+        return coordinate_drift(list(self.moves), 0.5 * self._limit)
 
     def after_round(self, info: RoundInfo, staleness: list, move: np.ndarray | None = None) -> None:
         """Check one round (``staleness``: of the updates rejected as stale; ``move``: :func:`q_move`)."""
@@ -400,8 +404,8 @@ class RunMonitor:
         kind, shrink, cosine = seen
         numbers = (f"over the last rounds the change shrank x{shrink:.2f} a round and consecutive moves had a mean "
                    f"cosine of {cosine:.2f}")
-        to_go, coordinate = coordinate_drift(list(self.moves), 0.5 * (FAR if tol is None else tol))
-        if coordinate >= 0 and to_go > (FAR if tol is None else tol):  # one slow coordinate, under the others' noise
+        to_go, coordinate = self._slow_coordinate()
+        if coordinate >= 0 and to_go > self._limit:  # one slow coordinate, under the others' noise
             kind = "still_moving"
             numbers += (f"; coordinate {coordinate} of q (means, then log sds, in the family's order) moved one way "
                         f"in each of the last {TREND_ROUNDS} rounds, about {to_go:.2g} sds still to go")

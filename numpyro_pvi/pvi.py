@@ -333,7 +333,7 @@ class PVI:
                     last.append((state.q, state.factors, state.prior_factor))
                     rounds.set_postfix(elbo=f"{info.elbo:.4g}", rejected=int(info.num_rejected),
                                        clamped=int(np.sum(info.clamped)), change=f"{info.change:.2g}")
-                    if monitor.finished:
+                    if monitor.settled:
                         break
         finally:
             cancel_in_flight(problem.steps.runner, in_flight)
