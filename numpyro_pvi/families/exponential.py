@@ -124,6 +124,36 @@ class Gamma(ExponentialFamily):
         site = jnp.linalg.solve(fisher, (pathwise - control)[..., None])[..., 0]
         return NatParams(site[..., 0], site[..., 1])
 
+    def laplace_start(self, nat: NatParams) -> jax.Array:
+        """``log(a / b)``: in ``u = log theta`` a ``Gamma(a, b)`` has log density ``a u - b exp(u)``, mode
+        ``log(a / b)``."""
+        a, b = self.to_params(nat)
+        return jnp.log(a / b)
+
+    def laplace_log_density(self, nat: NatParams, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """``(exp(x), sum(a x - b exp(x)))``."""
+        a, b = self.to_params(nat)
+        theta = jnp.exp(x)
+        return theta, jnp.sum(a * x - b * theta)
+
+    def laplace_precision(self, nat: NatParams) -> jax.Array:
+        """``diag(a)``: the curvature of ``a u - b exp(u)`` at its mode is ``-a``."""
+        return jnp.diag(self.to_params(nat)[0])
+
+    def from_laplace(self, mode: jax.Array, precision: jax.Array) -> NatParams:
+        """``a = diag(precision)``, ``b = a exp(-mode)`` (mode ``log(a / b)``, curvature ``-a`` in ``log theta``).
+
+        .. doctest::
+
+            >>> import jax.numpy as jnp, numpyro_pvi as pvi
+            >>> family = pvi.Gamma()
+            >>> q = family.from_params(jnp.array([3.0]), jnp.array([2.0]))
+            >>> family.to_params(family.from_laplace(family.laplace_start(q), family.laplace_precision(q)))
+            (Array([3.], dtype=float32), Array([2.], dtype=float32))
+        """
+        a = jnp.diagonal(precision)
+        return self.from_params(a, a * jnp.exp(-mode))
+
     def base(self, concentration: jax.Array, rate: jax.Array) -> dist.Distribution:
         """``Gamma(shape, rate)`` over ``(D,)`` (accurate ``log_prob`` and ``entropy`` at any concentration)."""
         return ConcentratedGamma(concentration, rate).to_event(1)
@@ -178,6 +208,28 @@ class Beta(ExponentialFamily):
         """``(digamma(a) - digamma(a + b), digamma(b) - digamma(a + b))``."""
         a, b = params
         return jnp.concatenate([digamma(a) - digamma(a + b), digamma(b) - digamma(a + b)])
+
+    def laplace_start(self, nat: NatParams) -> jax.Array:
+        """``logit(a / (a + b))``: in ``x = logit theta`` a ``Beta(a, b)`` has log density
+        ``a log sigmoid(x) + b log sigmoid(-x)``, mode ``logit(a / (a + b))``."""
+        a, b = self.to_params(nat)
+        return jnp.log(a) - jnp.log(b)
+
+    def laplace_log_density(self, nat: NatParams, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """``(sigmoid(x), sum(a log sigmoid(x) + b log sigmoid(-x)))``."""
+        a, b = self.to_params(nat)
+        return jax.nn.sigmoid(x), jnp.sum(a * jax.nn.log_sigmoid(x) + b * jax.nn.log_sigmoid(-x))
+
+    def laplace_precision(self, nat: NatParams) -> jax.Array:
+        """``diag(a b / (a + b))``: ``(a + b) m (1 - m)`` at the mode ``m = a / (a + b)``."""
+        a, b = self.to_params(nat)
+        return jnp.diag(a * b / (a + b))
+
+    def from_laplace(self, mode: jax.Array, precision: jax.Array) -> NatParams:
+        """``a + b = diag(precision) / (m (1 - m))``, ``a = (a + b) m``, ``m = sigmoid(mode)``."""
+        m = jax.nn.sigmoid(mode)
+        total = jnp.diagonal(precision) / (m * (1.0 - m))
+        return self.from_params(total * m, total * (1.0 - m))
 
     def base(self, concentration1: jax.Array, concentration0: jax.Array) -> dist.Distribution:
         """``Beta(a, b)`` over ``(D,)`` (accurate ``log_prob`` and ``entropy`` at any concentration)."""
@@ -336,6 +388,40 @@ class Dirichlet(ExponentialFamily):
     def checked_scale(self, scale: float) -> float:
         """``scale`` in ``(0, 1)``."""
         return unit_scale(self, scale)
+
+    def laplace_start(self, nat: NatParams) -> jax.Array:
+        """``log alpha`` centred per simplex. The Laplace coordinates are ``theta = softmax(x)`` per simplex with
+        a gauge term ``-(sum x)^2 / 2`` (``x`` and ``x + c`` are one ``theta``): the log density is
+        ``sum_k alpha_k log theta_k - (sum_k x_k)^2 / 2``, mode ``theta = alpha / alpha_0``, ``sum x = 0``."""
+        logs = jnp.log(self._rows(self.to_params(nat)[0]))
+        return (logs - jnp.mean(logs, axis=-1, keepdims=True)).reshape(-1)
+
+    def laplace_log_density(self, nat: NatParams, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """``(softmax(x) per simplex, sum alpha log theta - (sum x)^2 / 2)``."""
+        rows = self._rows(x)
+        log_theta = jax.nn.log_softmax(rows, axis=-1)
+        alpha = self._rows(self.to_params(nat)[0])
+        value = jnp.sum(alpha * log_theta) - 0.5 * jnp.sum(jnp.sum(rows, axis=-1) ** 2)
+        return jnp.exp(log_theta).reshape(-1), value
+
+    def laplace_precision(self, nat: NatParams) -> jax.Array:
+        """Per simplex ``alpha_0 (diag(m) - m m^T) + 1 1^T`` at ``m = alpha / alpha_0``."""
+        alpha = self._rows(self.to_params(nat)[0])
+        total = jnp.sum(alpha, axis=-1, keepdims=True)
+        mean = alpha / total
+        count, size = alpha.shape
+        blocks = total[:, :, None] * (jax.vmap(jnp.diag)(mean) - mean[:, :, None] * mean[:, None, :]) + 1.0
+        return (jnp.eye(count)[:, None, :, None] * blocks[:, :, None, :]).reshape(count * size, count * size)
+
+    def from_laplace(self, mode: jax.Array, precision: jax.Array) -> NatParams:
+        """``alpha = alpha_0 softmax(mode)`` per simplex, ``alpha_0`` from the trace of the simplex's block:
+        ``trace = alpha_0 (1 - sum m^2) + K``."""
+        rows = self._rows(mode)
+        count, size = rows.shape
+        mean = jax.nn.softmax(rows, axis=-1)
+        blocks = jnp.diagonal(precision).reshape(count, size)
+        total = (jnp.sum(blocks, axis=-1) - size) / (1.0 - jnp.sum(mean**2, axis=-1))
+        return self.from_params((total[:, None] * mean).reshape(-1))
 
     def chain_dim(self, dim: int) -> int:
         """``K - 1`` stick-breaking coordinates per simplex of ``K``."""

@@ -24,6 +24,9 @@ class FactorFamily(Protocol):
     * **Guide** (``GradientUpdate``, ``DPGradientUpdate``): :meth:`guide_params`, :meth:`params_distribution`,
       :meth:`guide`, :meth:`from_guide`.
     * **Natural-gradient site** (CVI): :meth:`draw`, :meth:`site_from_draws`.
+    * **Laplace site** (CVI's fallback): :meth:`laplace_start`, :meth:`laplace_log_density`,
+      :meth:`laplace_precision`, :meth:`from_laplace` (the family's unconstrained coordinates ``x``, ``(D,)``:
+      ``zeta`` for a Gaussian, ``log theta`` for a ``Gamma``, ``logit theta`` for a ``Beta``).
     * **Moment matching** (EP): :meth:`match_moments`.
     * **Start and prior** (PVI's chosen start, the exact prior ``lambda_0`` and the prior factor ``t_0``):
       :meth:`initial_q`, :meth:`reference_draws`, :meth:`exact_prior`, :meth:`standard_normal`,
@@ -87,6 +90,24 @@ class FactorFamily(Protocol):
                         hessians: jax.Array | None) -> NatParams:
         """``grad_mu E_q[f]`` (natural parameters) from draws ``zeta`` of ``q``, ``f``'s values ``(S,)``, its
         gradients ``(S, D)`` and, if computed, Hessians ``(S, D, D)``."""
+        ...
+
+    def laplace_start(self, nat: NatParams) -> jax.Array:
+        """The mode ``(D,)`` of valid ``nat`` in the Laplace coordinates ``x`` (where Newton starts)."""
+        ...
+
+    def laplace_log_density(self, nat: NatParams, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """``(zeta, log density)``: the point ``zeta`` at coordinates ``x`` ``(D,)`` and the log density of the valid
+        ``nat`` in ``x`` (Jacobian included), up to a constant."""
+        ...
+
+    def laplace_precision(self, nat: NatParams) -> jax.Array:
+        """The ``(D, D)`` negative Hessian of :meth:`laplace_log_density` of valid ``nat`` at its mode."""
+        ...
+
+    def from_laplace(self, mode: jax.Array, precision: jax.Array) -> NatParams:
+        """The member whose mode is ``mode`` and whose negative Hessian there is ``precision`` ``(D, D)`` in the
+        Laplace coordinates (or the nearest the family holds: a block's diagonal for an elementwise family)."""
         ...
 
     def match_moments(self, proposal: NatParams, zeta: jax.Array, weights: jax.Array) -> NatParams:

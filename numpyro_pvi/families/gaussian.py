@@ -141,6 +141,23 @@ class GaussianFamily:
             hess = self.from_dense(jnp.mean(hessians, axis=0))
         return self.site_update(jnp.mean(grads, axis=0), hess, loc)
 
+    # ------------------------------------------------------------------ Laplace site (CVI's fallback)
+    def laplace_start(self, nat: NatParams) -> jax.Array:
+        """The mean: the Laplace coordinates are ``zeta`` itself."""
+        return self.loc_scale(nat)[0]
+
+    def laplace_log_density(self, nat: NatParams, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """``(x, quadratic(nat, x))``."""
+        return x, self.quadratic(nat, x)
+
+    def laplace_precision(self, nat: NatParams) -> jax.Array:
+        """The dense precision."""
+        return self.dense_precision(nat)
+
+    def from_laplace(self, mode: jax.Array, precision: jax.Array) -> NatParams:
+        """``N(mode, precision^-1)`` (:meth:`from_dense_precision`: mean field keeps its marginal variances)."""
+        return self.from_dense_precision(mode, precision)
+
     def match_moments(self, proposal: NatParams, zeta: jax.Array, weights: jax.Array) -> NatParams:
         """Weighted mean and covariance, with the proposal's exact moments as control variate."""
         loc, cov = self.moments(proposal)

@@ -251,6 +251,31 @@ class SiteFamilies:
             parts.append(family.site_from_draws(part, zeta[:, a:b], values, grads[:, a:b], hess))
         return self.join(parts)
 
+    # ------------------------------------------------------------------ Laplace site (CVI's fallback)
+    def laplace_start(self, nat: NatParams) -> jax.Array:
+        """The blocks' modes in their Laplace coordinates, concatenated."""
+        return jnp.concatenate(self._map("laplace_start", self.split(nat)), axis=-1)
+
+    def laplace_log_density(self, nat: NatParams, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """The blocks' points (concatenated) and the sum of their log densities, each at its slice of ``x``."""
+        parts = [family.laplace_log_density(part, x[a:b])
+                 for (family, a, b, _), part in zip(self._laid_out(), self.split(nat))]
+        return jnp.concatenate([p[0] for p in parts]), sum(p[1] for p in parts)
+
+    def laplace_precision(self, nat: NatParams) -> jax.Array:
+        """Block-diagonal: each block's precision in its Laplace coordinates."""
+        blocks = self._laid_out()
+        precision = jnp.zeros((blocks[-1][2], blocks[-1][2]), nat.eta1.dtype)
+        for (family, a, b, _), part in zip(blocks, self.split(nat)):
+            precision = precision.at[a:b, a:b].set(family.laplace_precision(part))
+        return precision
+
+    def from_laplace(self, mode: jax.Array, precision: jax.Array) -> NatParams:
+        """Each block's member from the joint mode's slice and its diagonal block of the joint precision (the
+        conditional precision of the block given the others at the mode: a Gaussian block is
+        ``N(mode, P_block^-1)``)."""
+        return self.join([family.from_laplace(mode[a:b], precision[a:b, a:b]) for family, a, b, _ in self._laid_out()])
+
     def match_moments(self, proposal: NatParams, zeta: jax.Array, weights: jax.Array) -> NatParams:
         """Each block matched to its marginal weighted moments."""
         return self.join([family.match_moments(part, zeta[:, a:b], weights)

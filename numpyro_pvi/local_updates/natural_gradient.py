@@ -14,6 +14,10 @@ where, e.g., ``exp`` overflows); if no halving passes, or the client's Laplace s
 free energy by more than ``tolerance`` (from a wide prior an accepted step can collapse q's variance at a
 wrong mean), the Laplace site is taken if it passes, else no step.
 
+One ``client_update`` serves every family: the draws, the site from them and the Laplace site (the joint mode and
+curvature of ``cavity * p(y_m | theta)`` by Newton in the family's unconstrained coordinates: ``zeta`` for a
+Gaussian, ``log theta`` for a ``Gamma`` block...) are the family's (:class:`~numpyro_pvi.families.FactorFamily`).
+
 Hyperparameters are supported (the client returns ``E_q[d log p(y_m | theta) / d hyper]`` at its new
 ``q``); local latent variables are not (use ``GradientUpdate``).
 """
@@ -26,7 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from numpyro_pvi.backtracking import backtrack
-from numpyro_pvi.families import FactorFamily, Family, NatParams, expected_site
+from numpyro_pvi.families import FactorFamily, NatParams
 from numpyro_pvi.local_updates.base import Client, ClientProblem, ClientResult, local_free_energy
 from numpyro_pvi.local_updates.gradient import check_hyper_particles
 from numpyro_pvi.local_updates.moment_matching import laplace
@@ -92,11 +96,13 @@ class NaturalGradientUpdate:
         return ()
 
     def bind(self, problem: ClientProblem) -> Callable:
-        """Return the pure ``client_update(rng_key, client, cavity, q, state, hyper=()) -> ClientResult``."""
+        """Return the pure ``client_update(rng_key, client, cavity, q, state, hyper=()) -> ClientResult``.
+
+        One update for every family: the draws (:meth:`~numpyro_pvi.families.FactorFamily.draw`), the site
+        (:meth:`~numpyro_pvi.families.FactorFamily.site_from_draws`) and the Laplace site (the ``laplace_*``
+        members and :meth:`~numpyro_pvi.families.FactorFamily.from_laplace`) are the family's."""
         family, pairs = problem.family, self.num_pairs
         use_hessian = problem.dim <= self.max_hessian_dim
-        if not isinstance(family, Family):
-            return self._bind_factor_family(problem, use_hessian)
         fallback = self.laplace_fallback and use_hessian and self.num_newton > 0
 
         def client_update(rng_key: jax.Array, client: Client, cavity: NatParams, q: NatParams,
@@ -104,13 +110,12 @@ class NaturalGradientUpdate:
             loglik = lambda z: problem.log_likelihood(z, client, hyper)  # noqa: E731
             hessian = jax.vmap(jax.hessian(loglik)) if use_hessian else None
             laplace_site = _laplace_site(family, cavity, q, loglik, self.num_newton) if fallback else None
-            step = self._step(family, cavity, loglik, jax.vmap(jax.grad(loglik)), hessian, laplace_site, pairs)
+            step = self._step(family, cavity, loglik, hessian, laplace_site, pairs)
             t_old = q - cavity
             (t_new, clamped), _ = jax.lax.scan(step, (t_old, 0), jax.random.split(rng_key, self.num_steps))
             q_new = cavity + t_new
             # the local free energy E_q[log p(y_m | theta)] - KL(q || cavity) at the new q
-            half = family.to_dist(q_new).sample(jax.random.fold_in(rng_key, 1), (pairs,))
-            zeta = jnp.concatenate([half, 2 * family.loc_scale(q_new)[0] - half])  # antithetic: z and 2 mu - z
+            zeta = family.draw(q_new, jax.random.fold_in(rng_key, 1), pairs)
             free_energy = local_free_energy(family, q_new, cavity, loglik, zeta)
             hyper_grad = ()
             if problem.has_hyper:  # d F_m / d hyper = E_q[d log p(y_m | theta, hyper) / d hyper] at the new q
@@ -120,37 +125,41 @@ class NaturalGradientUpdate:
 
         return client_update
 
-    def _step(self, family: Family, cavity: NatParams, loglik: Callable, grad: Callable, hessian: Callable | None,
+    def _step(self, family: FactorFamily, cavity: NatParams, loglik: Callable, hessian: Callable | None,
               laplace_site: NatParams | None, pairs: int) -> Callable:
-        """One natural-gradient step ``(t, clamped), key -> (t_new, clamped + corrections)`` for ``lax.scan``."""
+        """One natural-gradient step ``(t, clamped), key -> (t_new, clamped + corrections)`` for ``lax.scan``.
+
+        Every ``F_m`` is estimated from ``family.draw(q, key, pairs)`` with the step's ``key`` (common random
+        numbers: for a Gaussian, the same standard-normal points under each ``q``)."""
         beta, max_backtracks, tolerance = self.step_size, self.max_backtracks, self.tolerance
+        value_and_grad = jax.vmap(jax.value_and_grad(loglik))
 
         def step(carry: tuple, key: jax.Array) -> tuple:
             t, clamped = carry
-            half = jax.random.normal(key, (pairs, cavity.eta1.shape[-1]))
-            eps = jnp.concatenate([half, -half])
-            target = expected_site(family, cavity + t, eps, grad, hessian)
-            current = _free_energy(family, cavity, t, loglik, eps)
+            q_now = cavity + t
+            zeta = family.draw(q_now, key, pairs)
+            values, grads = value_and_grad(zeta)
+            target = family.site_from_draws(q_now, zeta, values, grads, None if hessian is None else hessian(zeta))
+            free_energy = lambda site: _draws_free_energy(family, cavity, site, loglik, key, pairs)  # noqa: E731
+            current = free_energy(t)
             floor = jnp.where(jnp.isfinite(current), current - tolerance, -jnp.inf)
-
-            def acceptable(site: NatParams) -> jax.Array:
-                value = _free_energy(family, cavity, site, loglik, eps)
-                return family.is_valid(cavity + site) & jnp.isfinite(value) & (value >= floor)
 
             def propose(size: jax.Array) -> tuple[NatParams, jax.Array]:
                 new = t + size * (target - t)
-                return new, acceptable(new)
+                value = free_energy(new)  # NaN where q is invalid
+                return new, jnp.isfinite(value) & (value >= floor)
 
             out = backtrack(propose, beta, max_halvings=max_backtracks)  # none acceptable: t unchanged
             new = jax.tree.map(lambda a, b: jnp.where(out.valid, a, b), out.value, t)
             if laplace_site is None:
                 return (new, clamped + out.halvings), None
             # The Laplace site when no halving passes, or when it beats the step by more than ``tolerance``: from a
-            # wide q the Bonnet / Price site of a log link sees exp(huge) curvature and collapses q's variance at
-            # a wrong mean, a step that still raises F_m (issue 23, problem 3). Counted as one clamp.
-            laplace_value = _free_energy(family, cavity, laplace_site, loglik, eps)
-            better = laplace_value > _free_energy(family, cavity, new, loglik, eps) + tolerance
-            use = (~out.valid | better) & acceptable(laplace_site)
+            # wide q the site of a log link sees exp(huge) curvature and collapses q's variance at a wrong mean, a
+            # step that still raises F_m (issue 23, problem 3), or every step is refused and q stays at the prior
+            # (a Gamma block from a wide prior). Counted as one clamp.
+            laplace_value = free_energy(laplace_site)
+            better = laplace_value > free_energy(new) + tolerance
+            use = (~out.valid | better) & jnp.isfinite(laplace_value) & (laplace_value >= floor)
             new = jax.tree.map(lambda a, b: jnp.where(use, a, b), laplace_site, new)
             return (new, clamped + out.halvings + (use & out.valid)), None
 
@@ -165,50 +174,6 @@ class NaturalGradientUpdate:
         expected = lambda h: jnp.mean(jax.vmap(lambda z: problem.log_likelihood(z, client, h))(zeta))  # noqa: E731
         return jax.grad(expected)(hyper)
 
-    def _bind_factor_family(self, problem: ClientProblem, use_hessian: bool) -> Callable:
-        """``client_update`` for a family that is not a single Gaussian (:class:`~numpyro_pvi.SiteFamilies`,
-        ``Gamma``...): each block's site comes from :meth:`~numpyro_pvi.families.FactorFamily.site_from_draws`
-        at joint draws of ``q`` (no Laplace fallback)."""
-        family, pairs, beta = problem.family, self.num_pairs, self.step_size
-        max_backtracks, tolerance = self.max_backtracks, self.tolerance
-
-        def client_update(rng_key: jax.Array, client: Client, cavity: NatParams, q: NatParams,
-                          state: Any, hyper: Any = ()) -> ClientResult:
-            loglik = lambda z: problem.log_likelihood(z, client, hyper)  # noqa: E731
-            value_and_grad = jax.vmap(jax.value_and_grad(loglik))
-            hessian = jax.vmap(jax.hessian(loglik)) if use_hessian else None
-
-            def step(carry: tuple, key: jax.Array) -> tuple:
-                t, clamped = carry
-                q_now = cavity + t
-                zeta = family.draw(q_now, key, pairs)
-                values, grads = value_and_grad(zeta)
-                target = family.site_from_draws(q_now, zeta, values, grads, None if hessian is None else hessian(zeta))
-                current = _draws_free_energy(family, cavity, t, loglik, key, pairs)
-                floor = jnp.where(jnp.isfinite(current), current - tolerance, -jnp.inf)
-
-                def propose(size: jax.Array) -> tuple[NatParams, jax.Array]:
-                    new = t + size * (target - t)
-                    value = _draws_free_energy(family, cavity, new, loglik, key, pairs)
-                    return new, jnp.isfinite(value) & (value >= floor)
-
-                out = backtrack(propose, beta, max_halvings=max_backtracks)
-                new = jax.tree.map(lambda a, b: jnp.where(out.valid, a, b), out.value, t)
-                return (new, clamped + out.halvings), None
-
-            t_old = q - cavity
-            (t_new, clamped), _ = jax.lax.scan(step, (t_old, 0), jax.random.split(rng_key, self.num_steps))
-            q_new = cavity + t_new
-            zeta = family.draw(q_new, jax.random.fold_in(rng_key, 1), pairs)
-            free_energy = local_free_energy(family, q_new, cavity, loglik, zeta)
-            hyper_grad = ()
-            if problem.has_hyper:
-                hyper_grad = self._hyper_grad(problem, family, q_new, zeta, jax.random.fold_in(rng_key, 2), client,
-                                              hyper)
-            return ClientResult(t_new - t_old, free_energy, state, clamped, hyper_grad)
-
-        return client_update
-
 
 def _draws_free_energy(family: FactorFamily, cavity: NatParams, site: NatParams, loglik: Callable,
                        key: jax.Array, pairs: int) -> jax.Array:
@@ -220,15 +185,13 @@ def _draws_free_energy(family: FactorFamily, cavity: NatParams, site: NatParams,
     return jnp.where(valid, value, jnp.nan)
 
 
-def _free_energy(family: Family, cavity: NatParams, site: NatParams, loglik: Callable, eps: jax.Array) -> jax.Array:
-    """``F_m`` at ``q = cavity * site`` from the standard-normal points ``eps`` (NaN if ``q`` is improper)."""
-    q = cavity + site
-    loc, scale = family.loc_scale(q)
-    return local_free_energy(family, q, cavity, loglik, family.unwhiten(loc, scale, eps))
+def _laplace_site(family: FactorFamily, cavity: NatParams, q: NatParams, loglik: Callable,
+                  num_newton: int) -> NatParams:
+    """The site ``from_laplace(mode, P) / cavity`` of the Laplace approximation of ``cavity * p(y_m | theta)``: its
+    mode and negative Hessian ``P`` by Newton in the family's Laplace coordinates ``x`` (from ``q``'s mode)."""
+    def log_tilted(x: jax.Array) -> jax.Array:
+        zeta, log_cavity = family.laplace_log_density(cavity, x)
+        return log_cavity + loglik(zeta)
 
-
-def _laplace_site(family: Family, cavity: NatParams, q: NatParams, loglik: Callable, num_newton: int) -> NatParams:
-    """The site ``N(mode, P^-1) / cavity`` of the Laplace approximation of ``cavity * p(y_m | theta)``."""
-    log_tilted = lambda z: family.quadratic(cavity, z) + loglik(z)  # noqa: E731
-    mode, precision, _ = laplace(log_tilted, family.loc_scale(q)[0], family.dense_precision(cavity), num_newton)
-    return family.from_dense_precision(mode, precision) - cavity
+    mode, precision, _ = laplace(log_tilted, family.laplace_start(q), family.laplace_precision(cavity), num_newton)
+    return family.from_laplace(mode, precision) - cavity
