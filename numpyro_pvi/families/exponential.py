@@ -35,7 +35,12 @@ from numpyro.distributions import constraints
 from numpyro.distributions.kl import kl_divergence
 from numpyro.distributions.transforms import ExpTransform, SigmoidTransform, StickBreakingTransform, biject_to
 
-from numpyro_pvi.families.concentrated import ConcentratedBeta, ConcentratedDirichlet, ConcentratedGamma
+from numpyro_pvi.families.concentrated import (
+    ConcentratedBeta,
+    ConcentratedDirichlet,
+    ConcentratedGamma,
+    gamma_sample_grad,
+)
 from numpyro_pvi.families.exponential_family import ExponentialFamily, regression_site, unit_scale
 from numpyro_pvi.families.params import NatParams
 
@@ -84,7 +89,8 @@ class Gamma(ExponentialFamily):
         """``grad_mu E_q[f]`` from pathwise gradients, with the sufficient statistics' as control variates.
 
         ``d E_q[f] / d eta = E[f'(theta) d theta / d eta]`` (implicit reparameterisation of the Gamma draws:
-        ``jax.lax.random_gamma_grad``) minus ``a . (mean of d T(theta) / d eta - F)``, ``F = Cov_q(T)`` the
+        :func:`~numpyro_pvi.families.concentrated.gamma_sample_grad`, which returns at any shape) minus
+        ``a . (mean of d T(theta) / d eta - F)``, ``F = Cov_q(T)`` the
         Fisher matrix, then ``F^-1``. The coefficients ``a`` are the mean over the draws of ``f``'s local
         ``(log theta, theta)`` coefficients (from its first and second derivatives) when Hessians are given,
         else the least-squares site. Unbiased for any ``a`` (but for the ``O(1 / S)`` of estimating it);
@@ -108,7 +114,7 @@ class Gamma(ExponentialFamily):
         """
         shape, rate = self.to_params(nat)
         # d theta / d (eta1, eta2) = (d theta / d shape, -d theta / d rate), each (S, D)
-        dtheta = jnp.stack([jax.lax.random_gamma_grad(shape, zeta * rate) / rate, zeta / rate], axis=-1)
+        dtheta = jnp.stack([gamma_sample_grad(shape, zeta * rate) / rate, zeta / rate], axis=-1)
         dstats = jnp.stack([1.0 / zeta, jnp.ones_like(zeta)], axis=-1)[..., :, None] * dtheta[..., None, :]
         fisher = jnp.stack([jnp.stack([polygamma(1, shape), 1.0 / rate], -1),
                             jnp.stack([1.0 / rate, shape / rate**2], -1)], -2)  # (D, 2, 2): Cov(log theta, theta)

@@ -8,7 +8,13 @@ importance sampling whose proposal is ``q_alpha`` times ``alpha`` times the clie
 moments as control variate: for a conjugate likelihood the proposal *is* the tilted distribution, every
 weight is equal and the step is exact. A proposal that is not valid falls back to ``q``. That proposal is
 this path's ``proposal="laplace"`` (a local approximation of the tilted distribution in the family);
-``proposal="cavity"`` samples ``q_alpha`` itself.
+``proposal="cavity"`` samples ``q_alpha`` itself. With ``"laplace"`` the cavity is tried as well and the
+statistics come from the proposal whose weights have the larger effective sample size (the natural-gradient
+site is read off draws of ``q`` and can miss the tilted distribution entirely when ``q`` is far from it: a
+wide prior's first rounds). Weights whose effective sample size stays below ``min_ess`` give no step (the
+step is not taken and counted as clamped): their statistics are those of a few draws, and the member matched
+to a few draws is a point mass (sweep cell 3 of issue 23: a Gamma block's shape went from 179 to ``9e9`` in
+one such step, from 2 effective draws of 1024).
 
 With ``tilted="nuts"`` the statistics are averaged over NUTS draws of the tilted distribution instead, in the
 family's chain coordinates (:meth:`~numpyro_pvi.families.MeanParamFamily.from_chain`: unconstrained, standardised
@@ -53,14 +59,27 @@ def bind_site_families(problem: ClientProblem, alpha: float, num_samples: int, m
 
     def _importance_target(proposal_q: NatParams, cavity_alpha: NatParams, loglik: Callable,
                            key: jax.Array) -> tuple[NatParams, jax.Array]:
-        """The member matched to the importance-weighted statistics, and whether the weights' ESS was low."""
+        """The member matched to the importance-weighted statistics, and the weights' ESS (a fraction of the
+        draws; 0 when no weight is finite)."""
         zeta = family.draw(proposal_q, key, pairs)
         log_w = alpha * jax.vmap(loglik)(zeta) + family.to_dist(cavity_alpha).log_prob(zeta) \
             - family.to_dist(proposal_q).log_prob(zeta)
         log_w = jnp.where(jnp.isfinite(log_w), log_w, -jnp.inf)
         weights = jax.nn.softmax(log_w)
-        low_ess = 1.0 / jnp.sum(weights**2) < min_ess * zeta.shape[0]
-        return family.match_moments(proposal_q, zeta, weights), low_ess
+        ess = 1.0 / jnp.sum(weights**2) / zeta.shape[0]
+        return family.match_moments(proposal_q, zeta, weights), jnp.where(jnp.isfinite(ess), ess, 0.0)
+
+    def _best_importance_target(proposals: list, cavity_alpha: NatParams, loglik: Callable,
+                                key: jax.Array) -> tuple[NatParams, jax.Array]:
+        """The target from the proposal whose weights have the largest ESS, and whether even that ESS is low."""
+        keys = jax.random.split(key, len(proposals))
+        outs = [_importance_target(p, cavity_alpha, loglik, k) for p, k in zip(proposals, keys)]
+        target, ess = outs[0]
+        for other, other_ess in outs[1:]:
+            better = other_ess > ess
+            target = jax.tree.map(lambda a, b, better=better: jnp.where(better, b, a), target, other)
+            ess = jnp.maximum(ess, other_ess)
+        return target, ess < min_ess
 
     def client_update(rng_key: jax.Array, client: Client, cavity: NatParams, q: NatParams,
                       state: Any, hyper: Any = ()) -> ClientResult:
@@ -69,7 +88,9 @@ def bind_site_families(problem: ClientProblem, alpha: float, num_samples: int, m
         cavity_alpha = alpha * cavity + (1.0 - alpha) * q  # q / t_m^alpha: valid, a convex combination
         proposal_q = cavity_alpha if proposal == "cavity" else _site_proposal(q, cavity_alpha, loglik, site_key)
         if nuts is None:
-            target, low_ess = _importance_target(proposal_q, cavity_alpha, loglik, sample_key)
+            proposals = [proposal_q] if proposal == "cavity" else [proposal_q, cavity_alpha]
+            target, low_ess = _best_importance_target(proposals, cavity_alpha, loglik, sample_key)
+            target = jax.tree.map(lambda a, b: jnp.where(low_ess, b, a), target, q)  # a few draws: no step
         else:
             target, missed = nuts_target(family, proposal_q, cavity_alpha, loglik, alpha, sample_key, nuts)
             target, low_ess = jax.tree.map(lambda a, b: jnp.where(missed, b, a), target, q), missed
