@@ -10,6 +10,7 @@ surplus actors are killed.
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import warnings
 from typing import Any
@@ -53,6 +54,9 @@ def start_ray(ray: Any, num_cpus: int | None, **init_args: Any) -> None:
         warnings.filterwarnings("ignore", r"os\.fork\(\) was called", RuntimeWarning)
         warnings.filterwarnings("ignore", category=ResourceWarning)
         ray.init(**{"num_cpus": num_cpus, "include_dashboard": False, "log_to_driver": False, **init_args})
+        # some of those handles sit in reference cycles: collected later, they would warn outside this window
+        # (measured: two from the API server's start, in a second Ray session of a process)
+        gc.collect()
 
 
 class RayBackend:
