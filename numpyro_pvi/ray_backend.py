@@ -10,6 +10,7 @@ surplus actors are killed.
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import warnings
 from typing import Any
@@ -37,8 +38,8 @@ def digest(client: Client) -> str:
     return h.hexdigest()
 
 
-def start_ray(ray: Any, num_cpus: int | None) -> None:
-    """``ray.init(num_cpus=num_cpus)`` for this process, without the alarms Ray's start raises beside JAX.
+def start_ray(ray: Any, num_cpus: int | None, **init_args: Any) -> None:
+    """``ray.init(num_cpus=num_cpus, **init_args)`` for this process, without the alarms Ray's start raises beside JAX.
 
     Ray starts its daemons (GCS server, raylet, monitors) with ``subprocess.Popen(..., preexec_fn=...)``, which
     runs the interpreter's fork hooks: JAX's prints "os.fork() was called ... will likely lead to a deadlock",
@@ -52,7 +53,10 @@ def start_ray(ray: Any, num_cpus: int | None) -> None:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", r"os\.fork\(\) was called", RuntimeWarning)
         warnings.filterwarnings("ignore", category=ResourceWarning)
-        ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
+        ray.init(**{"num_cpus": num_cpus, "include_dashboard": False, "log_to_driver": False, **init_args})
+        # some of those handles sit in reference cycles: collected later, they would warn outside this window
+        # (measured: two from the API server's start, in a second Ray session of a process)
+        gc.collect()
 
 
 class RayBackend:
