@@ -6,7 +6,8 @@ from jax import random
 
 import numpyro_pvi as pvi
 
-from conftest import UNEQUAL, FaultyUpdate, linear_model
+from fakes import UNEQUAL, FaultyUpdate
+from models import linear_model
 
 
 def test_loop_backend_rejects_a_raising_client(linear_data):
@@ -25,7 +26,7 @@ sys.path.insert(0, "tests")
 import jax, numpy as np, optax
 from jax import random
 import numpyro_pvi as pvi
-from conftest import logistic_model
+from models import logistic_model
 X = random.normal(random.PRNGKey(2), (400, 3))
 y = (X[:, 0] > 0).astype("float32")
 update = pvi.GradientUpdate(optax.adam(1e-2), num_steps=50, num_particles=4, batch_size=20)

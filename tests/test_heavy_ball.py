@@ -23,7 +23,7 @@ from numpyro_pvi.damping import DROP_ROUNDS, SWING_ROUNDS
 from numpyro_pvi.families import NatParams
 from numpyro_pvi.heavy_ball import polyak_parameters, ritz_bounds
 
-from conftest import NOISE, linear_model
+from models import NOISE, linear_model
 
 NUM_CLIENTS = 6
 

@@ -18,7 +18,7 @@ import numpyro_pvi as pvi  # noqa: E402
 from numpyro_pvi.diagnostics import to_arviz  # noqa: E402
 from numpyro_pvi.plot import plot_clients, plot_compare, plot_history  # noqa: E402
 
-from conftest import logistic_model  # noqa: E402
+from models import logistic_model  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

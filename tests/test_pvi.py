@@ -16,7 +16,8 @@ from numpyro.infer.autoguide import AutoDiagonalNormal, AutoMultivariateNormal
 
 import numpyro_pvi as pvi
 
-from conftest import NOISE, ExactLinearUpdate, exact_linear_posterior, linear_model, logistic_model, scale_model
+from fakes import ExactLinearUpdate
+from models import NOISE, exact_linear_posterior, linear_model, logistic_model, scale_model
 
 PARTS = [np.arange(0, 60), np.arange(60, 180), np.arange(180, 300)]  # unequal partitions of 300 rows
 

@@ -16,7 +16,7 @@ import numpyro_pvi as pvi
 from numpyro_pvi.local_updates.moment_matching import importance_moments, laplace
 from numpyro_pvi.local_updates.snep import _laplace_q
 
-from conftest import exact_linear_posterior, linear_model, logistic_model, robust_model
+from models import exact_linear_posterior, linear_model, logistic_model, robust_model
 
 FULL_RANK = pvi.FullRankGaussian()
 
