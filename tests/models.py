@@ -3,6 +3,7 @@
 Tests import these directly (``from models import linear_model``); no test imports another test module.
 """
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import numpyro
@@ -15,6 +16,28 @@ import numpyro_pvi as pvi
 from numpyro_pvi.families import NatParams
 
 NOISE = 0.5  # known noise sd of the linear-regression model
+
+
+def make_linear_data():
+    """300 rows, 3 features, ``y = X (1, -0.5, 0.3) + N(0, NOISE^2)``: the ``linear_data`` fixture."""
+    X = random.normal(random.PRNGKey(0), (300, 3))
+    y = X @ jnp.array([1.0, -0.5, 0.3]) + NOISE * random.normal(random.PRNGKey(1), (300,))
+    return X, y
+
+
+def make_logistic_data():
+    """400 rows, 3 features, logits ``X (1.5, -1, 0.5) - 0.3``: the ``logistic_data`` fixture."""
+    X = random.normal(random.PRNGKey(2), (400, 3))
+    logits = X @ jnp.array([1.5, -1.0, 0.5]) - 0.3
+    y = random.bernoulli(random.PRNGKey(3), jax.nn.sigmoid(logits)).astype(jnp.float32)
+    return X, y
+
+
+def make_heavy_tailed_data():
+    """40 rows, 2 features, noise sd 0.1, and the first 10 responses replaced by 30: outliers for ``robust_model``."""
+    X = random.normal(random.PRNGKey(0), (40, 2))
+    y = (X @ jnp.array([1.0, -0.5]) + 0.1 * random.normal(random.PRNGKey(1), (40,))).at[:10].set(30.0)
+    return X, y
 
 
 def linear_model(X, y=None):
@@ -198,3 +221,24 @@ def normal_gamma_pvi(update=None):
     family = pvi.SiteFamilies({"w": pvi.FullRankGaussian(), "tau": pvi.Gamma()})
     return pvi.PVI(normal_gamma_model, family, partitions=[np.arange(EP_N)], server=pvi.Sequential(),
                    local_update=update or pvi.SNEPUpdate())
+
+
+INTERCEPT_GROUPS, INTERCEPT_PER_GROUP, INTERCEPT_NOISE = 12, 4, 1.0  # intercept_model's groups, rows each, noise sd
+
+
+def intercept_model(x, y=None):
+    """y[g, i] = b + u[g] + w x[g, i] + noise: the group intercepts u are local to the client holding the group."""
+    b = numpyro.sample("b", dist.Normal(0.0, 2.0))
+    w = numpyro.sample("w", dist.Normal(0.0, 2.0))
+    with pvi.partition_plate("groups", x.shape[0]):
+        u = numpyro.sample("u", dist.Normal(0.0, 1.0))
+        numpyro.sample("y", dist.Normal(b + u[:, None] + w * x, INTERCEPT_NOISE).to_event(1), obs=y)
+
+
+def make_intercept_data():
+    """``INTERCEPT_GROUPS`` groups of ``INTERCEPT_PER_GROUP`` rows: ``y = 0.5 + u[g] + 1.2 x + noise``,
+    ``u[g] ~ N(0, 1)`` (the ``data`` of test_local_latents)."""
+    x = random.normal(random.PRNGKey(0), (INTERCEPT_GROUPS, INTERCEPT_PER_GROUP))
+    u = random.normal(random.PRNGKey(1), (INTERCEPT_GROUPS,))
+    noise = INTERCEPT_NOISE * random.normal(random.PRNGKey(2), (INTERCEPT_GROUPS, INTERCEPT_PER_GROUP))
+    return x, 0.5 + u[:, None] + 1.2 * x + noise
