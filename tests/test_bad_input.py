@@ -11,7 +11,7 @@ from jax import random
 import numpyro_pvi as pvi
 from numpyro_pvi import problem as problems
 
-from conftest import linear_model, logistic_model
+from models import linear_model, logistic_model
 
 UPDATE = pvi.GradientUpdate(optax.adam(1e-2), num_steps=5)
 

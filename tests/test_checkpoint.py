@@ -16,7 +16,7 @@ from jax import random
 
 import numpyro_pvi as pvi
 
-from conftest import linear_model
+from models import linear_model
 
 PARTS = [np.arange(0, 100), np.arange(100, 300)]
 OLD_FORMAT = "numpyro_pvi.PVIState/3"

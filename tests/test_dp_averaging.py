@@ -7,7 +7,8 @@ from jax import random
 
 import numpyro_pvi as pvi
 
-from conftest import assert_checkpoint_resumes, linear_model, normal_gamma_model, poisson_model
+from fakes import assert_checkpoint_resumes
+from models import linear_model, normal_gamma_model, poisson_model
 
 PARTS = pvi.split_iid(random.PRNGKey(5), 300, 3)  # three clients of 100 rows
 

@@ -8,7 +8,7 @@ from jax import random
 import numpyro_pvi as pvi
 from numpyro_pvi.local_updates import dp_clipping, dp_params
 
-from conftest import normal_gamma_model, poisson_model, scale_model
+from models import normal_gamma_model, poisson_model, scale_model
 
 # uneven clients: client 0 (60 rows) is padded to 140 rows; scale_model has two global sites (w, sigma)
 PARTS = [np.arange(0, 60), np.arange(60, 160), np.arange(160, 300)]

@@ -9,7 +9,7 @@ from numpyro.distributions.transforms import biject_to
 import numpyro_pvi as pvi
 from numpyro_pvi.local_updates import dp_params
 
-from conftest import (
+from models import (
     bernoulli_model,
     categorical_model,
     exact_linear_posterior,

@@ -17,7 +17,7 @@ from scipy import special, stats
 import numpyro_pvi as pvi
 from numpyro_pvi.pvi import ELBO_KEY
 
-from conftest import CONCENTRATION, bernoulli_model, categorical_model
+from models import CONCENTRATION, bernoulli_model, categorical_model
 
 DRAWS = 4000  # draws of q per entropy check
 N = 200  # rows of the conjugate models

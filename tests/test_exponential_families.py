@@ -18,7 +18,7 @@ from numpyro_pvi.families import NatParams
 from numpyro_pvi.families.exponential import regression_site
 from numpyro_pvi.merge import merge
 
-from conftest import bernoulli_model, categorical_model, poisson_model
+from models import bernoulli_model, categorical_model, poisson_model
 
 SIZES = [3, 7, 12, 15, 20]  # five uneven clients
 N = sum(SIZES)

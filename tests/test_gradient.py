@@ -11,7 +11,7 @@ import numpyro_pvi as pvi
 from numpyro_pvi.local_updates import Client
 from numpyro_pvi.local_updates.gradient import epoch_batch, shuffled_rows
 
-from conftest import exact_linear_posterior, linear_model
+from models import exact_linear_posterior, linear_model
 
 SIZES = (150, 200, 250)  # one size bucket (all pad to 256 at most), padded to 250 rows
 

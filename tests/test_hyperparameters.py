@@ -11,7 +11,7 @@ from jax import random
 
 import numpyro_pvi as pvi
 
-from conftest import noise_model, type_ii_ml_sigma
+from models import noise_model, type_ii_ml_sigma
 
 N = 60
 

@@ -7,7 +7,7 @@ from jax import random
 import numpyro_pvi as pvi
 from numpyro_pvi.local_updates import Client, ClientProblem
 
-from conftest import exact_linear_posterior, linear_model
+from models import exact_linear_posterior, linear_model
 
 
 def test_minibatch_draws_distinct_real_rows_and_unbiases():

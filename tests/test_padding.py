@@ -53,7 +53,7 @@ def test_a_skewed_split_is_bucketed_by_size_and_gives_the_loop_backends_q(linear
     instead of 21 clients of 200 rows; the loop backend runs each client alone on the old padding to the largest.
     Both hand every client the same key, so q agrees to float64 round-off (the only difference is the order of
     the masked sums over padded rows)."""
-    from conftest import linear_model
+    from models import linear_model
 
     with enable_x64(True):
         X, y = (jnp.asarray(a, jnp.float64)[:220] for a in linear_data)

@@ -10,7 +10,7 @@ from numpyro.infer.util import log_density
 import numpyro_pvi as pvi
 from numpyro_pvi.partition import check_partitions, pad_rows
 
-from conftest import linear_model
+from models import linear_model
 
 
 def plain_linear_model(X, y=None):

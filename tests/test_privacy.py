@@ -11,7 +11,7 @@ import numpyro_pvi as pvi
 from numpyro_pvi import privacy
 from numpyro_pvi.backends import failed_result, stack, take
 
-from conftest import linear_model
+from models import linear_model
 
 dpa = pytest.importorskip("dp_accounting")  # the extra `dp`
 

@@ -16,7 +16,8 @@ from jax import random
 
 import numpyro_pvi as pvi
 
-from conftest import ExactLinearUpdate, linear_model, logistic_model
+from fakes import ExactLinearUpdate
+from models import linear_model, logistic_model
 
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 
@@ -126,7 +127,7 @@ def test_adding_ten_clients_compiles_the_round_about_log2_times(linear_data):
     # capacity 1 -> 2 -> 4 -> 8 -> 16: one compilation of the round per growth, ceil(log2(11)) = 4
     assert len(rounds) <= 4, rounds
     assert problem.num_clients == 11 and problem.capacity == 16 and state.factors.eta1.shape[0] == 16
-    from conftest import exact_linear_posterior
+    from models import exact_linear_posterior
 
     loc = inference.family.loc_scale(state.q)[0]
     np.testing.assert_allclose(loc, exact_linear_posterior(X, y)[0], rtol=1e-4)

@@ -8,7 +8,8 @@ from jax import enable_x64, random
 
 import numpyro_pvi as pvi
 
-from conftest import UNEQUAL, ExactLinearUpdate, exact_linear_posterior, linear_model
+from fakes import UNEQUAL, ExactLinearUpdate
+from models import exact_linear_posterior, linear_model
 
 
 def _run(server, data, rounds, seed=0):

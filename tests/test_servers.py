@@ -9,7 +9,8 @@ from jax import enable_x64, random
 import numpyro_pvi as pvi
 from numpyro_pvi.families import NatParams
 
-from conftest import UNEQUAL, ExactLinearUpdate, PoisonedUpdate, exact_linear_posterior, linear_model
+from fakes import UNEQUAL, ExactLinearUpdate, PoisonedUpdate
+from models import exact_linear_posterior, linear_model
 
 
 @pytest.mark.parametrize("server, rounds, backend", [

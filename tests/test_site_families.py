@@ -20,7 +20,8 @@ from scipy.optimize import minimize
 
 import numpyro_pvi as pvi
 
-from conftest import assert_checkpoint_resumes, normal_gamma_model, normal_gamma_vb
+from fakes import assert_checkpoint_resumes
+from models import normal_gamma_model, normal_gamma_vb
 
 NOISE = 0.5
 N = 48

@@ -10,7 +10,7 @@ import numpyro_pvi as pvi
 from numpyro_pvi.densities import log_likelihood, log_prior
 from numpyro_pvi.sites import read_model
 
-from conftest import linear_model, scale_model
+from models import linear_model, scale_model
 
 KEY = random.PRNGKey(0)
 

@@ -16,7 +16,8 @@ import numpyro_pvi as pvi
 from numpyro_pvi.local_updates.moment_matching import importance_moments, laplace
 from numpyro_pvi.local_updates.snep import _laplace_q
 
-from conftest import exact_linear_posterior, linear_model, logistic_model, robust_model
+from models import exact_linear_posterior, linear_model, logistic_model, make_heavy_tailed_data, robust_model
+from references import ROBUST_MODEL_MEAN, ROBUST_MODEL_SD
 
 FULL_RANK = pvi.FullRankGaussian()
 
@@ -152,14 +153,24 @@ def test_snep_update_arguments_are_checked(kwargs, match):
 
 
 def test_snep_never_returns_nan_on_a_heavy_tailed_model():
-    X = random.normal(random.PRNGKey(0), (40, 2))
-    y = (X @ jnp.array([1.0, -0.5]) + 0.1 * random.normal(random.PRNGKey(1), (40,))).at[:10].set(30.0)
+    """Cauchy noise with 10 of 40 responses replaced by 30: SNEP stays finite and proper, and its q is NUTS's
+    posterior, not a fit dragged by the outliers."""
+    X, y = make_heavy_tailed_data()
     family = pvi.MeanFieldGaussian()
     inference = pvi.PVI(robust_model, family, pvi.split_iid(random.PRNGKey(3), 40, 4),
                         pvi.SNEPUpdate(num_inner=50), pvi.Synchronous(1.0))
     result = inference.run(random.PRNGKey(0), 2, X, y=y, progress_bar=False)
     assert np.isfinite(result.history.elbo).all() and bool(family.is_valid(result.state.q))
     assert all(np.isfinite(leaf).all() for leaf in result.state.factors)
+    assert result.history.accepted.all() and bool(result.state.client_states.visited.all())
+    # Against NUTS (tests/references.py): over seeds 0-4 (this run with the key varied) q's means were 0.02-0.17 NUTS
+    # sd away and its sds 1-9 % above NUTS's; asserted at 0.5 sd and 30 % (3x).
+    loc, scale = (np.asarray(a) for a in family.loc_scale(result.state.q))
+    assert np.max(np.abs(loc - ROBUST_MODEL_MEAN) / ROBUST_MODEL_SD) < 0.5
+    np.testing.assert_allclose(scale, ROBUST_MODEL_SD, rtol=0.3)
+    # the check can fail: least squares, which the outliers drag, is more than 10 posterior sds away in each coordinate
+    least_squares = np.linalg.lstsq(np.asarray(X), np.asarray(y), rcond=None)[0]
+    assert np.min(np.abs(least_squares - ROBUST_MODEL_MEAN) / ROBUST_MODEL_SD) > 10
 
 
 def test_snep_reports_the_tilted_variance_inflation_the_family_cannot_hold():

@@ -16,7 +16,7 @@ from jax import random
 
 import numpyro_pvi as pvi
 
-from conftest import (
+from models import (
     EP_N,
     EP_PARTS,
     categorical_data,

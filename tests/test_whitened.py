@@ -18,7 +18,7 @@ from numpyro_pvi.families.whitened import (
     white_tril,
 )
 
-from conftest import NOISE, linear_model
+from models import NOISE, linear_model
 
 
 def _random_tril(key, dim):
