@@ -15,7 +15,7 @@ from numpyro_pvi.families.protocol import Family, NatParams
 NUM_PRIOR_DRAWS = 256  # points at which a block's prior is read off (see ExponentialFamily.exact_prior)
 
 
-def variance_inflation(family: Any, cov: jax.Array) -> jax.Array:
+def variance_inflation(family: Any, cov: jax.Array, num_draws: Any = None) -> jax.Array:
     """How far the correlations of a dense covariance ``(D, D)`` that ``family``'s form cannot hold inflate a variance.
 
     The variance inflation of coordinate ``i`` is ``Sigma_ii (Sigma^{-1})_ii``: its marginal variance over its
@@ -25,7 +25,9 @@ def variance_inflation(family: Any, cov: jax.Array) -> jax.Array:
     ``cov``'s own largest variance inflation for ``MeanFieldGaussian``; ``1`` if it is not finite. EP and SNEP
     report it for their tilted distributions (``ClientResult.inflation``; with ``SiteFamilies`` and the
     exponential families from the tilted draws' covariance): with more than one client a factorised family's EP
-    fixed point is then neither the posterior's marginals nor mean-field VI's optimum.
+    fixed point is then neither the posterior's marginals nor mean-field VI's optimum. ``cov`` estimated from
+    ``num_draws`` (effective) draws: each ratio is corrected for the share of variance that many independent
+    coordinates explain by chance (``(n - D) / (n - d_i)``, ``d_i`` the coordinates held with ``i``; an adjusted R^2).
 
     **Example:**
 
@@ -40,6 +42,11 @@ def variance_inflation(family: Any, cov: jax.Array) -> jax.Array:
         1.0
     """
     ratio = _inflations(cov) / _inflations(held_covariance(family, cov))
+    if num_draws is not None:  # adjusted R^2: the other coordinates, D - d_i of them not held, explain a share of
+        # coordinate i's variance of about (D - d_i) / n in n draws however independent they are
+        held = jnp.sum(held_covariance(family, jnp.ones_like(cov)) != 0, axis=1)
+        dim = cov.shape[-1]
+        ratio = ratio * jnp.maximum(num_draws - dim, 1.0) / jnp.maximum(num_draws - held, 1.0)
     largest = jnp.max(ratio)
     return jnp.where(jnp.isfinite(largest), jnp.maximum(largest, 1.0), 1.0)
 
@@ -50,6 +57,22 @@ def weighted_covariance(zeta: jax.Array, weights: jax.Array | None = None) -> ja
     weights = jnp.full(zeta.shape[:1], 1.0 / zeta.shape[0]) if weights is None else weights
     centred = zeta - weights @ zeta
     return centred.T @ (weights[:, None] * centred)
+
+
+def tilted_inflation(family: Any, proposal: NatParams, cavity: NatParams, loglik: Callable, alpha: float,
+                     rng_key: jax.Array, pairs: int = 256) -> jax.Array:
+    """:func:`variance_inflation` of the tilted distribution ``cavity * p(y_m | zeta)^alpha`` from ``2 pairs``
+    draws of ``proposal`` (``family.draw``), importance-weighted, corrected for the weights' effective size
+    (halved: ``draw`` pairs its draws). SNEP's mean-parameter path reports it at the end of a visit, with ``q`` as the
+    proposal (its chains' few draws are too few for a covariance).
+
+    **Example:** ``tilted_inflation(family, q, cavity, loglik, 1.0, key)``.
+    """
+    zeta = family.draw(proposal, rng_key, pairs)
+    log_w = alpha * jax.vmap(loglik)(zeta) + family.to_dist(cavity).log_prob(zeta) \
+        - family.to_dist(proposal).log_prob(zeta)
+    weights = jax.nn.softmax(jnp.where(jnp.isfinite(log_w), log_w, -jnp.inf))
+    return variance_inflation(family, weighted_covariance(zeta, weights), 0.5 / jnp.sum(weights**2))
 
 
 def held_covariance(family: Any, cov: jax.Array) -> jax.Array:

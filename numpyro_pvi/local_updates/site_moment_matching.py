@@ -62,7 +62,7 @@ def bind_site_families(problem: ClientProblem, alpha: float, num_samples: int, m
         log_w = jnp.where(jnp.isfinite(log_w), log_w, -jnp.inf)
         weights = jax.nn.softmax(log_w)
         low_ess = 1.0 / jnp.sum(weights**2) < min_ess * zeta.shape[0]
-        inflation = variance_inflation(family, weighted_covariance(zeta, weights))
+        inflation = variance_inflation(family, weighted_covariance(zeta, weights), 0.5 / jnp.sum(weights**2))
         return family.match_moments(proposal_q, zeta, weights), low_ess, inflation
 
     def client_update(rng_key: jax.Array, client: Client, cavity: NatParams, q: NatParams,
@@ -116,4 +116,5 @@ def nuts_target(family: MeanParamFamily, proposal_q: NatParams, cavity_alpha: Na
     target, plain_target = family.from_mean_params(estimate, proposal_q), family.from_mean_params(plain, proposal_q)
     ok = matches(family, target, estimate)
     return jax.tree.map(lambda a, b: jnp.where(ok, a, b), target, plain_target), \
-        ~(ok | matches(family, plain_target, plain)), variance_inflation(family, weighted_covariance(theta))
+        ~(ok | matches(family, plain_target, plain)), variance_inflation(family, weighted_covariance(theta),
+                                                                         theta.shape[0])

@@ -46,7 +46,7 @@ import jax.numpy as jnp
 from jax.flatten_util import ravel_pytree
 
 from numpyro_pvi.families import MeanParamFamily, NatParams
-from numpyro_pvi.families.gaussian import variance_inflation
+from numpyro_pvi.families.gaussian import tilted_inflation
 from numpyro_pvi.local_updates.base import Client, ClientProblem, ClientResult, local_free_energy
 from numpyro_pvi.local_updates.snep_inner import adapted_log_step, nuts_kernel
 
@@ -121,9 +121,6 @@ class BlockCarry(NamedTuple):
     :ivar sum_mean: the sum of their mean parameters.
     :ivar clamped: the steps whose control-variate estimate did not map back to a valid ``q`` (the plain average
         used instead, or the previous iterate kept if it did not either).
-    :ivar sum_theta: over the averaged steps, the sum of the chains' mean ``theta`` ``(D,)``...
-    :ivar sum_outer: ... and of their mean ``theta theta^T`` ``(D, D)``: the tilted draws' covariance
-        (:func:`tilted_covariance`), whose variance inflation the visit reports (``ClientResult.inflation``).
 
     **Example:** at EP's fixed point (``q`` is the tilted distribution, here a Gamma) the control variates are
     nearly exact, so the inner steps leave ``q`` where it is.
@@ -152,8 +149,6 @@ class BlockCarry(NamedTuple):
     weight: jax.Array
     sum_mean: NatParams
     clamped: jax.Array
-    sum_theta: jax.Array
-    sum_outer: jax.Array
 
 
 def check_block_options(update: SNEPUpdate, family: Any) -> None:
@@ -211,8 +206,7 @@ def block_step(update: SNEPUpdate, visit: BlockVisit, transition: Callable, carr
     u, grad, accept = jax.vmap(transition, in_axes=(0, 0, None, None))(keys, carry.chains, tau,
                                                                        jnp.exp(carry.log_step))
     eps = update.inner_step_size(visit.count + i)
-    theta = jax.vmap(lambda v: family.from_chain(visit.frame, v)[0])(u)
-    plain = family.chain_mean_params(theta)
+    plain = family.chain_mean_params(jax.vmap(lambda v: family.from_chain(visit.frame, v)[0])(u))
     flat, unravel = ravel_pytree(plain)
     features = jnp.mean(jax.vmap(stein_features)(u, grad), axis=0)
     mean, nat, ok = _mirror_step(family, carry, unravel(flat - visit.coef @ features), eps)
@@ -224,8 +218,7 @@ def block_step(update: SNEPUpdate, visit: BlockVisit, transition: Callable, carr
     theta_aux = _where((i + 1) % update.num_outer == 0, nat, carry.theta_aux)
     w = (i >= update.first_averaged).astype(u.dtype)  # Polyak-Ruppert: the mean parameters' running sum
     return BlockCarry(mean, nat, theta_aux, u, adapted_log_step(carry.log_step, accept), carry.weight + w,
-                      carry.sum_mean + mean * w, carry.clamped + fell_back, carry.sum_theta + w * theta.mean(0),
-                      carry.sum_outer + w * (theta.T @ theta) / theta.shape[0]), None
+                      carry.sum_mean + mean * w, carry.clamped + fell_back), None
 
 
 def _mirror_step(family: MeanParamFamily, carry: BlockCarry, estimate: NatParams,
@@ -247,9 +240,8 @@ def matches(family: MeanParamFamily, nat: NatParams, target: NatParams) -> jax.A
 def run_blocks(update: SNEPUpdate, visit: BlockVisit, q: NatParams, chains: jax.Array, log_step: jax.Array,
                rng_key: jax.Array) -> BlockCarry:
     """``update.num_inner`` inner steps from the local ``q`` and the chains (in chain coordinates)."""
-    mean, dim = visit.family.mean_params(q), q.eta1.shape[-1]
-    carry = BlockCarry(mean, q, q, chains, log_step, jnp.zeros(()), mean * 0.0, jnp.zeros((), jnp.int32),
-                       jnp.zeros(dim), jnp.zeros((dim, dim)))
+    mean = visit.family.mean_params(q)
+    carry = BlockCarry(mean, q, q, chains, log_step, jnp.zeros(()), mean * 0.0, jnp.zeros((), jnp.int32))
     step = partial(block_step, update, visit, block_transition(visit, update.alpha, update.max_tree_depth))
     xs = (jnp.arange(update.num_inner), jax.random.split(rng_key, update.num_inner))
     carry, _ = jax.lax.scan(step, carry, xs)
@@ -318,11 +310,7 @@ def _client_update(update: SNEPUpdate, problem: ClientProblem, rng_key: jax.Arra
                                state.count + update.num_inner, finite | state.visited)
     q_new = cavity + site
     free_energy = local_free_energy(family, q_new, cavity, visit.loglik, family.draw(q_new, fe_key, 32))
+    cavity_alpha = update.alpha * cavity + (1.0 - update.alpha) * q_new  # the tilted's, as EP's (power EP)
+    inflation = tilted_inflation(family, q_new, cavity_alpha, visit.loglik, update.alpha, jax.random.fold_in(fe_key, 1))
     return ClientResult(site - t_old, free_energy, new_state, carry.clamped + (~averaged) + (~finite),
-                        inflation=variance_inflation(family, tilted_covariance(carry)))
-
-
-def tilted_covariance(carry: BlockCarry) -> jax.Array:
-    """The covariance ``(D, D)`` of the chains' draws of the tilted distribution over a visit's averaged steps."""
-    mean = carry.sum_theta / carry.weight
-    return carry.sum_outer / carry.weight - jnp.outer(mean, mean)
+                        inflation=inflation)
