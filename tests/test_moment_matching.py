@@ -12,6 +12,7 @@ from numpyro.infer import MCMC, NUTS, SVI, Trace_ELBO
 from numpyro.infer.autoguide import AutoMultivariateNormal
 
 import numpyro_pvi as pvi
+from numpyro_pvi.families.gaussian import tilted_inflation, variance_inflation
 
 from conftest import NOISE, exact_linear_posterior, linear_model, logistic_model, normal_gamma_model, robust_model
 
@@ -193,3 +194,21 @@ def test_mean_field_site_families_ep_over_correlated_clients_is_flagged_and_unco
     assert any("cannot represent the correlation" in m for m in messages)
     reason, excess, _ = verdicts[0.0]
     assert reason != "factorised_correlation" and excess < 0.2, verdicts[0.0]
+
+
+def test_tilted_inflation_measures_a_correlated_tilted_distribution_and_not_an_independent_one():
+    """SNEP's mean-parameter path reports ``tilted_inflation`` (importance-weighted draws of the visit's q): on a
+    Gaussian tilted distribution it matches the closed form. Measured, seeds 0-9: correlation -0.72 (exact 2.076):
+    mean 2.07, sd 0.29, min 1.74; independent (exact 1): at most 1.013."""
+    family = pvi.MeanFieldGaussian()
+    for coupling, low, high in [(3.6, 1.5, 3.0), (0.0, 1.0, 1.02)]:
+        likelihood_precision = jnp.array([[4.0, coupling], [coupling, 4.0]])
+        cov = jnp.linalg.inv(jnp.eye(2) + likelihood_precision)  # the tilted: N(0, I) cavity times the likelihood
+        exact = float(variance_inflation(family, cov))
+        cavity = family.from_mean_precision(jnp.zeros(2), jnp.ones(2))
+        proposal = family.from_mean_precision(jnp.zeros(2), 1.0 / jnp.diagonal(cov))  # EP's: the tilted marginals
+        loglik = lambda z, a=likelihood_precision: -0.5 * z @ a @ z  # noqa: E731
+        got = [float(tilted_inflation(family, proposal, cavity, loglik, 1.0, random.PRNGKey(seed)))
+               for seed in range(10)]
+        assert low <= min(got) and max(got) <= high, (coupling, got)
+        assert abs(np.mean(got) - exact) < 0.2, (coupling, exact, got)  # 2 sds of the mean of 10 seeds
