@@ -15,16 +15,19 @@ from numpyro_pvi.families.protocol import Family, NatParams
 NUM_PRIOR_DRAWS = 256  # points at which a block's prior is read off (see ExponentialFamily.exact_prior)
 
 
-def variance_inflation(family: Family, cov: jax.Array) -> jax.Array:
+def variance_inflation(family: Any, cov: jax.Array, num_draws: Any = None) -> jax.Array:
     """How far the correlations of a dense covariance ``(D, D)`` that ``family``'s form cannot hold inflate a variance.
 
     The variance inflation of coordinate ``i`` is ``Sigma_ii (Sigma^{-1})_ii``: its marginal variance over its
     variance with every other coordinate fixed (``1 / (1 - rho^2)`` for two coordinates of correlation ``rho``).
-    Returned: the largest ratio of that of ``cov`` to that of its projection on the family's form
-    (``to_dense(from_dense(cov))``), so ``1`` for a family that holds every correlation (``FullRankGaussian``) and
+    Returned: the largest ratio of that of ``cov`` to that of the part of ``cov`` the family holds
+    (:func:`held_covariance`), so ``1`` for a family that holds every correlation (``FullRankGaussian``) and
     ``cov``'s own largest variance inflation for ``MeanFieldGaussian``; ``1`` if it is not finite. EP and SNEP
-    report it for their tilted distributions (``ClientResult.inflation``): with more than one client a
-    factorised family's EP fixed point is then neither the posterior's marginals nor mean-field VI's optimum.
+    report it for their tilted distributions (``ClientResult.inflation``; with ``SiteFamilies`` and the
+    exponential families from the tilted draws' covariance): with more than one client a factorised family's EP
+    fixed point is then neither the posterior's marginals nor mean-field VI's optimum. ``cov`` estimated from
+    ``num_draws`` (effective) draws: each ratio is corrected for the share of variance that many independent
+    coordinates explain by chance (``(n - D) / (n - d_i)``, ``d_i`` the coordinates held with ``i``; an adjusted R^2).
 
     **Example:**
 
@@ -38,10 +41,57 @@ def variance_inflation(family: Family, cov: jax.Array) -> jax.Array:
         >>> round(float(variance_inflation(pvi.FullRankGaussian(), cov)), 4)
         1.0
     """
-    projected = family.to_dense(family.from_dense(cov))
-    ratio = _inflations(cov) / _inflations(projected)
+    ratio = _inflations(cov) / _inflations(held_covariance(family, cov))
+    if num_draws is not None:  # adjusted R^2: the other coordinates, D - d_i of them not held, explain a share of
+        # coordinate i's variance of about (D - d_i) / n in n draws however independent they are
+        held = jnp.sum(held_covariance(family, jnp.ones_like(cov)) != 0, axis=1)
+        dim = cov.shape[-1]
+        ratio = ratio * jnp.maximum(num_draws - dim, 1.0) / jnp.maximum(num_draws - held, 1.0)
     largest = jnp.max(ratio)
     return jnp.where(jnp.isfinite(largest), jnp.maximum(largest, 1.0), 1.0)
+
+
+def weighted_covariance(zeta: jax.Array, weights: jax.Array | None = None) -> jax.Array:
+    """The covariance ``(D, D)`` of draws ``zeta`` ``(N, D)`` under normalised ``weights`` ``(N,)`` (equal if ``None``):
+    a tilted distribution's, for :func:`variance_inflation`."""
+    weights = jnp.full(zeta.shape[:1], 1.0 / zeta.shape[0]) if weights is None else weights
+    centred = zeta - weights @ zeta
+    return centred.T @ (weights[:, None] * centred)
+
+
+def tilted_inflation(family: Any, proposal: NatParams, cavity: NatParams, loglik: Callable, alpha: float,
+                     rng_key: jax.Array, pairs: int = 256) -> jax.Array:
+    """:func:`variance_inflation` of the tilted distribution ``cavity * p(y_m | zeta)^alpha`` from ``2 pairs``
+    draws of ``proposal`` (``family.draw``), importance-weighted, corrected for the weights' effective size
+    (halved: ``draw`` pairs its draws). SNEP's mean-parameter path reports it at the end of a visit, with ``q`` as the
+    proposal (its chains' few draws are too few for a covariance).
+
+    **Example:** ``tilted_inflation(family, q, cavity, loglik, 1.0, key)``.
+    """
+    zeta = family.draw(proposal, rng_key, pairs)
+    log_w = alpha * jax.vmap(loglik)(zeta) + family.to_dist(cavity).log_prob(zeta) \
+        - family.to_dist(proposal).log_prob(zeta)
+    weights = jax.nn.softmax(jnp.where(jnp.isfinite(log_w), log_w, -jnp.inf))
+    return variance_inflation(family, weighted_covariance(zeta, weights), 0.5 / jnp.sum(weights**2))
+
+
+def held_covariance(family: Any, cov: jax.Array) -> jax.Array:
+    """The part of a dense covariance ``(D, D)`` that ``family``'s form holds, as a dense matrix: ``cov`` itself
+    for ``FullRankGaussian``, its diagonal for ``MeanFieldGaussian``; for ``SiteFamilies`` block-diagonal, each block
+    its own family's part (correlations across blocks are never held); for ``Gamma`` and ``Beta`` (independent
+    coordinates) the diagonal, for ``Dirichlet`` the whole block (a simplex's coordinates are the family's own).
+
+    **Example:** ``held_covariance(pvi.MeanFieldGaussian(), cov)`` is ``jnp.diag(jnp.diagonal(cov))``.
+    """
+    from numpyro_pvi.families.exponential import Dirichlet  # noqa: PLC0415 (they import this module)
+    from numpyro_pvi.families.site_families import SiteFamilies  # noqa: PLC0415
+
+    if isinstance(family, SiteFamilies):
+        return jax.scipy.linalg.block_diag(*[held_covariance(block, cov[a:b, a:b])
+                                             for block, a, b, _ in family.blocks])
+    if isinstance(family, Family):
+        return family.to_dense(family.from_dense(cov))
+    return cov if isinstance(family, Dirichlet) else jnp.diag(jnp.diagonal(cov))
 
 
 def _inflations(cov: jax.Array) -> jax.Array:

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 from jax.flatten_util import ravel_pytree
 
 from numpyro_pvi.families import MeanParamFamily, NatParams
+from numpyro_pvi.families.gaussian import variance_inflation, weighted_covariance
 from numpyro_pvi.local_updates.base import Client, ClientProblem, ClientResult, local_free_energy
 from numpyro_pvi.local_updates.nuts import NUTSSettings, nuts_draws
 from numpyro_pvi.local_updates.snep_blocks import matches, stein_coefficients, stein_features
@@ -58,28 +59,33 @@ def bind_site_families(problem: ClientProblem, alpha: float, num_samples: int, m
         return jax.tree.map(lambda a, b: jnp.where(family.is_valid(site), a, b), site, q)
 
     def _importance_target(proposal_q: NatParams, cavity_alpha: NatParams, loglik: Callable,
-                           key: jax.Array) -> tuple[NatParams, jax.Array]:
-        """The member matched to the importance-weighted statistics, and the weights' ESS (a fraction of the
-        draws; 0 when no weight is finite)."""
+                           key: jax.Array) -> tuple[NatParams, jax.Array, jax.Array]:
+        """The member matched to the importance-weighted statistics, the weights' ESS (a fraction of the
+        draws; 0 when no weight is finite), and the weighted draws' variance inflation beyond the family's
+        form (:func:`variance_inflation`)."""
         zeta = family.draw(proposal_q, key, pairs)
         log_w = alpha * jax.vmap(loglik)(zeta) + family.to_dist(cavity_alpha).log_prob(zeta) \
             - family.to_dist(proposal_q).log_prob(zeta)
         log_w = jnp.where(jnp.isfinite(log_w), log_w, -jnp.inf)
         weights = jax.nn.softmax(log_w)
         ess = 1.0 / jnp.sum(weights**2) / zeta.shape[0]
-        return family.match_moments(proposal_q, zeta, weights), jnp.where(jnp.isfinite(ess), ess, 0.0)
+        inflation = variance_inflation(family, weighted_covariance(zeta, weights), 0.5 / jnp.sum(weights**2))
+        target = family.match_moments(proposal_q, zeta, weights)
+        return target, jnp.where(jnp.isfinite(ess), ess, 0.0), inflation
 
     def _best_importance_target(proposals: list, cavity_alpha: NatParams, loglik: Callable,
-                                key: jax.Array) -> tuple[NatParams, jax.Array]:
-        """The target from the proposal whose weights have the largest ESS, and whether even that ESS is low."""
+                                key: jax.Array) -> tuple[NatParams, jax.Array, jax.Array]:
+        """The target (and inflation) from the proposal whose weights have the largest ESS, and whether even
+        that ESS is low."""
         keys = jax.random.split(key, len(proposals))
         outs = [_importance_target(p, cavity_alpha, loglik, k) for p, k in zip(proposals, keys)]
-        target, ess = outs[0]
-        for other, other_ess in outs[1:]:
+        target, ess, inflation = outs[0]
+        for other, other_ess, other_inflation in outs[1:]:
             better = other_ess > ess
             target = jax.tree.map(lambda a, b, better=better: jnp.where(better, b, a), target, other)
+            inflation = jnp.where(better, other_inflation, inflation)
             ess = jnp.maximum(ess, other_ess)
-        return target, ess < min_ess
+        return target, ess < min_ess, inflation
 
     def client_update(rng_key: jax.Array, client: Client, cavity: NatParams, q: NatParams,
                       state: Any, hyper: Any = ()) -> ClientResult:
@@ -89,23 +95,24 @@ def bind_site_families(problem: ClientProblem, alpha: float, num_samples: int, m
         proposal_q = cavity_alpha if proposal == "cavity" else _site_proposal(q, cavity_alpha, loglik, site_key)
         if nuts is None:
             proposals = [proposal_q] if proposal == "cavity" else [proposal_q, cavity_alpha]
-            target, low_ess = _best_importance_target(proposals, cavity_alpha, loglik, sample_key)
+            target, low_ess, inflation = _best_importance_target(proposals, cavity_alpha, loglik, sample_key)
             target = jax.tree.map(lambda a, b: jnp.where(low_ess, b, a), target, q)  # a few draws: no step
         else:
-            target, missed = nuts_target(family, proposal_q, cavity_alpha, loglik, alpha, sample_key, nuts)
+            target, missed, inflation = nuts_target(family, proposal_q, cavity_alpha, loglik, alpha, sample_key, nuts)
             target, low_ess = jax.tree.map(lambda a, b: jnp.where(missed, b, a), target, q), missed
         delta, halvings, _ = safe_step(family, q, target, alpha, low_ess, max_backtracks)
         q_new = q + delta
         free_energy = local_free_energy(family, q_new, cavity, loglik, family.draw(q_new, fe_key, 32))
-        return ClientResult(delta, free_energy, state, low_ess + halvings)
+        return ClientResult(delta, free_energy, state, low_ess + halvings, inflation=inflation)
 
     return client_update
 
 
 def nuts_target(family: MeanParamFamily, proposal_q: NatParams, cavity_alpha: NatParams, loglik: Callable,
-                alpha: float, rng_key: jax.Array, nuts: NUTSSettings) -> tuple[NatParams, jax.Array]:
-    """The member whose mean parameters are the NUTS estimate of the tilted distribution's ``E[T]``, and whether no
-    estimate could be inverted.
+                alpha: float, rng_key: jax.Array, nuts: NUTSSettings) -> tuple[NatParams, jax.Array, jax.Array]:
+    """The member whose mean parameters are the NUTS estimate of the tilted distribution's ``E[T]``, whether no
+    estimate could be inverted, and the draws' variance inflation beyond the family's form
+    (:func:`~numpyro_pvi.families.gaussian.variance_inflation`: ``ClientResult.inflation``).
 
     The chains run in the family's chain coordinates standardised by ``proposal_q``, on the tilted density
     ``exp(cavity_alpha . T(theta)) p(y_m | theta)^alpha`` times the log Jacobian. ``E[T]`` is the draws' average of
@@ -113,7 +120,8 @@ def nuts_target(family: MeanParamFamily, proposal_q: NatParams, cavity_alpha: Na
     :func:`~numpyro_pvi.local_updates.snep_blocks.stein_coefficients`: unbiased, exact when the tilted distribution
     is the proposal); if that estimate has no member, the plain average is used.
 
-    **Example:** ``target, missed = nuts_target(pvi.Gamma(), q, q, loglik, 1.0, key, NUTSSettings(2, 300, 500, 6))``.
+    **Example:** ``target, missed, inflation = nuts_target(pvi.Gamma(), q, q, loglik, 1.0, key,
+    NUTSSettings(2, 300, 500, 6))``.
     """
     frame = family.chain_frame(proposal_q)
 
@@ -124,11 +132,13 @@ def nuts_target(family: MeanParamFamily, proposal_q: NatParams, cavity_alpha: Na
     dim = family.chain_dim(proposal_q.eta1.shape[-1])
     u = nuts_draws(lambda v: -log_tilted(v), dim, rng_key, nuts.num_chains, nuts.num_warmup, nuts.num_samples,
                    nuts.max_tree_depth)
-    plain = family.chain_mean_params(jax.vmap(lambda v: family.from_chain(frame, v)[0])(u))
+    theta = jax.vmap(lambda v: family.from_chain(frame, v)[0])(u)
+    plain = family.chain_mean_params(theta)
     flat, unravel = ravel_pytree(plain)
     features = jnp.mean(jax.vmap(stein_features)(u, jax.vmap(jax.grad(log_tilted))(u)), axis=0)
     estimate = unravel(flat - stein_coefficients(family, frame, proposal_q) @ features)
     target, plain_target = family.from_mean_params(estimate, proposal_q), family.from_mean_params(plain, proposal_q)
     ok = matches(family, target, estimate)
     return jax.tree.map(lambda a, b: jnp.where(ok, a, b), target, plain_target), \
-        ~(ok | matches(family, plain_target, plain))
+        ~(ok | matches(family, plain_target, plain)), variance_inflation(family, weighted_covariance(theta),
+                                                                         theta.shape[0])

@@ -46,6 +46,7 @@ import jax.numpy as jnp
 from jax.flatten_util import ravel_pytree
 
 from numpyro_pvi.families import MeanParamFamily, NatParams
+from numpyro_pvi.families.gaussian import tilted_inflation
 from numpyro_pvi.local_updates.base import Client, ClientProblem, ClientResult, local_free_energy
 from numpyro_pvi.local_updates.snep_inner import adapted_log_step, nuts_kernel
 
@@ -309,4 +310,7 @@ def _client_update(update: SNEPUpdate, problem: ClientProblem, rng_key: jax.Arra
                                state.count + update.num_inner, finite | state.visited)
     q_new = cavity + site
     free_energy = local_free_energy(family, q_new, cavity, visit.loglik, family.draw(q_new, fe_key, 32))
-    return ClientResult(site - t_old, free_energy, new_state, carry.clamped + (~averaged) + (~finite))
+    cavity_alpha = update.alpha * cavity + (1.0 - update.alpha) * q_new  # the tilted's, as EP's (power EP)
+    inflation = tilted_inflation(family, q_new, cavity_alpha, visit.loglik, update.alpha, jax.random.fold_in(fe_key, 1))
+    return ClientResult(site - t_old, free_energy, new_state, carry.clamped + (~averaged) + (~finite),
+                        inflation=inflation)
