@@ -211,7 +211,7 @@ def test_cvi_with_a_gamma_block_from_a_wide_prior_on_a_negbin_log_link_reaches_n
                         pvi.NaturalGradientUpdate(step_size=0.5, num_steps=5, num_particles=32), pvi.Synchronous())
     result = inference.run(random.PRNGKey(0), 4, X, y=y, progress_bar=False)
     marginals = family.marginals(result.state.q)  # the flat layout: the default block (w, b), then phi
-    mean, sd = marginals.mean, np.sqrt(marginals.var)
+    mean, sd = marginals.mean, np.sqrt(marginals.variance)
     assert np.max(np.abs(mean - NEGBIN_NUTS_MEAN) / NEGBIN_NUTS_SD) < 0.25, mean
     np.testing.assert_allclose(sd, NEGBIN_NUTS_SD, rtol=0.25)
     assert result.history.clamped[0].sum() > 0  # the Laplace site, counted
