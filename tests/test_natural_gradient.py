@@ -200,6 +200,7 @@ NEGBIN_NUTS_MEAN = np.array([0.5731, -0.3199, 0.2696, 1.0113, 3.0386])
 NEGBIN_NUTS_SD = np.array([0.0424, 0.0443, 0.0418, 0.0214, 0.2395])
 
 
+@pytest.mark.slow  # 510 s on this shared 2-core machine (load 12; the Poisson test above took 103 s)
 def test_cvi_with_a_gamma_block_from_a_wide_prior_on_a_negbin_log_link_reaches_nuts():
     """Issue 23, build item 3: CVI with SiteFamilies({"phi": Gamma()}) from wide priors. Before, every step was
     clamped (the step's F_m estimate is -inf or far below the current one at the prior's sds of 10) and q stayed at
