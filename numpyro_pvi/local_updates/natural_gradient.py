@@ -144,13 +144,13 @@ class NaturalGradientUpdate:
             current = free_energy(t)
             floor = jnp.where(jnp.isfinite(current), current - tolerance, -jnp.inf)
 
-            def propose(size: jax.Array) -> tuple[NatParams, jax.Array]:
+            def propose(size: jax.Array) -> tuple[tuple, jax.Array]:
                 new = t + size * (target - t)
                 value = free_energy(new)  # NaN where q is invalid
-                return new, jnp.isfinite(value) & (value >= floor)
+                return (new, value), jnp.isfinite(value) & (value >= floor)
 
             out = backtrack(propose, beta, max_halvings=max_backtracks)  # none acceptable: t unchanged
-            new = jax.tree.map(lambda a, b: jnp.where(out.valid, a, b), out.value, t)
+            new = jax.tree.map(lambda a, b: jnp.where(out.valid, a, b), out.value[0], t)
             if laplace_site is None:
                 return (new, clamped + out.halvings), None
             # The Laplace site when no halving passes, or when it beats the step by more than ``tolerance``: from a
@@ -158,7 +158,7 @@ class NaturalGradientUpdate:
             # step that still raises F_m (issue 23, problem 3), or every step is refused and q stays at the prior
             # (a Gamma block from a wide prior). Counted as one clamp.
             laplace_value = free_energy(laplace_site)
-            better = laplace_value > free_energy(new) + tolerance
+            better = laplace_value > jnp.where(out.valid, out.value[1], current) + tolerance
             use = (~out.valid | better) & jnp.isfinite(laplace_value) & (laplace_value >= floor)
             new = jax.tree.map(lambda a, b: jnp.where(use, a, b), laplace_site, new)
             return (new, clamped + out.halvings + (use & out.valid)), None
