@@ -194,6 +194,7 @@ class RunMonitor:
         self.last: RoundInfo | None = None
         self.all_merged, self.clamped, self.falling, self.rounds = False, False, False, 0
         self.inflation, self.num_merged = 1.0, 0  # the last round's mean tilted variance inflation; clients merged
+        self.num_clients = 0
 
     def warn(self, cause: str, message: str) -> None:
         if cause not in self.warned:
@@ -218,11 +219,13 @@ class RunMonitor:
 
     @property
     def correlated(self) -> bool:
-        """Whether ``q`` is a factorised EP / SNEP fixed point over correlated clients: more than one client merged
+        """Whether ``q`` is a factorised EP / SNEP fixed point over correlated clients: ``M > 1`` clients
         and ``M (v - 1) > CORRELATED``, ``v`` the mean over the last round's clients of ``RoundInfo.inflation`` (the
         variance inflation of their tilted distributions beyond the family's form; 1 for a family that holds
-        correlations, and for updates that do not measure it). With one client EP's marginals are exact."""
-        return self.num_merged > 1 and self.num_merged * (self.inflation - 1.0) > CORRELATED
+        correlations, and for updates that do not measure it). With one client EP's marginals are exact. ``M``
+        counts every client, merged or not: a factorised proposal of a correlated tilted distribution has a low
+        effective sample size, so such clients' steps are clamped away, a symptom of the same mismatch."""
+        return self.num_clients > 1 and self.num_clients * (self.inflation - 1.0) > CORRELATED
 
     @property
     def drifting(self) -> bool:
@@ -273,6 +276,7 @@ class RunMonitor:
         self.merged = _grown(self.merged, attempts.size, False)
         self.merged[:attempts.size] |= merged_now
         self.num_merged = int(np.sum(self.merged))
+        self.num_clients = int(attempts.size)
         if info.inflation is not None and np.any(attempts):
             self.inflation = float(np.mean(np.asarray(info.inflation)[attempts]))
         self._failing(rejection, attempts)
@@ -355,13 +359,13 @@ class RunMonitor:
     def _why(self) -> tuple[str, str]:
         """The first reason the run is not converged, and the message that explains it."""
         info, tol = self.last, self.tol
+        if self.correlated:  # first: with correlated clients a factorised family's clamps are a symptom
+            return "factorised_correlation", self._correlation_message()
         if tol is not None and not self.all_merged:
             codes = np.asarray(info.rejection)[lost(info) & (np.asarray(info.attempts) > 0)]
             return "not_merged", (f"The run did not converge in {self.rounds} rounds: updates of its last round were "
                                   f"rejected or clamped away (rejected: {_reasons(codes) or 'none'}; steps clamped: "
                                   f"{int(np.asarray(info.clamped).sum())}), so q's small change is not convergence.")
-        if self.correlated:  # before "clamped": with correlated clients a factorised family's clamps are a symptom
-            return "factorised_correlation", self._correlation_message()
         if tol is not None and self.clamped:
             attempted = np.asarray(info.attempts) > 0
             clients = np.flatnonzero(attempted & (np.asarray(info.clamped) > 0)).tolist()
@@ -388,7 +392,7 @@ class RunMonitor:
         return self._moving(info.change, tol)
 
     def _correlation_message(self) -> str:
-        m, v = self.num_merged, self.inflation
+        m, v = self.num_clients, self.inflation
         return (f"The run did not converge in {self.rounds} rounds: the clients' tilted distributions are correlated "
                 f"(mean variance inflation {v:.3g}: a coordinate's variance is {v:.3g} times what fixing the others "
                 "leaves it), and the factorised family cannot represent the correlation. With "
