@@ -1,11 +1,14 @@
-"""Write ``tests/references.py``: the NUTS and SVI references of the test suite, computed once, stored as constants.
+"""Write ``tests/references.py``: the NUTS and SVI references of the test suite, computed once,
+stored as constants.
 
-    python benchmarks/make_test_references.py      # a few minutes on 2 cores; rewrites tests/references.py
+    python benchmarks/make_test_references.py      # a few minutes on 2 cores; rewrites
+    tests/references.py
 
-NUTS references are the mean and sd of long seeded runs (4 chains of 1,000 warmup + 10,000 draws, keys 0-3), in
-PVI's flat unconstrained space; the printed ESS and split R-hat say how precise each constant is (the tests'
-tolerances are far wider than its Monte Carlo error). SVI references are NumPyro SVI's optima with the seeds and
-settings the tests used when they ran SVI themselves (their tolerances were measured against these very runs).
+NUTS references are the mean and sd of long seeded runs (4 chains of 1,000 warmup + 10,000 draws,
+keys 0-3), in PVI's flat unconstrained space; the printed ESS and split R-hat say how precise each
+constant is (the tests' tolerances are far wider than its Monte Carlo error). SVI references are
+NumPyro SVI's optima with the seeds and settings the tests used when they ran SVI themselves (their
+tolerances were measured against these very runs).
 """
 
 import sys
@@ -41,7 +44,8 @@ NUM_CHAINS, NUM_WARMUP, NUM_SAMPLES = 4, 1000, 10_000
 
 
 def nuts_flat(model, flatten, *args, **kwargs):
-    """Draws of ``model``'s posterior in PVI's flat unconstrained space, ``(chains, draws, dim)``."""
+    """Draws of ``model``'s posterior in PVI's flat unconstrained space, ``(chains, draws,
+    dim)``."""
     chains = []
     for chain in range(NUM_CHAINS):
         mcmc = MCMC(NUTS(model), num_warmup=NUM_WARMUP, num_samples=NUM_SAMPLES, progress_bar=False)
@@ -73,7 +77,8 @@ def svi_moments(model, guide_class, data, num_steps=6000, seed=0):
 
 
 def online_vi(X, y, tasks):
-    """Online VI by hand: SVI (AutoNormal, 4,000 steps, key 10 + t) on each task with the last posterior as prior."""
+    """Online VI by hand: SVI (AutoNormal, 4,000 steps, key 10 + t) on each task with the last
+    posterior as prior."""
 
     def task_model(X, y, loc, scale):
         w = numpyro.sample("w", dist.Normal(loc[:3], scale[:3]).to_event(1))
@@ -85,16 +90,19 @@ def online_vi(X, y, tasks):
     for t, rows in enumerate(tasks):
         optim = optax.adam(optax.exponential_decay(2e-2, 4000, 0.02))
         svi = SVI(task_model, AutoNormal(task_model), optim, TraceMeanField_ELBO(num_particles=8))
-        p = svi.run(random.PRNGKey(10 + t), 4000, X[rows], y[rows], loc, scale, progress_bar=False).params
+        p = svi.run(
+            random.PRNGKey(10 + t), 4000, X[rows], y[rows], loc, scale, progress_bar=False
+        ).params
         loc = jnp.concatenate([p["w_auto_loc"], p["b_auto_loc"][None]])
         scale = jnp.concatenate([p["w_auto_scale"], p["b_auto_scale"][None]])
     return loc, scale
 
 
 def breast_cancer_mean_field_vi():
-    """Mean-field VI's optimum (means, sds) for Bayesian logistic regression (N(0, 1) priors, an intercept last) on
-    sklearn's breast cancer data, standardised, deterministic: the expectations by 64-point Gauss-Hermite quadrature
-    of the 1-D linear predictor, BFGS in float64 (test_heavy_ball's reference)."""
+    """Mean-field VI's optimum (means, sds) for Bayesian logistic regression (N(0, 1) priors, an
+    intercept last) on sklearn's breast cancer data, standardised, deterministic: the expectations
+    by 64-point Gauss-Hermite quadrature of the 1-D linear predictor, BFGS in float64
+    (test_heavy_ball's reference)."""
     X, y = load_breast_cancer(return_X_y=True)
     X, y = ((X - X.mean(0)) / X.std(0)).astype(np.float32), y.astype(np.float32)
     with enable_x64(True):
@@ -106,7 +114,10 @@ def breast_cancer_mean_field_vi():
             mu, log_sd = p[:d], p[d:]
             var = jnp.exp(2 * log_sd)
             f = (Xb @ mu)[:, None] + jnp.sqrt((Xb**2) @ var)[:, None] * nodes[None]
-            loglik = jnp.sum(jnp.log(jnp.exp(-jnp.logaddexp(0.0, -sign[:, None] * f))) @ (weights / weights.sum()))
+            loglik = jnp.sum(
+                jnp.log(jnp.exp(-jnp.logaddexp(0.0, -sign[:, None] * f)))
+                @ (weights / weights.sum())
+            )
             return -(loglik - 0.5 * jnp.sum(var + mu**2 - 1 - 2 * log_sd))
 
         out = minimize(negative_elbo, jnp.concatenate([jnp.zeros(d), -jnp.ones(d)]), method="BFGS")
@@ -114,11 +125,14 @@ def breast_cancer_mean_field_vi():
 
 
 def intercept_svi():
-    """NumPyro SVI (AutoNormal, TraceMeanField_ELBO(8), Adam 2e-2 decayed to 2 % over 6,000 steps, key 0) on
-    ``intercept_model``: test_local_latents's reference for the globals and every group's intercept."""
+    """NumPyro SVI (AutoNormal, TraceMeanField_ELBO(8), Adam 2e-2 decayed to 2 % over 6,000 steps,
+    key 0) on ``intercept_model``: test_local_latents's reference for the globals and every group's
+    intercept."""
     x, y = make_intercept_data()
     optim = optax.adam(optax.exponential_decay(2e-2, 6000, 0.02))
-    svi = SVI(intercept_model, AutoNormal(intercept_model), optim, TraceMeanField_ELBO(num_particles=8))
+    svi = SVI(
+        intercept_model, AutoNormal(intercept_model), optim, TraceMeanField_ELBO(num_particles=8)
+    )
     return svi.run(random.PRNGKey(0), 6000, x, y=y, progress_bar=False).params
 
 
@@ -127,7 +141,7 @@ def constant(name, values):
     values = np.asarray(values, np.float64)
 
     def row(r):
-        chunks = [", ".join(f"{v:.7g}" for v in r[i:i + 6]) for i in range(0, len(r), 6)]
+        chunks = [", ".join(f"{v:.7g}" for v in r[i : i + 6]) for i in range(0, len(r), 6)]
         return "[" + ",\n     ".join(chunks) + "]"
 
     body = row(values) if values.ndim == 1 else "[" + ",\n     ".join(row(r) for r in values) + "]"
@@ -135,14 +149,19 @@ def constant(name, values):
 
 
 def entry(key, value):
-    """One ``"key": np.array([...]),`` line of a dict constant (a scalar as ``np.array([x])[0]``)."""
-    array = constant("", np.ravel(value)).split("= ", 1)[1].replace("\n     ", "\n" + " " * 9).rstrip()
+    """One ``"key": np.array([...]),`` line of a dict constant (a scalar as
+    ``np.array([x])[0]``)."""
+    array = (
+        constant("", np.ravel(value)).split("= ", 1)[1].replace("\n     ", "\n" + " " * 9).rstrip()
+    )
     return f'    "{key}": {array}' + ("[0],\n" if np.ndim(value) == 0 else ",\n")
 
 
 def main():
     X, y = make_linear_data()
-    scale = nuts_flat(scale_model, lambda s: np.concatenate([s["w"], np.log(s["sigma"])[:, None]], 1), X, y=y)
+    scale = nuts_flat(
+        scale_model, lambda s: np.concatenate([s["w"], np.log(s["sigma"])[:, None]], 1), X, y=y
+    )
     Xh, yh = make_heavy_tailed_data()
     robust = nuts_flat(robust_model, lambda s: np.asarray(s["w"]), Xh, y=yh)
     logistic = make_logistic_data()
@@ -152,32 +171,46 @@ def main():
     intercept = intercept_svi()
     online = online_vi(*logistic, [np.arange(0, 100), np.arange(100, 250), np.arange(250, 400)])
     text = (
-        '"""NUTS, SVI and VI references of the tests, written by ``python benchmarks/make_test_references.py``\n'
+        '"""NUTS, SVI and VI references of the tests, written by ``python '
+        "benchmarks/make_test_references.py``\n"
         "(do not edit); each constant's comment says how it was computed.\n\n"
-        f"NUTS: the mean and sd over {NUM_CHAINS} chains (keys 0-{NUM_CHAINS - 1}) of {NUM_WARMUP} warmup "
+        f"NUTS: the mean and sd over {NUM_CHAINS} chains (keys 0-{NUM_CHAINS - 1}) of "
+        f"{NUM_WARMUP} warmup "
         f"+ {NUM_SAMPLES} draws (float32, as the tests),\n"
         "in PVI's flat unconstrained space; ESS is the smallest over coordinates "
         "(the means' MC error is sd / sqrt(ESS)).\n"
         '"""\n\nimport numpy as np\n\n'
         "# scale_model on make_linear_data(): (w[0], w[1], w[2], log sigma)\n"
-        + constant("SCALE_MODEL_MEAN", scale[0]) + constant("SCALE_MODEL_SD", scale[1])
+        + constant("SCALE_MODEL_MEAN", scale[0])
+        + constant("SCALE_MODEL_SD", scale[1])
         + f"SCALE_MODEL_ESS = {scale[2]:.0f}\n\n"
         "# robust_model (Cauchy noise) on make_heavy_tailed_data(): (w[0], w[1])\n"
-        + constant("ROBUST_MODEL_MEAN", robust[0]) + constant("ROBUST_MODEL_SD", robust[1])
+        + constant("ROBUST_MODEL_MEAN", robust[0])
+        + constant("ROBUST_MODEL_SD", robust[1])
         + f"ROBUST_MODEL_ESS = {robust[2]:.0f}\n\n"
-        "# NumPyro SVI on logistic_model and make_logistic_data() (TraceMeanField_ELBO(8), Adam 2e-2 decayed\n"
+        "# NumPyro SVI on logistic_model and make_logistic_data() (TraceMeanField_ELBO(8), Adam "
+        "2e-2 decayed\n"
         "# to 2 % over 6,000 steps, key 0), in PVI's flat order (w[0], w[1], w[2], b):\n"
         "# AutoDiagonalNormal's and AutoMultivariateNormal's mean and covariance\n"
-        + constant("SVI_LOGISTIC_MEAN_FIELD_MEAN", mf[0]) + constant("SVI_LOGISTIC_MEAN_FIELD_COV", mf[1])
-        + constant("SVI_LOGISTIC_FULL_RANK_MEAN", fr[0]) + constant("SVI_LOGISTIC_FULL_RANK_COV", fr[1]) + "\n"
-        "# online VI by hand on make_logistic_data()'s rows 0-99, 100-249, 250-399 (AutoNormal, 4,000 steps per task,\n"
+        + constant("SVI_LOGISTIC_MEAN_FIELD_MEAN", mf[0])
+        + constant("SVI_LOGISTIC_MEAN_FIELD_COV", mf[1])
+        + constant("SVI_LOGISTIC_FULL_RANK_MEAN", fr[0])
+        + constant("SVI_LOGISTIC_FULL_RANK_COV", fr[1])
+        + "\n"
+        "# online VI by hand on make_logistic_data()'s rows 0-99, 100-249, 250-399 (AutoNormal, "
+        "4,000 steps per task,\n"
         "# keys 10, 11, 12): the final (w[0], w[1], w[2], b) means and sds\n"
-        + constant("ONLINE_VI_LOGISTIC_LOC", online[0]) + constant("ONLINE_VI_LOGISTIC_SCALE", online[1]) + "\n"
-        "# global mean-field VI's optimum on sklearn's breast cancer data, standardised (30 weights, then the\n"
+        + constant("ONLINE_VI_LOGISTIC_LOC", online[0])
+        + constant("ONLINE_VI_LOGISTIC_SCALE", online[1])
+        + "\n"
+        "# global mean-field VI's optimum on sklearn's breast cancer data, standardised (30 "
+        "weights, then the\n"
         "# intercept): 64-point Gauss-Hermite expectations, BFGS in float64 (deterministic)\n"
         + constant("BREAST_CANCER_MEAN_FIELD_VI_MEAN", breast_cancer[0])
-        + constant("BREAST_CANCER_MEAN_FIELD_VI_SD", breast_cancer[1]) + "\n"
-        "# NumPyro SVI on intercept_model and make_intercept_data() (AutoNormal, TraceMeanField_ELBO(8), Adam 2e-2\n"
+        + constant("BREAST_CANCER_MEAN_FIELD_VI_SD", breast_cancer[1])
+        + "\n"
+        "# NumPyro SVI on intercept_model and make_intercept_data() (AutoNormal, "
+        "TraceMeanField_ELBO(8), Adam 2e-2\n"
         "# decayed to 2 % over 6,000 steps, key 0): its parameters (b, w scalars; u per group)\n"
         "INTERCEPT_SVI_AUTONORMAL = {\n"
         + "".join(entry(k, v) for k, v in sorted(intercept.items()))

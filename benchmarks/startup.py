@@ -1,20 +1,21 @@
 """Start-up cost: a fresh process, from ``PVI(...)`` to the end of round 1 and of round 20.
 
-Each configuration runs in its own fresh Python process (so JAX compiles everything from scratch, as a
-user's script does), after the imports and the data are ready:
+Each configuration runs in its own fresh Python process (so JAX compiles everything from scratch, as
+a user's script does), after the imports and the data are ready:
 
 * ``logistic M=10`` / ``logistic M=100``: the configuration of ``benchmarks/rounds.py`` (N = 10,000,
   d = 10 + intercept, mean-field, 10 local epochs of batches of 100, 10 particles, Adam 1e-2,
-  ``Synchronous``), timed from ``PVI(...)`` to the end of round 1 and of round 20 (``init`` included).
-  The PyTorch reference library takes about 2.1 s a round at M = 100, so about 42 s for 20 rounds.
-* ``bnn``: a 64-32-32-10 Bayesian neural network on scikit-learn's ``load_digits`` with 10 label-skewed
-  clients (``split_by_label``, alpha 0.5): ``PVI(...)`` and ``init`` alone.
+  ``Synchronous``), timed from ``PVI(...)`` to the end of round 1 and of round 20 (``init``
+  included). The PyTorch reference library takes about 2.1 s a round at M = 100, so about 42 s for
+  20 rounds.
+* ``bnn``: a 64-32-32-10 Bayesian neural network on scikit-learn's ``load_digits`` with 10
+  label-skewed clients (``split_by_label``, alpha 0.5): ``PVI(...)`` and ``init`` alone.
 
 Three start-up modes, each a fresh process: ``cold`` (JAX's defaults: everything compiled from
 scratch), ``cache`` (JAX's persistent compilation cache, ``jax_compilation_cache_dir``, filled by an
 earlier process: what a user's second run of a script costs) and ``O0`` (``XLA_FLAGS=
---xla_backend_optimization_level=0``: XLA compiles about 3x faster, rounds run about 3x slower; worth it
-for short runs only).
+--xla_backend_optimization_level=0``: XLA compiles about 3x faster, rounds run about 3x slower;
+worth it for short runs only).
 
     python benchmarks/startup.py            # every configuration and mode, each in a fresh process
     python benchmarks/startup.py --rounds 5 # fewer rounds
@@ -53,9 +54,13 @@ def logistic(num_clients, num_rounds):
     jax.block_until_ready((X, y))
     steps = 10 * -(-10_000 // num_clients // 100)
     start = time.perf_counter()
-    inference = pvi.PVI(model, pvi.MeanFieldGaussian(), pvi.split_iid(random.PRNGKey(1), 10_000, num_clients),
-                        pvi.GradientUpdate(optax.adam(1e-2), num_steps=steps, num_particles=10, batch_size=100),
-                        pvi.Synchronous(0.5 if num_clients == 10 else 0.2))
+    inference = pvi.PVI(
+        model,
+        pvi.MeanFieldGaussian(),
+        pvi.split_iid(random.PRNGKey(1), 10_000, num_clients),
+        pvi.GradientUpdate(optax.adam(1e-2), num_steps=steps, num_particles=10, batch_size=100),
+        pvi.Synchronous(0.5 if num_clients == 10 else 0.2),
+    )
     state = inference.init(random.PRNGKey(2), X, y=y)
     init = time.perf_counter() - start
     times = []
@@ -63,8 +68,13 @@ def logistic(num_clients, num_rounds):
         state, info = inference.update(state, X, y=y)
         jax.block_until_ready(state.q)
         times.append(time.perf_counter() - start)
-    return {"init": init, "round1": times[0], "rounds": times[-1], "steady": (times[-1] - times[1]) / (num_rounds - 2),
-            "elbo": float(info.elbo)}
+    return {
+        "init": init,
+        "round1": times[0],
+        "rounds": times[-1],
+        "steady": (times[-1] - times[1]) / (num_rounds - 2),
+        "elbo": float(info.elbo),
+    }
 
 
 def bnn():
@@ -91,9 +101,13 @@ def bnn():
     X, y = (X / 16.0).astype(np.float32), y.astype(np.int32)
     parts = pvi.split_by_label(random.PRNGKey(0), y, 10, alpha=0.5)
     start = time.perf_counter()
-    inference = pvi.PVI(model, pvi.MeanFieldGaussian(), parts,
-                        pvi.GradientUpdate(optax.adam(1e-2), num_steps=100, num_particles=1, batch_size=64),
-                        pvi.Sequential())
+    inference = pvi.PVI(
+        model,
+        pvi.MeanFieldGaussian(),
+        parts,
+        pvi.GradientUpdate(optax.adam(1e-2), num_steps=100, num_particles=1, batch_size=64),
+        pvi.Sequential(),
+    )
     state = inference.init(random.PRNGKey(1), X, y=y)
     jax.block_until_ready(state.q)
     return {"init": time.perf_counter() - start}
@@ -113,11 +127,14 @@ def child(config, num_rounds, cache):
 def run_child(config, num_rounds, mode, cache):
     env = dict(os.environ)
     if mode == "O0":
-        env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
+        env["XLA_FLAGS"] = (
+            env.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
+        ).strip()
     command = [sys.executable, __file__, "--child", config, "--rounds", str(num_rounds)]
     if mode == "cache":
         command += ["--cache", cache]
-        subprocess.run(command, capture_output=True, text=True, check=True, env=env)  # fills the cache
+        # fills the cache
+        subprocess.run(command, capture_output=True, text=True, check=True, env=env)
     out = subprocess.run(command, capture_output=True, text=True, check=True, env=env)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -130,23 +147,37 @@ def main():
     args = parser.parse_args()
     if args.child:
         return child(args.child, args.rounds, args.cache)
-    print(f"fresh process per configuration and mode; seconds from PVI(...) (imports and data excluded); "
-          f"{args.rounds} rounds\n")
-    print(f"{'configuration':>14} {'mode':>6} {'init':>7} {'round 1':>8} {f'{args.rounds} rounds':>10} "
-          f"{'s/round after':>14}  target")
+    print(
+        "fresh process per configuration and mode; seconds from PVI(...) (imports and data "
+        "excluded); "
+        f"{args.rounds} rounds\n"
+    )
+    print(
+        f"{'configuration':>14} {'mode':>6} {'init':>7} {'round 1':>8} "
+        f"{f'{args.rounds} rounds':>10} "
+        f"{'s/round after':>14}  target"
+    )
     for config in CONFIGS:
         for mode in ["cold", "cache", "O0"]:
             with tempfile.TemporaryDirectory() as cache:
                 r = run_child(config, args.rounds, mode, cache)
-            cells = [f"{r['init']:7.2f}"] + ([f"{r['round1']:8.2f}", f"{r['rounds']:10.2f}", f"{r['steady']:14.4f}"]
-                                             if "round1" in r else ["", "", ""])
+            cells = [f"{r['init']:7.2f}"] + (
+                [f"{r['round1']:8.2f}", f"{r['rounds']:10.2f}", f"{r['steady']:14.4f}"]
+                if "round1" in r
+                else ["", "", ""]
+            )
             target = ""
             if config in TARGETS:
                 key, limit = TARGETS[config]
                 target = f"{key} < {limit} s: {'met' if r[key] < limit else 'missed'}"
-            print(f"{config:>14} {mode:>6} " + " ".join(f"{c:>{w}}" for c, w in zip(cells, (7, 8, 10, 14))) +
-                  f"  {target}")
-    print("\nreference: the PyTorch PVI library takes about 42 s for 20 synchronous rounds at M = 100")
+            print(
+                f"{config:>14} {mode:>6} "
+                + " ".join(f"{c:>{w}}" for c, w in zip(cells, (7, 8, 10, 14)))
+                + f"  {target}"
+            )
+    print(
+        "\nreference: the PyTorch PVI library takes about 42 s for 20 synchronous rounds at M = 100"
+    )
 
 
 if __name__ == "__main__":

@@ -1,19 +1,21 @@
-"""The validation sweep: every cell of a pairwise design is RIGHT, FLAGGED or refused by name, never wrong and silent.
+"""The validation sweep: every cell of a pairwise design is RIGHT, FLAGGED or refused by name, never
+wrong and silent.
 
-Factors (issue 23): model {logistic with correlated features, Poisson and negative-binomial log-link, StudentT,
-a hierarchical model with per-row local latents, a conjugate Normal + Poisson-Gamma model} x split {iid,
-skewed: rows sorted by the response and cut into uneven clients} x prior {default, wide} x local update
-{GradientUpdate, NaturalGradientUpdate (CVI), MomentMatchingUpdate (EP), SNEPUpdate} x family
-{MeanFieldGaussian, FullRankGaussian, SiteFamilies with a Gamma block} x server {Sequential(), Synchronous(),
-Asynchronous()}. A greedy all-pairs generator picks cells until every pair of levels that some valid cell
-holds is covered; invalid cells (a Gamma block on a model without a positive site; an update that declares no
-support for local latents on the hierarchical model) are left out, and the latter are run once each as refusal
+Factors (issue 23): model {logistic with correlated features, Poisson and negative-binomial
+log-link, StudentT, a hierarchical model with per-row local latents, a conjugate Normal +
+Poisson-Gamma model} x split {iid, skewed: rows sorted by the response and cut into uneven clients}
+x prior {default, wide} x local update {GradientUpdate, NaturalGradientUpdate (CVI),
+MomentMatchingUpdate (EP), SNEPUpdate} x family {MeanFieldGaussian, FullRankGaussian, SiteFamilies
+with a Gamma block} x server {Sequential(), Synchronous(), Asynchronous()}. A greedy all-pairs
+generator picks cells until every pair of levels that some valid cell holds is covered; invalid
+cells (a Gamma block on a model without a positive site; an update that declares no support for
+local latents on the hierarchical model) are left out, and the latter are run once each as refusal
 probes (the library must refuse them by name).
 
-A cell is RIGHT if every global coordinate's mean is within 0.25 NUTS sd of NUTS and its sd within 25 % of
-NUTS's, or within 0.2 sd (means and sds) of the VI optimum of its family (``references/``, made by
-``make_references.py``). Otherwise it must be FLAGGED: ``result.converged`` is False and a ``pvi.PVIWarning``
-was raised. Anything else is WRONG-SILENT (the bug list).
+A cell is RIGHT if every global coordinate's mean is within 0.25 NUTS sd of NUTS and its sd within
+25 % of NUTS's, or within 0.2 sd (means and sds) of the VI optimum of its family (``references/``,
+made by ``make_references.py``). Otherwise it must be FLAGGED: ``result.converged`` is False and a
+``pvi.PVIWarning`` was raised. Anything else is WRONG-SILENT (the bug list).
 
     python benchmarks/sweep.py                     # the whole design, table to stdout
     python benchmarks/sweep.py --quick             # the first 4 cells
@@ -49,17 +51,22 @@ NUM_CLIENTS = 5
 SKEWED_FRACTIONS = (0.4, 0.25, 0.15, 0.12, 0.08)
 NUM_ROUNDS = 20
 TOL = 0.05
-NUM_DRAWS = 4000  # draws from q for its moments: Monte Carlo error 1/sqrt(4000) = 0.016 sd on a mean
+# draws from q for its moments: Monte Carlo error 1/sqrt(4000) = 0.016 sd on a mean
+NUM_DRAWS = 4000
 NUTS_MEAN_TOL, NUTS_SD_TOL = 0.25, 0.25
 VI_TOL = 0.2
 
 # ------------------------------------------------------------------ priors and models
 
-PRIORS = {"default": {"w_scale": 1.0, "gamma": (2.0, 1.0)}, "wide": {"w_scale": 10.0, "gamma": (1.0, 0.1)}}
+PRIORS = {
+    "default": {"w_scale": 1.0, "gamma": (2.0, 1.0)},
+    "wide": {"w_scale": 10.0, "gamma": (1.0, 0.1)},
+}
 
 
 class Model(NamedTuple):
-    """A sweep model: ``make(prior) -> model``, its seeded data, the site a Gamma block takes (or None)."""
+    """A sweep model: ``make(prior) -> model``, its seeded data, the site a Gamma block takes (or
+    None)."""
 
     name: str
     make: Callable[[dict], Callable]
@@ -85,6 +92,7 @@ def make_logistic(prior: dict) -> Callable:
         w, b = _weights(prior, X.shape[1])
         with pvi.partition_plate("data", X.shape[0]):
             numpyro.sample("y", dist.Bernoulli(logits=X @ w + b), obs=y)
+
     return logistic
 
 
@@ -101,13 +109,16 @@ def make_poisson(prior: dict) -> Callable:
         w, b = _weights(prior, X.shape[1])
         with pvi.partition_plate("data", X.shape[0]):
             numpyro.sample("y", dist.Poisson(jnp.exp(X @ w + b)), obs=y)
+
     return poisson
 
 
 def poisson_data() -> tuple:
     k1, k2 = random.split(random.PRNGKey(12))
     X = 0.5 * _correlated_x(k1, 800, 3, 0.5)
-    y = np.asarray(random.poisson(k2, np.exp(X @ np.array([0.5, -0.3, 0.2]) + 1.5))).astype(np.float32)
+    y = np.asarray(random.poisson(k2, np.exp(X @ np.array([0.5, -0.3, 0.2]) + 1.5))).astype(
+        np.float32
+    )
     return (X,), {"y": y}
 
 
@@ -117,6 +128,7 @@ def make_negbin(prior: dict) -> Callable:
         phi = numpyro.sample("phi", dist.Gamma(*prior["gamma"]))
         with pvi.partition_plate("data", X.shape[0]):
             numpyro.sample("y", dist.NegativeBinomial2(jnp.exp(X @ w + b), phi), obs=y)
+
     return negbin
 
 
@@ -135,13 +147,16 @@ def make_studentt(prior: dict) -> Callable:
         sigma = numpyro.sample("sigma", dist.Gamma(*prior["gamma"]))
         with pvi.partition_plate("data", X.shape[0]):
             numpyro.sample("y", dist.StudentT(4.0, X @ w + b, sigma), obs=y)
+
     return studentt
 
 
 def studentt_data() -> tuple:
     k1, k2 = random.split(random.PRNGKey(14))
     X = _correlated_x(k1, 400, 2, 0.5)
-    y = np.asarray(X @ np.array([1.0, -1.0]) + 0.5 + 0.7 * random.t(k2, 4.0, (400,))).astype(np.float32)
+    y = np.asarray(X @ np.array([1.0, -1.0]) + 0.5 + 0.7 * random.t(k2, 4.0, (400,))).astype(
+        np.float32
+    )
     return (X,), {"y": y}
 
 
@@ -150,8 +165,9 @@ def make_hierarchical(prior: dict) -> Callable:
         w, b = _weights(prior, X.shape[1])
         sigma = numpyro.sample("sigma", dist.Gamma(*prior["gamma"]))
         with pvi.partition_plate("data", X.shape[0]):
-            z = numpyro.sample("z", dist.Normal(X @ w + b, sigma))   # a local latent per row
+            z = numpyro.sample("z", dist.Normal(X @ w + b, sigma))  # a local latent per row
             numpyro.sample("y", dist.Normal(z, 0.5), obs=y)
+
     return hierarchical
 
 
@@ -170,6 +186,7 @@ def make_conjugate(prior: dict) -> Callable:
         with pvi.partition_plate("data", x.shape[0]):
             numpyro.sample("x", dist.Normal(mu, 1.0), obs=x)
             numpyro.sample("counts", dist.Poisson(lam), obs=counts)
+
     return conjugate
 
 
@@ -180,29 +197,44 @@ def conjugate_data() -> tuple:
     return (x,), {"counts": counts}
 
 
-MODELS = {m.name: m for m in [
-    Model("logistic", make_logistic, logistic_data, lambda a, k: k["y"], None),
-    Model("poisson", make_poisson, poisson_data, lambda a, k: k["y"], None),
-    Model("negbin", make_negbin, negbin_data, lambda a, k: k["y"], "phi"),
-    Model("studentt", make_studentt, studentt_data, lambda a, k: k["y"], "sigma"),
-    Model("hierarchical", make_hierarchical, hierarchical_data, lambda a, k: k["y"], "sigma", ("z",)),
-    Model("conjugate", make_conjugate, conjugate_data, lambda a, k: a[0], "lam"),
-]}
+MODELS = {
+    m.name: m
+    for m in [
+        Model("logistic", make_logistic, logistic_data, lambda a, k: k["y"], None),
+        Model("poisson", make_poisson, poisson_data, lambda a, k: k["y"], None),
+        Model("negbin", make_negbin, negbin_data, lambda a, k: k["y"], "phi"),
+        Model("studentt", make_studentt, studentt_data, lambda a, k: k["y"], "sigma"),
+        Model(
+            "hierarchical",
+            make_hierarchical,
+            hierarchical_data,
+            lambda a, k: k["y"],
+            "sigma",
+            ("z",),
+        ),
+        Model("conjugate", make_conjugate, conjugate_data, lambda a, k: a[0], "lam"),
+    ]
+}
 
 
 def conjugate_exact(prior: dict, args: tuple, kwargs: dict) -> dict:
-    """The exact posterior of the conjugate model (independent Normal and Gamma): site -> (mean, sd)."""
+    """The exact posterior of the conjugate model (independent Normal and Gamma): site -> (mean,
+    sd)."""
     x, counts = np.asarray(args[0], np.float64), np.asarray(kwargs["counts"], np.float64)
     precision = 1 / prior["w_scale"] ** 2 + len(x)
     shape, rate = prior["gamma"][0] + counts.sum(), prior["gamma"][1] + len(counts)
-    return {"mu": ([x.sum() / precision], [precision ** -0.5]),
-            "lam": ([shape / rate], [np.sqrt(shape) / rate])}
+    return {
+        "mu": ([x.sum() / precision], [precision**-0.5]),
+        "lam": ([shape / rate], [np.sqrt(shape) / rate]),
+    }
 
 
 # ------------------------------------------------------------------ the factors and their levels
 
+
 def split(model: Model, level: str, args: tuple, kwargs: dict) -> list[np.ndarray]:
-    """``iid``: 5 equal random clients; ``skewed``: rows sorted by the response, cut 40/25/15/12/8 %."""
+    """``iid``: 5 equal random clients; ``skewed``: rows sorted by the response, cut 40/25/15/12/8
+    %."""
     n = len(model.response(args, kwargs))
     if level == "iid":
         return pvi.split_iid(random.PRNGKey(3), n, NUM_CLIENTS)
@@ -230,7 +262,11 @@ def family(level: str, model: Model) -> Any:
 
 
 def server(level: str) -> Any:
-    return {"sequential": pvi.Sequential, "synchronous": pvi.Synchronous, "asynchronous": pvi.Asynchronous}[level]()
+    return {
+        "sequential": pvi.Sequential,
+        "synchronous": pvi.Synchronous,
+        "asynchronous": pvi.Asynchronous,
+    }[level]()
 
 
 FACTORS = {
@@ -248,8 +284,9 @@ def supports_local_latents(update_level: str) -> bool:
 
 
 def valid(cell: dict) -> bool:
-    """False for combinations that cannot be asked: a Gamma block needs a positive site; local latents need an
-    update that declares support (the unsupported ones are run as refusal probes instead)."""
+    """False for combinations that cannot be asked: a Gamma block needs a positive site; local
+    latents need an update that declares support (the unsupported ones are run as refusal probes
+    instead)."""
     model = MODELS[cell["model"]]
     if cell["family"] == "sitefamilies" and model.gamma_site is None:
         return False
@@ -257,14 +294,28 @@ def valid(cell: dict) -> bool:
 
 
 def refusal_probes() -> list[dict]:
-    """One cell per (model with local latents, update without support): the library must refuse it by name."""
-    return [dict(model=m.name, split="iid", prior="default", update=u, family="meanfield", server="sequential")
-            for m in MODELS.values() if m.local_sites for u in FACTORS["update"] if not supports_local_latents(u)]
+    """One cell per (model with local latents, update without support): the library must refuse it
+    by name."""
+    return [
+        dict(
+            model=m.name,
+            split="iid",
+            prior="default",
+            update=u,
+            family="meanfield",
+            server="sequential",
+        )
+        for m in MODELS.values()
+        if m.local_sites
+        for u in FACTORS["update"]
+        if not supports_local_latents(u)
+    ]
 
 
 def all_pairs(factors: dict, is_valid: Callable[[dict], bool]) -> list[dict]:
-    """Greedy all-pairs design: add the valid cell covering most uncovered pairs until every pair held by some
-    valid cell is covered (ties: the first in product order, so the design is deterministic)."""
+    """Greedy all-pairs design: add the valid cell covering most uncovered pairs until every pair
+    held by some valid cell is covered (ties: the first in product order, so the design is
+    deterministic)."""
     names = list(factors)
     cells = [dict(zip(names, levels)) for levels in itertools.product(*factors.values())]
     cells = [c for c in cells if is_valid(c)]
@@ -283,6 +334,7 @@ def all_pairs(factors: dict, is_valid: Callable[[dict], bool]) -> list[dict]:
 
 
 # ------------------------------------------------------------------ references and scoring
+
 
 def reference_path(model: str, prior: str) -> Path:
     return REFERENCES / f"{model}_{prior}.json"
@@ -315,19 +367,21 @@ def errors(got: dict, ref: dict) -> tuple[float, float]:
 
 class Outcome(NamedTuple):
     cell: dict
-    verdict: str            # RIGHT, FLAGGED, WRONG-SILENT, refused, ERROR
-    nuts_mean: float        # worst mean error in NUTS sds
-    nuts_sd: float          # worst |sd / NUTS sd - 1|
-    vi_mean: float          # the same against the family's VI optimum
+    verdict: str  # RIGHT, FLAGGED, WRONG-SILENT, refused, ERROR
+    nuts_mean: float  # worst mean error in NUTS sds
+    nuts_sd: float  # worst |sd / NUTS sd - 1|
+    vi_mean: float  # the same against the family's VI optimum
     vi_sd: float
     converged: Any
     rounds: int
-    warnings: str           # the warnings' first words
+    warnings: str  # the warnings' first words
     seconds: float
 
 
 def classify(nuts: tuple, vi: tuple, converged: Any, warned: bool) -> str:
-    right = (nuts[0] <= NUTS_MEAN_TOL and nuts[1] <= NUTS_SD_TOL) or (vi[0] <= VI_TOL and vi[1] <= VI_TOL)
+    right = (nuts[0] <= NUTS_MEAN_TOL and nuts[1] <= NUTS_SD_TOL) or (
+        vi[0] <= VI_TOL and vi[1] <= VI_TOL
+    )
     if right:
         return "RIGHT"
     return "FLAGGED" if converged is False and warned else "WRONG-SILENT"
@@ -347,17 +401,43 @@ def run_cell(cell: dict, num_rounds: int = NUM_ROUNDS, tol: float = TOL, seed: i
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            inference = pvi.PVI(model.make(prior), family(cell["family"], model),
-                                partitions=split(model, cell["split"], args, kwargs),
-                                local_update=local_update(cell["update"]), server=server(cell["server"]))
-            result = inference.run(random.PRNGKey(seed), num_rounds, *args, tol=tol, progress_bar=False, **kwargs)
+            inference = pvi.PVI(
+                model.make(prior),
+                family(cell["family"], model),
+                partitions=split(model, cell["split"], args, kwargs),
+                local_update=local_update(cell["update"]),
+                server=server(cell["server"]),
+            )
+            result = inference.run(
+                random.PRNGKey(seed), num_rounds, *args, tol=tol, progress_bar=False, **kwargs
+            )
             samples = result.sample_posterior(random.PRNGKey(seed + 1), NUM_DRAWS)
         except (ValueError, TypeError, NotImplementedError) as error:
-            return Outcome(cell, "refused", np.nan, np.nan, np.nan, np.nan, None, 0,
-                           f"{type(error).__name__}: {first_words(error, 12)}", time.perf_counter() - start)
+            return Outcome(
+                cell,
+                "refused",
+                np.nan,
+                np.nan,
+                np.nan,
+                np.nan,
+                None,
+                0,
+                f"{type(error).__name__}: {first_words(error, 12)}",
+                time.perf_counter() - start,
+            )
         except Exception as error:  # noqa: BLE001 - a crash is a finding, recorded
-            return Outcome(cell, "ERROR", np.nan, np.nan, np.nan, np.nan, None, 0,
-                           f"{type(error).__name__}: {first_words(error, 12)}", time.perf_counter() - start)
+            return Outcome(
+                cell,
+                "ERROR",
+                np.nan,
+                np.nan,
+                np.nan,
+                np.nan,
+                None,
+                0,
+                f"{type(error).__name__}: {first_words(error, 12)}",
+                time.perf_counter() - start,
+            )
     seconds = time.perf_counter() - start
     got = moments(samples, list(ref["nuts"]))
     nuts = errors(got, ref["nuts"])
@@ -365,75 +445,161 @@ def run_cell(cell: dict, num_rounds: int = NUM_ROUNDS, tol: float = TOL, seed: i
     messages = [first_words(w.message) for w in caught if issubclass(w.category, pvi.PVIWarning)]
     converged = None if result.converged is None else bool(result.converged)
     verdict = classify(nuts, vi, converged, bool(messages))
-    return Outcome(cell, verdict, *nuts, *vi, converged, len(result.history.elbo),
-                   "; ".join(dict.fromkeys(messages)), seconds)
+    return Outcome(
+        cell,
+        verdict,
+        *nuts,
+        *vi,
+        converged,
+        len(result.history.elbo),
+        "; ".join(dict.fromkeys(messages)),
+        seconds,
+    )
 
 
 def run_cell_isolated(cell: dict, timeout: float) -> Outcome:
-    """:func:`run_cell` in a child process stopped after ``timeout`` seconds: a hang becomes the verdict
-    ``HANGS`` instead of stopping the sweep (a compiled step that never returns cannot be interrupted)."""
+    """:func:`run_cell` in a child process stopped after ``timeout`` seconds: a hang becomes the
+    verdict ``HANGS`` instead of stopping the sweep (a compiled step that never returns cannot be
+    interrupted)."""
     with tempfile.TemporaryDirectory() as folder:
         out = Path(folder) / "outcome.json"
         start = time.perf_counter()
         try:
-            subprocess.run([sys.executable, __file__, "--one-cell", json.dumps(cell), "--one-out", str(out)],
-                           timeout=timeout, check=False)
+            subprocess.run(
+                [sys.executable, __file__, "--one-cell", json.dumps(cell), "--one-out", str(out)],
+                timeout=timeout,
+                check=False,
+            )
         except subprocess.TimeoutExpired:
-            return Outcome(cell, "HANGS", np.nan, np.nan, np.nan, np.nan, None, 0,
-                           f"stopped after {timeout:.0f} s", time.perf_counter() - start)
+            return Outcome(
+                cell,
+                "HANGS",
+                np.nan,
+                np.nan,
+                np.nan,
+                np.nan,
+                None,
+                0,
+                f"stopped after {timeout:.0f} s",
+                time.perf_counter() - start,
+            )
         if not out.exists():
-            return Outcome(cell, "ERROR", np.nan, np.nan, np.nan, np.nan, None, 0,
-                           "the cell's process died", time.perf_counter() - start)
+            return Outcome(
+                cell,
+                "ERROR",
+                np.nan,
+                np.nan,
+                np.nan,
+                np.nan,
+                None,
+                0,
+                "the cell's process died",
+                time.perf_counter() - start,
+            )
         return Outcome(**json.loads(out.read_text()))
 
 
 # ------------------------------------------------------------------ the table
 
-COLUMNS = ["#", "model", "split", "prior", "update", "family", "server", "verdict", "mean err (NUTS sd)",
-           "sd err (NUTS)", "mean err (VI sd)", "sd err (VI)", "converged", "rounds", "warnings", "s"]
+COLUMNS = [
+    "#",
+    "model",
+    "split",
+    "prior",
+    "update",
+    "family",
+    "server",
+    "verdict",
+    "mean err (NUTS sd)",
+    "sd err (NUTS)",
+    "mean err (VI sd)",
+    "sd err (VI)",
+    "converged",
+    "rounds",
+    "warnings",
+    "s",
+]
 
 
 def row(i: int, o: Outcome) -> str:
     def f(x: float) -> str:
         return "" if np.isnan(x) else f"{x:.2f}"
+
     verdict = f"**{o.verdict}**" if o.verdict in ("WRONG-SILENT", "ERROR", "HANGS") else o.verdict
-    cells = [str(i), *o.cell.values(), verdict, f(o.nuts_mean), f(o.nuts_sd), f(o.vi_mean), f(o.vi_sd),
-             str(o.converged), str(o.rounds), o.warnings.replace("|", "/"), f"{o.seconds:.0f}"]
+    cells = [
+        str(i),
+        *o.cell.values(),
+        verdict,
+        f(o.nuts_mean),
+        f(o.nuts_sd),
+        f(o.vi_mean),
+        f(o.vi_sd),
+        str(o.converged),
+        str(o.rounds),
+        o.warnings.replace("|", "/"),
+        f"{o.seconds:.0f}",
+    ]
     if o.verdict == "not run":
         cells[-4:] = ["", "", "", ""]
     return "| " + " | ".join(cells) + " |"
 
 
 def table(outcomes: list[Outcome], header: str) -> str:
-    counts = {v: sum(o.verdict == v for o in outcomes) for v in ("RIGHT", "FLAGGED", "WRONG-SILENT", "refused",
-                                                               "ERROR", "HANGS", "not run")}
-    lines = [header, "", "Verdicts: " + ", ".join(f"{k} {v}" for k, v in counts.items()), "",
-             "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    counts = {
+        v: sum(o.verdict == v for o in outcomes)
+        for v in ("RIGHT", "FLAGGED", "WRONG-SILENT", "refused", "ERROR", "HANGS", "not run")
+    }
+    lines = [
+        header,
+        "",
+        "Verdicts: " + ", ".join(f"{k} {v}" for k, v in counts.items()),
+        "",
+        "| " + " | ".join(COLUMNS) + " |",
+        "|" + "---|" * len(COLUMNS),
+    ]
     lines += [row(i, o) for i, o in enumerate(outcomes, 1)]
     return "\n".join(lines) + "\n"
 
 
 def git_commit() -> str:
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip()
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--quick", action="store_true", help="the first 4 cells only")
-    parser.add_argument("--cells", type=int, default=None, help="run only the first N cells of the design")
-    parser.add_argument("--models", default=None, help="comma-separated: run only these models' cells")
+    parser.add_argument(
+        "--cells", type=int, default=None, help="run only the first N cells of the design"
+    )
+    parser.add_argument(
+        "--models", default=None, help="comma-separated: run only these models' cells"
+    )
     parser.add_argument("--out", type=Path, default=None, help="write the markdown table here")
-    parser.add_argument("--rows", type=Path, default=None,
-                        help="append each outcome to this JSON-lines file as it ends; with --table, read them")
-    parser.add_argument("--table", action="store_true", help="only render --rows' outcomes as the table")
+    parser.add_argument(
+        "--rows",
+        type=Path,
+        default=None,
+        help="append each outcome to this JSON-lines file as it ends; with --table, read them",
+    )
+    parser.add_argument(
+        "--table", action="store_true", help="only render --rows' outcomes as the table"
+    )
     parser.add_argument("--no-probes", action="store_true", help="skip the refusal probes")
-    parser.add_argument("--timeout", type=float, default=None,
-                        help="run each cell in a child process stopped after this many seconds (verdict HANGS)")
-    parser.add_argument("--one-cell", default=None, help=argparse.SUPPRESS)  # the child of --timeout
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        help="run each cell in a child process stopped after this many seconds (verdict HANGS)",
+    )
+    # the child of --timeout
+    parser.add_argument("--one-cell", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--one-out", type=Path, default=None, help=argparse.SUPPRESS)
     options = parser.parse_args()
     if options.one_cell:
@@ -446,30 +612,44 @@ def main() -> None:
     probes = [] if options.no_probes or limit else refusal_probes()
     if options.models:
         keep = options.models.split(",")
-        cells, probes = [c for c in cells if c["model"] in keep], [c for c in probes if c["model"] in keep]
+        cells, probes = (
+            [c for c in cells if c["model"] in keep],
+            [c for c in probes if c["model"] in keep],
+        )
     if options.table:
         outcomes = [Outcome(**json.loads(line)) for line in options.rows.read_text().splitlines()]
         order = [json.dumps(c) for c in design + refusal_probes()]
         ran = {json.dumps(o.cell) for o in outcomes}
-        outcomes += [Outcome(c, "not run", np.nan, np.nan, np.nan, np.nan, None, 0, "", 0.0)
-                     for c in design if json.dumps(c) not in ran]
+        outcomes += [
+            Outcome(c, "not run", np.nan, np.nan, np.nan, np.nan, None, 0, "", 0.0)
+            for c in design
+            if json.dumps(c) not in ran
+        ]
         outcomes.sort(key=lambda o: order.index(json.dumps(o.cell)))
         minutes = sum(o.seconds for o in outcomes) / 60
         num_cells = sum(o.cell in design and o.verdict != "not run" for o in outcomes)
     else:
-        print(f"design: {len(design)} cells (running {len(cells)}), {len(probes)} refusal probes", flush=True)
+        print(
+            f"design: {len(design)} cells (running {len(cells)}), {len(probes)} refusal probes",
+            flush=True,
+        )
         start, outcomes = time.perf_counter(), []
         for i, cell in enumerate(cells + probes, 1):
-            outcomes.append(run_cell_isolated(cell, options.timeout) if options.timeout else run_cell(cell))
+            outcomes.append(
+                run_cell_isolated(cell, options.timeout) if options.timeout else run_cell(cell)
+            )
             print(row(i, outcomes[-1]), flush=True)
             if options.rows:
                 with open(options.rows, "a") as f:
                     f.write(json.dumps(outcomes[-1]._asdict(), default=str) + "\n")
         minutes, num_cells = (time.perf_counter() - start) / 60, len(cells)
     num_probes = sum(o.cell not in design for o in outcomes)
-    header = (f"Sweep of {datetime.date.today()} at commit {git_commit()}: {num_cells} of {len(design)} design "
-              f"cells and {num_probes} refusal probes in {minutes:.1f} min on {os.cpu_count()} "
-              f"CPU cores (rounds <= {NUM_ROUNDS}, tol = {TOL}).")
+    header = (
+        f"Sweep of {datetime.date.today()} at commit {git_commit()}: {num_cells} of "
+        f"{len(design)} design "
+        f"cells and {num_probes} refusal probes in {minutes:.1f} min on {os.cpu_count()} "
+        f"CPU cores (rounds <= {NUM_ROUNDS}, tol = {TOL})."
+    )
     text = table(outcomes, header)
     print(text)
     if options.out:
@@ -480,10 +660,11 @@ BEGIN, END = "<!-- sweep: begin -->", "<!-- sweep: end -->"
 
 
 def write_table(path: Path, text: str) -> None:
-    """Replace the table between the sweep markers of ``path`` (or write the file if it has none)."""
+    """Replace the table between the sweep markers of ``path`` (or write the file if it has
+    none)."""
     old = path.read_text() if path.exists() else ""
     if BEGIN in old and END in old:
-        new = old[:old.index(BEGIN) + len(BEGIN)] + "\n" + text + old[old.index(END):]
+        new = old[: old.index(BEGIN) + len(BEGIN)] + "\n" + text + old[old.index(END) :]
     else:
         new = old + f"\n{BEGIN}\n{text}{END}\n"
     path.write_text(new)

@@ -1,17 +1,19 @@
 """Synchronous mean-field PVI on a correlated posterior: rounds to global VI's optimum, and why.
 
-Breast-cancer logistic regression (30 standardised, strongly correlated features and an intercept), mean-field
-factors, 10 iid clients, ``NaturalGradientUpdate(step_size=0.5, num_steps=10, num_particles=64)``. Global VI's
-optimum is computed deterministically: the ELBO's expectations by 64-point Gauss-Hermite quadrature of the 1-D
-linear predictor, maximised by BFGS in float64. The error of a run is the largest distance of a mean from that
-optimum, in optimum posterior sds.
+Breast-cancer logistic regression (30 standardised, strongly correlated features and an intercept),
+mean-field factors, 10 iid clients, ``NaturalGradientUpdate(step_size=0.5, num_steps=10,
+num_particles=64)``. Global VI's optimum is computed deterministically: the ELBO's expectations by
+64-point Gauss-Hermite quadrature of the 1-D linear predictor, maximised by BFGS in float64. The
+error of a run is the largest distance of a mean from that optimum, in optimum posterior sds.
 
 Printed: the spectrum of the linearised synchronous round ``(D + O/M)^-1 Lambda`` (see
-docs/servers/synchronous.md), then per method the error after every round and the first round within 0.2 sd:
-``Sequential``, ``Synchronous`` with adaptive and fixed damping, and two accelerations applied on top of the
-fixed-damping round through the public API: heavy-ball momentum on (q, factors) and Anderson acceleration.
+docs/servers/synchronous.md), then per method the error after every round and the first round within
+0.2 sd: ``Sequential``, ``Synchronous`` with adaptive and fixed damping, and two accelerations
+applied on top of the fixed-damping round through the public API: heavy-ball momentum on (q,
+factors) and Anderson acceleration.
 
-Run: ``python benchmarks/sync_correlated.py [num_rounds] [name words...]`` (about 2 minutes on 2 cores).
+Run: ``python benchmarks/sync_correlated.py [num_rounds] [name words...]`` (about 2 minutes on 2
+cores).
 """
 
 import sys
@@ -56,26 +58,31 @@ def global_vi_optimum():
         def negative_elbo(p):
             mu, log_sd = p[:d], p[d:]
             var = jnp.exp(2 * log_sd)
-            f = (Xb @ mu)[:, None] + jnp.sqrt((Xb ** 2) @ var)[:, None] * nodes[None]
+            f = (Xb @ mu)[:, None] + jnp.sqrt((Xb**2) @ var)[:, None] * nodes[None]
             loglik = jnp.sum(jax.nn.log_sigmoid(sign[:, None] * f) @ weights)
-            return -(loglik - 0.5 * jnp.sum(var + mu ** 2 - 1 - 2 * log_sd))
+            return -(loglik - 0.5 * jnp.sum(var + mu**2 - 1 - 2 * log_sd))
 
         out = minimize(negative_elbo, jnp.concatenate([jnp.zeros(d), -jnp.ones(d)]), method="BFGS")
         return np.asarray(out.x[:d]), np.exp(np.asarray(out.x[d:]))
 
 
 def spectrum(mean):
-    """Eigenvalues of the linearised synchronous round ``(D + O/M)^-1 Lambda`` at the optimum (Laplace curvature)."""
+    """Eigenvalues of the linearised synchronous round ``(D + O/M)^-1 Lambda`` at the optimum
+    (Laplace curvature)."""
     Xb = np.concatenate([X, np.ones((len(X), 1))], 1).astype(np.float64)
     p = 1 / (1 + np.exp(-Xb @ mean))
     precision = Xb.T @ ((p * (1 - p))[:, None] * Xb) + np.eye(Xb.shape[1])
     diagonal = np.diag(np.diag(precision))
-    return np.sort(np.linalg.eigvals(np.linalg.solve(diagonal + (precision - diagonal) / M, precision)).real)
+    return np.sort(
+        np.linalg.eigvals(np.linalg.solve(diagonal + (precision - diagonal) / M, precision)).real
+    )
 
 
 def inference(server):
     update = pvi.NaturalGradientUpdate(step_size=0.5, num_steps=10, num_particles=64)
-    return pvi.PVI(model, pvi.MeanFieldGaussian(), pvi.split_iid(random.PRNGKey(1), len(y), M), update, server)
+    return pvi.PVI(
+        model, pvi.MeanFieldGaussian(), pvi.split_iid(random.PRNGKey(1), len(y), M), update, server
+    )
 
 
 def plain(server, rounds, error):
@@ -89,7 +96,8 @@ def plain(server, rounds, error):
 
 
 def accelerated(rounds, error, combine):
-    """A fixed-damping synchronous round ``G``, then ``combine(history of x, history of G(x))`` when valid."""
+    """A fixed-damping synchronous round ``G``, then ``combine(history of x, history of G(x))`` when
+    valid."""
     infer = inference(pvi.Synchronous(0.5))
     problem = infer.build(X, y=y)
     state = infer.init(random.PRNGKey(0), problem)
@@ -100,7 +108,11 @@ def accelerated(rounds, error, combine):
         xs.append(ravel_pytree((state.q, state.factors))[0])
         gs.append(ravel_pytree((new.q, new.factors))[0])
         q, factors = unravel(combine(xs, gs))
-        state = new._replace(q=q, factors=factors) if bool(is_valid_state(infer.family, q, factors)) else new
+        state = (
+            new._replace(q=q, factors=factors)
+            if bool(is_valid_state(infer.family, q, factors))
+            else new
+        )
         errors.append(error(infer, state))
     return errors
 
@@ -112,13 +124,14 @@ def heavy_ball(momentum):
 
 def anderson(depth):
     def combine(xs, gs):
-        xs, gs = xs[-(depth + 1):], gs[-(depth + 1):]
+        xs, gs = xs[-(depth + 1) :], gs[-(depth + 1) :]
         if len(xs) < 2:
             return gs[-1]
         residuals = jnp.stack([g - x for g, x in zip(gs, xs)], 1)
         outputs = jnp.stack(gs, 1)
         gamma = jnp.linalg.lstsq(jnp.diff(residuals, axis=1), residuals[:, -1], rcond=1e-6)[0]
         return gs[-1] - jnp.diff(outputs, axis=1) @ gamma
+
     return combine
 
 
@@ -126,28 +139,39 @@ def main(rounds):
     mean, sd = global_vi_optimum()
     lam = spectrum(mean)
     best = 2 / (lam.max() + lam.min())
-    print(f"spectrum of the linearised synchronous round: [{lam.min():.3f}, {lam.max():.2f}]; best fixed damping "
-          f"{best:.2f} shrinks the error by {1 - best * lam.min():.3f} per round "
-          f"({np.log(0.1) / np.log(1 - best * lam.min()):.0f} rounds per tenfold)")
+    print(
+        f"spectrum of the linearised synchronous round: [{lam.min():.3f}, {lam.max():.2f}]; "
+        "best fixed damping "
+        f"{best:.2f} shrinks the error by {1 - best * lam.min():.3f} per round "
+        f"({np.log(0.1) / np.log(1 - best * lam.min()):.0f} rounds per tenfold)"
+    )
 
     def error(infer, state):
         return float(np.max(np.abs(np.asarray(infer.family.loc_scale(state.q)[0]) - mean) / sd))
 
-    runs = {"Sequential()": lambda: plain(pvi.Sequential(), rounds, error),
-            "Synchronous() = HeavyBall() (default)": lambda: plain(pvi.Synchronous(), rounds, error),
-            "Synchronous(AdaptiveDamping())": lambda: plain(pvi.Synchronous(pvi.AdaptiveDamping()), rounds, error),
-            f"Synchronous({best:.2f})": lambda: plain(pvi.Synchronous(float(best)), rounds, error),
-            "Synchronous(0.5)": lambda: plain(pvi.Synchronous(0.5), rounds, error),
-            "Synchronous(0.5) + heavy ball 0.5": lambda: accelerated(rounds, error, heavy_ball(0.5)),
-            "Synchronous(0.5) + Anderson(5)": lambda: accelerated(rounds, error, anderson(5))}
+    runs = {
+        "Sequential()": lambda: plain(pvi.Sequential(), rounds, error),
+        "Synchronous() = HeavyBall() (default)": lambda: plain(pvi.Synchronous(), rounds, error),
+        "Synchronous(AdaptiveDamping())": lambda: plain(
+            pvi.Synchronous(pvi.AdaptiveDamping()), rounds, error
+        ),
+        f"Synchronous({best:.2f})": lambda: plain(pvi.Synchronous(float(best)), rounds, error),
+        "Synchronous(0.5)": lambda: plain(pvi.Synchronous(0.5), rounds, error),
+        "Synchronous(0.5) + heavy ball 0.5": lambda: accelerated(rounds, error, heavy_ball(0.5)),
+        "Synchronous(0.5) + Anderson(5)": lambda: accelerated(rounds, error, anderson(5)),
+    }
     only = sys.argv[2:]  # names containing any of these words (all runs if none)
     for name, run in runs.items():
         if only and not any(word in name for word in only):
             continue
         errors = run()
         within = next((r + 1 for r, e in enumerate(errors) if e <= THRESHOLD), None)
-        print(f"{name:36s} first round within {THRESHOLD} sd: {within}; error after rounds 10/20/{rounds}: "
-              f"{errors[9]:.2f} / {errors[19]:.2f} / {errors[-1]:.2f}", flush=True)
+        print(
+            f"{name:36s} first round within {THRESHOLD} sd: {within}; error after rounds "
+            f"10/20/{rounds}: "
+            f"{errors[9]:.2f} / {errors[19]:.2f} / {errors[-1]:.2f}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

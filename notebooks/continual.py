@@ -82,8 +82,13 @@ def task_data(X: np.ndarray, y: np.ndarray, k: int) -> tuple[np.ndarray, np.ndar
 
 train = [task_data(X_train, y_train, k) for k in range(len(TASKS))]
 test = [task_data(X_test, y_test, k) for k in range(len(TASKS))]
-pd.DataFrame({"task": [f"{a} vs {b}" for a, b in TASKS], "train rows": [len(t[0]) for t in train],
-              "test rows": [len(t[0]) for t in test]})
+pd.DataFrame(
+    {
+        "task": [f"{a} vs {b}" for a, b in TASKS],
+        "train rows": [len(t[0]) for t in train],
+        "test rows": [len(t[0]) for t in test],
+    }
+)
 
 # %% [markdown]
 # ## The model
@@ -92,8 +97,8 @@ pd.DataFrame({"task": [f"{a} vs {b}" for a, b in TASKS], "train rows": [len(t[0]
 # weights' prior is scaled by the layer's fan-in, $\mathcal{N}(0, 1/\text{fan-in})$, the variance of
 # standard initialisations: PVI starts $q$ at the prior, so a draw from the prior is the starting
 # network. (With $\mathcal{N}(0, 1)$ weights and 64 inputs, a prior draw has pre-activations with a
-# standard deviation of about 5, and the first task has to shrink thousands of posterior scales a long
-# way before the network predicts well; the federated BNN notebook measures that.)
+# standard deviation of about 5, and the first task has to shrink thousands of posterior scales a
+# long way before the network predicts well; the federated BNN notebook measures that.)
 
 
 # %%
@@ -101,7 +106,9 @@ def model(X: np.ndarray, task: np.ndarray, y: np.ndarray | None = None) -> None:
     num_tasks = len(TASKS)
     W1 = numpyro.sample("W1", dist.Normal(0.0, 1.0 / np.sqrt(64)).expand([64, HIDDEN]).to_event(2))
     b1 = numpyro.sample("b1", dist.Normal(0.0, 1.0).expand([HIDDEN]).to_event(1))
-    W2 = numpyro.sample("W2", dist.Normal(0.0, 1.0 / np.sqrt(HIDDEN)).expand([num_tasks, HIDDEN, 2]).to_event(3))
+    W2 = numpyro.sample(
+        "W2", dist.Normal(0.0, 1.0 / np.sqrt(HIDDEN)).expand([num_tasks, HIDDEN, 2]).to_event(3)
+    )
     b2 = numpyro.sample("b2", dist.Normal(0.0, 1.0).expand([num_tasks, 2]).to_event(2))
     hidden = jax.nn.relu(X @ W1 + b1)
     logits = jnp.einsum("nh,nhc->nc", hidden, W2[task]) + b2[task]
@@ -110,7 +117,8 @@ def model(X: np.ndarray, task: np.ndarray, y: np.ndarray | None = None) -> None:
 
 
 def accuracy(params: dict, k: int) -> float:
-    """Test accuracy on task k of the network averaged over draws of its weights ``params`` (leading axis)."""
+    """Test accuracy on task k of the network averaged over draws of its weights ``params`` (leading
+    axis)."""
     X, _, y = test[k]
     hidden = jax.nn.relu(jnp.einsum("nd,sdh->snh", X, params["W1"]) + params["b1"][:, None])
     logits = jnp.einsum("snh,shc->snc", hidden, params["W2"][:, k]) + params["b2"][:, k][:, None]
@@ -127,11 +135,19 @@ def accuracy(params: dict, k: int) -> float:
 # seen so far.
 
 # %%
-local_update = pvi.GradientUpdate(optax.adam(optax.exponential_decay(1e-2, LOCAL_STEPS, 0.1)),
-                                  num_steps=LOCAL_STEPS, num_particles=NUM_PARTICLES)
+local_update = pvi.GradientUpdate(
+    optax.adam(optax.exponential_decay(1e-2, LOCAL_STEPS, 0.1)),
+    num_steps=LOCAL_STEPS,
+    num_particles=NUM_PARTICLES,
+)
 X0, task0, y0 = train[0]
-inference = pvi.PVI(model, pvi.MeanFieldGaussian(), pvi.ClientData([((X0, task0), {"y": y0})]),
-                    local_update, server=pvi.Continual())
+inference = pvi.PVI(
+    model,
+    pvi.MeanFieldGaussian(),
+    pvi.ClientData([((X0, task0), {"y": y0})]),
+    local_update,
+    server=pvi.Continual(),
+)
 problem = inference.build()  # the data and compiled steps; add_client returns a new one
 state = inference.init(random.PRNGKey(0), problem)
 pvi_accuracy = np.full((len(TASKS), len(TASKS)), np.nan)  # [after task k, on task j]
@@ -144,8 +160,10 @@ for k in range(len(TASKS)):
     state = result.state
     draws = result.sample_posterior(random.PRNGKey(100 + k), 200)
     pvi_accuracy[k, : k + 1] = [accuracy(draws, j) for j in range(k + 1)]
-    print(f"after task {k}: accuracy on tasks 0..{k} = {np.round(pvi_accuracy[k, :k + 1], 3)}, "
-          f"clients visited this round: {result.history.attempts[0].tolist()}")
+    print(
+        f"after task {k}: accuracy on tasks 0..{k} = {np.round(pvi_accuracy[k, : k + 1], 3)}, "
+        f"clients visited this round: {result.history.attempts[0].tolist()}"
+    )
 pvi_time = time.perf_counter() - start
 
 # %% [markdown]
@@ -161,8 +179,12 @@ def map_loss(params: dict, X: jax.Array, y: jax.Array, k: int) -> jax.Array:
     hidden = jax.nn.relu(X @ params["W1"] + params["b1"])
     logits = hidden @ params["W2"][k] + params["b2"][k]
     nll = -jnp.sum(jax.nn.log_softmax(logits)[jnp.arange(y.shape[0]), y])
-    prior = 0.5 * (64 * jnp.sum(params["W1"] ** 2) + HIDDEN * jnp.sum(params["W2"][k] ** 2)
-                   + jnp.sum(params["b1"] ** 2) + jnp.sum(params["b2"][k] ** 2))
+    prior = 0.5 * (
+        64 * jnp.sum(params["W1"] ** 2)
+        + HIDDEN * jnp.sum(params["W2"][k] ** 2)
+        + jnp.sum(params["b1"] ** 2)
+        + jnp.sum(params["b2"][k] ** 2)
+    )
     return nll + prior
 
 
@@ -181,8 +203,12 @@ def fine_tune(params: dict, X: jax.Array, y: jax.Array, k: int) -> dict:
 
 
 key1, key2 = random.split(random.PRNGKey(0))
-params = {"W1": random.normal(key1, (64, HIDDEN)) / 8.0, "b1": jnp.zeros(HIDDEN),
-          "W2": random.normal(key2, (len(TASKS), HIDDEN, 2)) / np.sqrt(HIDDEN), "b2": jnp.zeros((len(TASKS), 2))}
+params = {
+    "W1": random.normal(key1, (64, HIDDEN)) / 8.0,
+    "b1": jnp.zeros(HIDDEN),
+    "W2": random.normal(key2, (len(TASKS), HIDDEN, 2)) / np.sqrt(HIDDEN),
+    "b2": jnp.zeros((len(TASKS), 2)),
+}
 map_accuracy = np.full((len(TASKS), len(TASKS)), np.nan)
 for k in range(len(TASKS)):
     Xk, _, yk = train[k]
@@ -204,15 +230,23 @@ ax_avg.plot(seen, np.nanmean(map_accuracy, 1), "s--", label="fine-tuning (MAP)")
 ax_avg.set(xlabel="tasks seen", ylabel="average test accuracy", ylim=(0.4, 1.02), xticks=seen)
 ax_avg.legend()
 width = 0.38
-ax_final.bar(np.arange(len(TASKS)) - width / 2, pvi_accuracy[-1], width, label="VCL: pvi.Continual()")
+ax_final.bar(
+    np.arange(len(TASKS)) - width / 2, pvi_accuracy[-1], width, label="VCL: pvi.Continual()"
+)
 ax_final.bar(np.arange(len(TASKS)) + width / 2, map_accuracy[-1], width, label="fine-tuning (MAP)")
-ax_final.set(xticks=range(len(TASKS)), xticklabels=[f"{a} vs {b}" for a, b in TASKS],
-             ylabel="test accuracy after all tasks", ylim=(0.4, 1.02))
+ax_final.set(
+    xticks=range(len(TASKS)),
+    xticklabels=[f"{a} vs {b}" for a, b in TASKS],
+    ylabel="test accuracy after all tasks",
+    ylim=(0.4, 1.02),
+)
 _ = ax_final.legend(loc="lower left")
 
 # %%
-table = pd.DataFrame({"VCL: pvi.Continual()": pvi_accuracy[-1], "fine-tuning (MAP)": map_accuracy[-1]},
-                     index=[f"task {k}: {a} vs {b}" for k, (a, b) in enumerate(TASKS)])
+table = pd.DataFrame(
+    {"VCL: pvi.Continual()": pvi_accuracy[-1], "fine-tuning (MAP)": map_accuracy[-1]},
+    index=[f"task {k}: {a} vs {b}" for k, (a, b) in enumerate(TASKS)],
+)
 table.loc["average"] = table.mean()
 print(f"PVI: {pvi_time:.1f} s for {len(TASKS)} tasks")
 table.round(3)

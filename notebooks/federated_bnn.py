@@ -97,8 +97,13 @@ fig, axes = plt.subplots(1, 2, figsize=(10, 3.2), constrained_layout=True)
 for ax, (name, parts) in zip(axes, splits.items()):
     counts = np.stack([np.bincount(y_train[p], minlength=10) for p in parts])
     image = ax.imshow(counts.T, cmap="Blues", aspect="auto")
-    ax.set(title=f"{name} split: digits per client", xlabel="client", ylabel="digit", xticks=range(NUM_CLIENTS),
-           yticks=range(10))
+    ax.set(
+        title=f"{name} split: digits per client",
+        xlabel="client",
+        ylabel="digit",
+        xticks=range(NUM_CLIENTS),
+        yticks=range(10),
+    )
     fig.colorbar(image, ax=ax, label="training rows")
 
 
@@ -108,6 +113,7 @@ for ax, (name, parts) in zip(axes, splits.items()):
 # A 64-50-10 network with a standard normal prior on every weight and bias, written with
 # `numpyro.sample`; the likelihood sits in the partition plate. `numpyro.deterministic("logits")`
 # lets `Predictive` return the class probabilities from draws of the weights.
+
 
 # %%
 def network(X: jax.Array) -> jax.Array:
@@ -132,17 +138,22 @@ def predictive_logits(draws: dict) -> jax.Array:
 
 
 def evaluate(draws: dict) -> tuple[float, float]:
-    """Test accuracy and test log-likelihood per point of the posterior predictive, from draws of the weights."""
+    """Test accuracy and test log-likelihood per point of the posterior predictive, from draws of
+    the weights."""
     logits = predictive_logits({name: draws[name] for name in ("W1", "b1", "W2", "b2")})
     log_probs = jax.nn.log_softmax(logits)
-    mixture = jax.scipy.special.logsumexp(log_probs, axis=0) - np.log(len(logits))  # log mean_s p(y | x, theta_s)
+    # log mean_s p(y | x, theta_s)
+    mixture = jax.scipy.special.logsumexp(log_probs, axis=0) - np.log(len(logits))
     accuracy = float(np.mean(np.argmax(mixture, -1) == y_test))
     return accuracy, float(np.mean(mixture[np.arange(len(y_test)), y_test]))
 
 
 def local_update(num_steps: int) -> pvi.GradientUpdate:
-    return pvi.GradientUpdate(optax.adam(optax.exponential_decay(1e-2, num_steps, 0.1)), num_steps=num_steps,
-                              num_particles=NUM_PARTICLES)
+    return pvi.GradientUpdate(
+        optax.adam(optax.exponential_decay(1e-2, num_steps, 0.1)),
+        num_steps=num_steps,
+        num_particles=NUM_PARTICLES,
+    )
 
 
 results, scores, times = {}, {}, {}
@@ -156,41 +167,62 @@ results, scores, times = {}, {}, {}
 # started there does not learn in the fast setting's budget:
 
 # %%
-global_vi = pvi.PVI(model, pvi.MeanFieldGaussian(), partitions=None, local_update=local_update(GLOBAL_STEPS),
-                    server=pvi.Sequential())
+global_vi = pvi.PVI(
+    model,
+    pvi.MeanFieldGaussian(),
+    partitions=None,
+    local_update=local_update(GLOBAL_STEPS),
+    server=pvi.Sequential(),
+)
 start = time.perf_counter()
 from_prior = global_vi.run(random.PRNGKey(1), 1, X_train, y=y_train, progress_bar=False)
 from_prior_score = evaluate(from_prior.sample_posterior(random.PRNGKey(7), 200))
-print(f"global VI from q = prior, {GLOBAL_STEPS} steps: test accuracy, log-lik = {np.round(from_prior_score, 3)}, "
-      f"ELBO {from_prior.history.elbo[-1]:.0f} ({time.perf_counter() - start:.1f} s)")
+print(
+    f"global VI from q = prior, {GLOBAL_STEPS} steps: test accuracy, log-lik = "
+    f"{np.round(from_prior_score, 3)}, "
+    f"ELBO {from_prior.history.elbo[-1]:.0f} ({time.perf_counter() - start:.1f} s)"
+)
 
 
 # %% [markdown]
 # Bayesian neural network libraries, the 2022 paper's included, initialise $q$ instead: random means
-# of the scale of a standard initialisation and small variances. PVI can start from any proper $q_0$:
-# give each of the $M$ factors an equal share of $q_0 / p$, so that
-# $q = p \prod_m t_m = q_0$ and every cavity $q_0 / t_m$ is proper (it lies between the prior and
-# $q_0$). `start_at` does this with the public state (`PVIState`, `NatParams`, `PVI.sites`).
+# of the scale of a standard initialisation and small variances. PVI can start from any proper
+# $q_0$: give each of the $M$ factors an equal share of $q_0 / p$, so that $q = p \prod_m t_m = q_0$
+# and every cavity $q_0 / t_m$ is proper (it lies between the prior and $q_0$). `start_at` does this
+# with the public state (`PVIState`, `NatParams`, `PVI.sites`).
+
 
 # %%
-def start_at(inference: pvi.PVI, state: pvi.PVIState, rng_key: jax.Array, scale: float = 0.3) -> pvi.PVIState:
-    """``state`` with q = N(loc, scale^2): loc ~ N(0, 1 / fan_in) for weight matrices, 0 for biases."""
+def start_at(
+    inference: pvi.PVI, state: pvi.PVIState, rng_key: jax.Array, scale: float = 0.3
+) -> pvi.PVIState:
+    """``state`` with q = N(loc, scale^2): loc ~ N(0, 1 / fan_in) for weight matrices, 0 for
+    biases."""
     locs = []
     for site in inference.sites(X_train, y=y_train).globals:
         rng_key, key = random.split(rng_key)
-        loc = random.normal(key, site.shape) / np.sqrt(site.shape[0]) if len(site.shape) == 2 else jnp.zeros(site.shape)
+        loc = (
+            random.normal(key, site.shape) / np.sqrt(site.shape[0])
+            if len(site.shape) == 2
+            else jnp.zeros(site.shape)
+        )
         locs.append(loc.reshape(-1))
     loc = jnp.concatenate(locs)
     q0 = inference.family.from_loc_scale(loc, jnp.full_like(loc, scale))
-    share = (q0 - state.q) * (1.0 / state.factors.eta1.shape[0])  # (q0 / prior)^(1/M) in natural parameters
+    # (q0 / prior)^(1/M) in natural parameters
+    share = (q0 - state.q) * (1.0 / state.factors.eta1.shape[0])
     factors = NatParams(*(jnp.broadcast_to(x, f.shape) for x, f in zip(share, state.factors)))
     assert bool(inference.family.is_valid(q0 - share)), "every cavity must be proper"
     return state._replace(q=q0, factors=factors)
 
 
 def run(inference: pvi.PVI, rng_key: jax.Array, num_rounds: int) -> pvi.PVIRunResult:
-    state = start_at(inference, inference.init(rng_key, X_train, y=y_train), random.fold_in(rng_key, 1))
-    return inference.run(rng_key, num_rounds, X_train, y=y_train, init_state=state, progress_bar=False)
+    state = start_at(
+        inference, inference.init(rng_key, X_train, y=y_train), random.fold_in(rng_key, 1)
+    )
+    return inference.run(
+        rng_key, num_rounds, X_train, y=y_train, init_state=state, progress_bar=False
+    )
 
 
 # %% [markdown]
@@ -203,8 +235,10 @@ start = time.perf_counter()
 results["global VI"] = run(global_vi, random.PRNGKey(1), 1)
 times["global VI"] = time.perf_counter() - start
 scores["global VI"] = evaluate(results["global VI"].sample_posterior(random.PRNGKey(7), 200))
-print(f"global VI: test accuracy, log-lik = {np.round(scores['global VI'], 3)}, "
-      f"ELBO {results['global VI'].history.elbo[-1]:.0f} ({times['global VI']:.1f} s)")
+print(
+    f"global VI: test accuracy, log-lik = {np.round(scores['global VI'], 3)}, "
+    f"ELBO {results['global VI'].history.elbo[-1]:.0f} ({times['global VI']:.1f} s)"
+)
 
 # %% [markdown]
 # ## PVI over 10 clients
@@ -227,8 +261,11 @@ for split, parts in splits.items():
         results[name] = run(inference, random.PRNGKey(2), rounds)
         times[name] = time.perf_counter() - start
         scores[name] = evaluate(results[name].sample_posterior(random.PRNGKey(7), 200))
-        print(f"{name}: test accuracy, log-lik = {np.round(scores[name], 3)}, "
-              f"{int(results[name].history.num_rejected.sum())} rejected updates ({times[name]:.1f} s)")
+        print(
+            f"{name}: test accuracy, log-lik = {np.round(scores[name], 3)}, "
+            f"{int(results[name].history.num_rejected.sum())} rejected updates "
+            f"({times[name]:.1f} s)"
+        )
 
 # %%
 fig = plot_history(results["PVI sequential, non-iid"])
@@ -251,16 +288,24 @@ def masked_model(X: jax.Array, y: jax.Array, mask: jax.Array) -> None:
 
 
 def local_only(parts: list, num_steps: int, rng_key: jax.Array) -> list[tuple[float, float]]:
-    """Fit every client of ``parts`` on its own rows; each client's test accuracy and log-likelihood."""
+    """Fit every client of ``parts`` on its own rows; each client's test accuracy and
+    log-likelihood."""
     size = max(len(p) for p in parts)
     pad = lambda a, p: np.concatenate([a[p], np.zeros((size - len(p),) + a.shape[1:], a.dtype)])  # noqa: E731
     Xs = np.stack([pad(X_train, p) for p in parts])
     ys = np.stack([pad(y_train, p) for p in parts])
     masks = np.stack([np.arange(size) < len(p) for p in parts])
     init = {}
-    for name, shape in [("W1", (64, HIDDEN)), ("b1", (HIDDEN,)), ("W2", (HIDDEN, 10)), ("b2", (10,))]:
+    for name, shape in [
+        ("W1", (64, HIDDEN)),
+        ("b1", (HIDDEN,)),
+        ("W2", (HIDDEN, 10)),
+        ("b2", (10,)),
+    ]:
         rng_key, key = random.split(rng_key)
-        init[name] = random.normal(key, shape) / np.sqrt(shape[0]) if len(shape) == 2 else jnp.zeros(shape)
+        init[name] = (
+            random.normal(key, shape) / np.sqrt(shape[0]) if len(shape) == 2 else jnp.zeros(shape)
+        )
     guide = AutoNormal(masked_model, init_loc_fn=init_to_value(values=init), init_scale=0.3)
     optim = optax.adam(optax.exponential_decay(1e-2, num_steps, 0.1))
     svi = SVI(masked_model, guide, optim, TraceMeanField_ELBO(num_particles=NUM_PARTICLES))
@@ -268,42 +313,75 @@ def local_only(parts: list, num_steps: int, rng_key: jax.Array) -> list[tuple[fl
 
     def fit(X: jax.Array, y: jax.Array, mask: jax.Array, key: jax.Array) -> dict:
         state = svi.init(key, X, y, mask)
-        state, _ = jax.lax.scan(lambda s, _: svi.update(s, X, y, mask), state, None, length=num_steps)
+        state, _ = jax.lax.scan(
+            lambda s, _: svi.update(s, X, y, mask), state, None, length=num_steps
+        )
         return svi.get_params(state)
 
     params = jax.jit(jax.vmap(fit))(Xs, ys, masks, random.split(rng_key, len(parts)))
     sample = jax.jit(jax.vmap(lambda p, key: guide.sample_posterior(key, p, sample_shape=(200,))))
-    draws = sample(params, random.split(random.PRNGKey(7), len(parts)))  # 200 draws of each client's weights
+    # 200 draws of each client's weights
+    draws = sample(params, random.split(random.PRNGKey(7), len(parts)))
     return [evaluate(jax.tree.map(lambda a, m=m: a[m], draws)) for m in range(len(parts))]
 
 
 if LOCAL_ONLY_STEPS:
     start = time.perf_counter()
-    client_scores = local_only([p for parts in splits.values() for p in parts], LOCAL_ONLY_STEPS,
-                               random.PRNGKey(3))
+    client_scores = local_only(
+        [p for parts in splits.values() for p in parts], LOCAL_ONLY_STEPS, random.PRNGKey(3)
+    )
     for i, split in enumerate(splits):
         name = f"local-only, {split}"
-        scores[name] = tuple(np.mean(client_scores[i * NUM_CLIENTS:(i + 1) * NUM_CLIENTS], axis=0))
-        times[name] = (time.perf_counter() - start) / len(splits)  # the two splits' fits share one run
+        scores[name] = tuple(
+            np.mean(client_scores[i * NUM_CLIENTS : (i + 1) * NUM_CLIENTS], axis=0)
+        )
+        # the two splits' fits share one run
+        times[name] = (time.perf_counter() - start) / len(splits)
         print(f"{name}: mean test accuracy, log-lik = {np.round(scores[name], 3)}")
 
 # %% [markdown]
 # ## Results
 
 # %%
-paper = {"global VI": 0.961, "PVI sequential, iid": 0.958, "PVI synchronous, iid": 0.933,
-         "PVI sequential, non-iid": 0.903, "PVI synchronous, non-iid": 0.806}
-table = pd.DataFrame([{"method": name, "test accuracy": accuracy, "test log-lik": log_lik,
-                       "wall time (s)": times[name], "paper (2 labels/client for non-iid)": paper.get(name, np.nan)}
-                      for name, (accuracy, log_lik) in scores.items()]).set_index("method")
+paper = {
+    "global VI": 0.961,
+    "PVI sequential, iid": 0.958,
+    "PVI synchronous, iid": 0.933,
+    "PVI sequential, non-iid": 0.903,
+    "PVI synchronous, non-iid": 0.806,
+}
+table = pd.DataFrame(
+    [
+        {
+            "method": name,
+            "test accuracy": accuracy,
+            "test log-lik": log_lik,
+            "wall time (s)": times[name],
+            "paper (2 labels/client for non-iid)": paper.get(name, np.nan),
+        }
+        for name, (accuracy, log_lik) in scores.items()
+    ]
+).set_index("method")
 table.round(3)
 
 # %% tags=["gallery-federated-bnn"]
 fig, ax = plt.subplots(figsize=(8, 3.6), constrained_layout=True)
-order = [name for name in ["global VI", "PVI sequential, iid", "PVI synchronous, iid", "local-only, iid",
-                           "PVI sequential, non-iid", "PVI synchronous, non-iid", "local-only, non-iid"]
-         if name in table.index]
-colors = ["0.4" if n == "global VI" else "tab:red" if n.startswith("local") else "tab:blue" for n in order]
+order = [
+    name
+    for name in [
+        "global VI",
+        "PVI sequential, iid",
+        "PVI synchronous, iid",
+        "local-only, iid",
+        "PVI sequential, non-iid",
+        "PVI synchronous, non-iid",
+        "local-only, non-iid",
+    ]
+    if name in table.index
+]
+colors = [
+    "0.4" if n == "global VI" else "tab:red" if n.startswith("local") else "tab:blue" for n in order
+]
 ax.barh(order[::-1], table.loc[order[::-1], "test accuracy"], color=colors[::-1])
 _ = ax.set(xlim=(0.5, 1.0), xlabel="test accuracy")
 
@@ -328,11 +406,19 @@ fig = plot_clients(results["PVI sequential, non-iid"], sites={"b2": [0, 3, 7]})
 #   global VI from the initialised q does.
 
 # %%
-iid_gap = table.loc["global VI", "test accuracy"] - table.loc["PVI sequential, iid", "test accuracy"]
-print(f"global VI - PVI (sequential, iid): {iid_gap:.3f}; notebook {time.perf_counter() - notebook_start:.0f} s")
+iid_gap = (
+    table.loc["global VI", "test accuracy"] - table.loc["PVI sequential, iid", "test accuracy"]
+)
+print(
+    f"global VI - PVI (sequential, iid): {iid_gap:.3f}; notebook "
+    f"{time.perf_counter() - notebook_start:.0f} s"
+)
 assert iid_gap <= 0.02, iid_gap
 for split in splits if LOCAL_ONLY_STEPS else []:
-    gain = table.loc[f"PVI sequential, {split}", "test accuracy"] - table.loc[f"local-only, {split}", "test accuracy"]
+    gain = (
+        table.loc[f"PVI sequential, {split}", "test accuracy"]
+        - table.loc[f"local-only, {split}", "test accuracy"]
+    )
     assert gain >= 0.05, (split, gain)
 assert table.loc["global VI", "test accuracy"] >= 0.9
 if not FULL:

@@ -74,9 +74,14 @@ print(f"{'full' if FULL else 'fast'} setting, {jax.device_count()} CPU device(s)
 
 # %%
 X, y = load_breast_cancer(return_X_y=True)
-X_train, X_test, y_train, y_test = train_test_split(X, y, test_size=0.25, random_state=0, stratify=y)
+X_train, X_test, y_train, y_test = train_test_split(
+    X, y, test_size=0.25, random_state=0, stratify=y
+)
 mean, sd = X_train.mean(0), X_train.std(0)
-X_train, X_test = ((X_train - mean) / sd).astype(np.float32), ((X_test - mean) / sd).astype(np.float32)
+X_train, X_test = (
+    ((X_train - mean) / sd).astype(np.float32),
+    ((X_test - mean) / sd).astype(np.float32),
+)
 y_train, y_test = y_train.astype(np.float32), y_test.astype(np.float32)
 print(f"train {X_train.shape}, test {X_test.shape}")
 
@@ -87,6 +92,7 @@ print(f"train {X_train.shape}, test {X_test.shape}")
 # An ordinary NumPyro model. The only PVI-specific line is `pvi.partition_plate`: it marks the plate
 # that holds the data, the plate PVI splits across clients. Outside PVI it *is* `numpyro.plate`, so
 # SVI and NUTS run the same function.
+
 
 # %%
 def model(X: np.ndarray, y: np.ndarray | None = None) -> None:
@@ -102,16 +108,26 @@ def model(X: np.ndarray, y: np.ndarray | None = None) -> None:
 # `split_iid` gives each client a random tenth of the training rows. Each client improves its factor
 # with `GradientUpdate`: NumPyro's `TraceMeanField_ELBO` on its own rows with its *cavity* (the
 # prior times every other client's factor) as the prior, optimised by optax's Adam. The `Sequential`
-# server visits the clients one after the other, each against the approximation its predecessor left.
+# server visits the clients one after the other, each against the approximation its predecessor
+# left.
 
 # %%
 parts = pvi.split_iid(random.PRNGKey(0), num_data=len(y_train), num_clients=NUM_CLIENTS)
-local_update = pvi.GradientUpdate(optax.adam(optax.exponential_decay(2e-2, LOCAL_STEPS, 0.05)),
-                                  num_steps=LOCAL_STEPS, num_particles=8)
-inference = pvi.PVI(model, pvi.MeanFieldGaussian(), partitions=parts, local_update=local_update,
-                    server=pvi.Sequential())
+local_update = pvi.GradientUpdate(
+    optax.adam(optax.exponential_decay(2e-2, LOCAL_STEPS, 0.05)),
+    num_steps=LOCAL_STEPS,
+    num_particles=8,
+)
+inference = pvi.PVI(
+    model,
+    pvi.MeanFieldGaussian(),
+    partitions=parts,
+    local_update=local_update,
+    server=pvi.Sequential(),
+)
 start = time.perf_counter()
-result = inference.run(random.PRNGKey(1), NUM_ROUNDS, X_train, y=y_train, progress_bar=False)  # default: a tqdm bar
+# default: a tqdm bar
+result = inference.run(random.PRNGKey(1), NUM_ROUNDS, X_train, y=y_train, progress_bar=False)
 times = {"PVI (sequential)": time.perf_counter() - start}
 print(f"rejected client updates: {int(result.history.num_rejected.sum())}")
 
@@ -127,8 +143,12 @@ fig = plot_history(result)
 
 # %%
 guide = AutoNormal(model)
-svi = SVI(model, guide, optax.adam(optax.exponential_decay(2e-2, SVI_STEPS, 0.02)),
-          TraceMeanField_ELBO(num_particles=8))
+svi = SVI(
+    model,
+    guide,
+    optax.adam(optax.exponential_decay(2e-2, SVI_STEPS, 0.02)),
+    TraceMeanField_ELBO(num_particles=8),
+)
 start = time.perf_counter()
 svi_result = svi.run(random.PRNGKey(2), SVI_STEPS, X_train, y=y_train, progress_bar=False)
 times["SVI (AutoNormal)"] = time.perf_counter() - start
@@ -140,7 +160,9 @@ times["NUTS"] = time.perf_counter() - start
 
 samples = {
     "PVI (sequential)": result.sample_posterior(random.PRNGKey(4), 4000),
-    "SVI (AutoNormal)": guide.sample_posterior(random.PRNGKey(5), svi_result.params, sample_shape=(4000,)),
+    "SVI (AutoNormal)": guide.sample_posterior(
+        random.PRNGKey(5), svi_result.params, sample_shape=(4000,)
+    ),
     "NUTS": mcmc.get_samples(),
 }
 
@@ -150,6 +172,7 @@ samples = {
 #
 # Test accuracy and test log-likelihood of the posterior predictive, and how far each method's
 # posterior means and standard deviations are from NUTS (in NUTS posterior standard deviations).
+
 
 # %%
 def predictive_metrics(s: dict) -> tuple[float, float]:
@@ -165,18 +188,24 @@ rows = []
 for name, s in samples.items():
     accuracy, log_lik = predictive_metrics(s)
     w = np.asarray(s["w"])
-    rows.append({"method": name, "test accuracy": accuracy, "test log-lik / point": log_lik,
-                 "max |mean - NUTS| / sd": np.max(np.abs(w.mean(0) - nuts_w.mean(0)) / nuts_w.std(0)),
-                 "median sd / NUTS sd": np.median(w.std(0) / nuts_w.std(0)),
-                 "wall time (s)": times[name]})
+    rows.append(
+        {
+            "method": name,
+            "test accuracy": accuracy,
+            "test log-lik / point": log_lik,
+            "max |mean - NUTS| / sd": np.max(np.abs(w.mean(0) - nuts_w.mean(0)) / nuts_w.std(0)),
+            "median sd / NUTS sd": np.median(w.std(0) / nuts_w.std(0)),
+            "wall time (s)": times[name],
+        }
+    )
 table = pd.DataFrame(rows).set_index("method")
 table.round(3)
 
 # %% [markdown]
 # PVI and SVI agree: both are mean-field VI, and PVI's fixed points are global VI's optima. Both
 # under-estimate the posterior standard deviations relative to NUTS, because the 30 features are
-# strongly correlated and a mean-field Gaussian cannot represent the resulting posterior correlations;
-# their predictions are as good as NUTS's.
+# strongly correlated and a mean-field Gaussian cannot represent the resulting posterior
+# correlations; their predictions are as good as NUTS's.
 
 # %% tags=["gallery-posterior-comparison"]
 fig = plot_compare(samples, sites={"w": range(7), "b": [0]}, max_panels=8)
@@ -184,8 +213,9 @@ fig = plot_compare(samples, sites={"w": range(7), "b": [0]}, max_panels=8)
 # %% [markdown]
 # ## ArviZ
 #
-# `result.to_arviz()` turns the result into an `arviz.InferenceData`: draws from q for every global site, and
-# the run's per-round history in `sample_stats`. ArviZ's summaries and plots then work as for MCMC.
+# `result.to_arviz()` turns the result into an `arviz.InferenceData`: draws from q for every global
+# site, and the run's per-round history in `sample_stats`. ArviZ's summaries and plots then work as
+# for MCMC.
 
 # %%
 idata = result.to_arviz(num_samples=2000)
@@ -195,8 +225,13 @@ az.summary(idata, var_names=["b", "w"]).head(8)
 display(idata.sample_stats)
 
 # %%
-axes = az.plot_forest([idata, az.from_numpyro(mcmc)], model_names=["PVI", "NUTS"], var_names=["w"],
-                      combined=True, figsize=(6, 7))
+axes = az.plot_forest(
+    [idata, az.from_numpyro(mcmc)],
+    model_names=["PVI", "NUTS"],
+    var_names=["w"],
+    combined=True,
+    figsize=(6, 7),
+)
 
 # %% [markdown]
 # ## What each client contributes
@@ -217,24 +252,38 @@ fig = plot_clients(result, sites={"w": [0, 1, 2], "b": [0]})
 # `Synchronous(damping=0.5)` would cycle here, and warns that it is oscillating.
 
 # %%
-sync = pvi.PVI(model, pvi.MeanFieldGaussian(), partitions=parts, local_update=local_update,
-               server=pvi.Synchronous())
+sync = pvi.PVI(
+    model,
+    pvi.MeanFieldGaussian(),
+    partitions=parts,
+    local_update=local_update,
+    server=pvi.Synchronous(),
+)
 start = time.perf_counter()
 sync_result = sync.run(random.PRNGKey(1), 3 * NUM_ROUNDS, X_train, y=y_train, progress_bar=False)
 times["PVI (synchronous)"] = time.perf_counter() - start
 fig, ax = plt.subplots(figsize=(5, 3.2))
 ax.plot(np.arange(1, NUM_ROUNDS + 1), result.history.elbo, "o-", ms=3, label="Sequential()")
-ax.plot(np.arange(1, 3 * NUM_ROUNDS + 1), sync_result.history.elbo, "o-", ms=3, label="Synchronous()")
-ax.set(xlabel="round", ylabel="global ELBO", ylim=(result.history.elbo[-1] - 40, result.history.elbo[-1] + 5))
+ax.plot(
+    np.arange(1, 3 * NUM_ROUNDS + 1), sync_result.history.elbo, "o-", ms=3, label="Synchronous()"
+)
+ax.set(
+    xlabel="round",
+    ylabel="global ELBO",
+    ylim=(result.history.elbo[-1] - 40, result.history.elbo[-1] + 5),
+)
 _ = ax.legend()
 
 # %%
 samples["PVI (synchronous)"] = sync_result.sample_posterior(random.PRNGKey(6), 4000)
 accuracy, log_lik = predictive_metrics(samples["PVI (synchronous)"])
 sync_w = np.asarray(samples["PVI (synchronous)"]["w"])
-print(f"synchronous PVI: test accuracy {accuracy:.3f}, test log-lik {log_lik:.3f}, "
-      f"max |mean - NUTS| / sd {np.max(np.abs(sync_w.mean(0) - nuts_w.mean(0)) / nuts_w.std(0)):.3f}, "
-      f"{times['PVI (synchronous)']:.1f} s")
+print(
+    f"synchronous PVI: test accuracy {accuracy:.3f}, test log-lik {log_lik:.3f}, "
+    "max |mean - NUTS| / sd "
+    f"{np.max(np.abs(sync_w.mean(0) - nuts_w.mean(0)) / nuts_w.std(0)):.3f}, "
+    f"{times['PVI (synchronous)']:.1f} s"
+)
 
 # %% [markdown]
 # ## Checks
@@ -250,10 +299,15 @@ svi_w = np.asarray(samples["SVI (AutoNormal)"]["w"])
 pvi_w = np.asarray(samples["PVI (sequential)"]["w"])
 mean_gap = np.max(np.abs(pvi_w.mean(0) - svi_w.mean(0)) / svi_w.std(0))
 sd_ratio = pvi_w.std(0) / svi_w.std(0)
-print(f"PVI vs SVI: max mean gap {mean_gap:.3f} sd, sd ratio in [{sd_ratio.min():.3f}, {sd_ratio.max():.3f}]")
+print(
+    f"PVI vs SVI: max mean gap {mean_gap:.3f} sd, sd ratio in [{sd_ratio.min():.3f}, "
+    f"{sd_ratio.max():.3f}]"
+)
 assert mean_gap < 0.15, mean_gap
 assert np.all(np.abs(sd_ratio - 1) < 0.1), sd_ratio
 for reference in ("NUTS", "SVI (AutoNormal)"):
-    gap = abs(table.loc["PVI (sequential)", "test accuracy"] - table.loc[reference, "test accuracy"])
+    gap = abs(
+        table.loc["PVI (sequential)", "test accuracy"] - table.loc[reference, "test accuracy"]
+    )
     assert gap <= 0.02, (reference, gap)
 assert int(result.history.num_rejected.sum()) == 0

@@ -17,11 +17,11 @@
 # # Streaming sparse GP regression
 #
 # Bui et al. (2018, section 6) fit a sparse Gaussian process to data that arrive in batches. This
-# notebook runs `examples/sparse_gp.py` (explained on the docs' [sparse GP page](../../examples/sparse_gp/)):
-# a 1-D regression problem whose sorted inputs are split into contiguous client batches, the
-# whitened inducing outputs $v$ as the global site, and the RBF kernel's hyperparameters as
-# `numpyro.param` sites learned by PVI's server. PVI's predictive is compared with the exact GP's at
-# its type-II maximum-likelihood hyperparameters.
+# notebook runs `examples/sparse_gp.py` (explained on the docs' [sparse GP
+# page](../../examples/sparse_gp/)): a 1-D regression problem whose sorted inputs are split into
+# contiguous client batches, the whitened inducing outputs $v$ as the global site, and the RBF
+# kernel's hyperparameters as `numpyro.param` sites learned by PVI's server. PVI's predictive is
+# compared with the exact GP's at its type-II maximum-likelihood hyperparameters.
 #
 # The notebook runs a fast setting by default (it is executed in CI); set `PVI_FULL=1` for the
 # example's default size (300 points, 6 clients, 200 rounds).
@@ -43,10 +43,24 @@ spec = importlib.util.spec_from_file_location("sparse_gp_example", EXAMPLE)
 sparse_gp = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(sparse_gp)
 
-# fast: 60 rounds of 128 draws (measured: 0.030 exact-GP sd from the exact predictive mean, no rejected update;
-# with 150 rounds of 256 draws, five times the work: 0.052)
-ARGS = [] if FULL else ["--num-data", "150", "--num-clients", "5", "--rounds", "60", "--num-particles", "128",
-                        "--seed", "2"]
+# fast: 60 rounds of 128 draws (measured: 0.030 exact-GP sd from the exact predictive mean, no
+# rejected update; with 150 rounds of 256 draws, five times the work: 0.052)
+ARGS = (
+    []
+    if FULL
+    else [
+        "--num-data",
+        "150",
+        "--num-clients",
+        "5",
+        "--rounds",
+        "60",
+        "--num-particles",
+        "128",
+        "--seed",
+        "2",
+    ]
+)
 print(f"{'full' if FULL else 'fast'} setting: {' '.join(ARGS) or 'the example defaults'}")
 
 # %% [markdown]
@@ -72,6 +86,9 @@ display(Image(filename=str(figure)))
 # ## Checks
 
 # %%
-assert out["mean_err_vs_exact"] < 0.25, out["mean_err_vs_exact"]  # in exact-GP sds, anywhere on the grid
+# in exact-GP sds, anywhere on the grid
+assert out["mean_err_vs_exact"] < 0.25, out["mean_err_vs_exact"]
 assert out["rejected"] == 0
-print(f"PVI's predictive mean is within {out['mean_err_vs_exact']:.3f} exact-GP sd of the exact GP's")
+print(
+    f"PVI's predictive mean is within {out['mean_err_vs_exact']:.3f} exact-GP sd of the exact GP's"
+)

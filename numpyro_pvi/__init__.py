@@ -1,21 +1,26 @@
 """numpyro_pvi: Partitioned Variational Inference (PVI) as a NumPyro inference method.
 
-A model marks its data plate with :func:`partition_plate`; :class:`PVI` fits an approximation ``q`` of its
-global latent sites from one factor per client. What a :class:`PVI` is made of (each documented in ``docs/``):
+A model marks its data plate with :func:`partition_plate`; :class:`PVI` fits an approximation ``q``
+of its global latent sites from one factor per client. What a :class:`PVI` is made of (each
+documented in ``docs/``):
 
-* families of ``q``: :class:`MeanFieldGaussian`, :class:`FullRankGaussian`, :class:`Gamma`, :class:`Beta`,
+* families of ``q``: :class:`MeanFieldGaussian`, :class:`FullRankGaussian`, :class:`Gamma`,
+  :class:`Beta`,
   :class:`Dirichlet`, and :class:`SiteFamilies` (a family per site);
-* local updates: :class:`GradientUpdate`, :class:`NaturalGradientUpdate` (CVI), :class:`MomentMatchingUpdate`
-  (EP), :class:`SNEPUpdate`, and the differentially private :class:`DPGradientUpdate` and
+* local updates: :class:`GradientUpdate`, :class:`NaturalGradientUpdate` (CVI),
+  :class:`MomentMatchingUpdate` (EP), :class:`SNEPUpdate`, and the differentially private
+  :class:`DPGradientUpdate` and
   :class:`DPLocalAveraging` (accounting: :mod:`numpyro_pvi.privacy`);
-* servers: :class:`Synchronous` (the default, with :class:`HeavyBall` or :class:`AdaptiveDamping` damping),
+* servers: :class:`Synchronous` (the default, with :class:`HeavyBall` or :class:`AdaptiveDamping`
+  damping),
   :class:`Sequential`, :class:`Asynchronous`, :class:`Continual`;
-* backends: :class:`VmapBackend` (the default), :class:`LoopBackend`, :class:`RayBackend`; Flower sites in
+* backends: :class:`VmapBackend` (the default), :class:`LoopBackend`, :class:`RayBackend`; Flower
+  sites in
   :mod:`numpyro_pvi.flower`;
 * data: pooled arrays split by :func:`split_iid` / :func:`split_by_label`, or :class:`ClientData`.
 
-**Example:** ``pvi.PVI(model, pvi.MeanFieldGaussian(), pvi.split_iid(key, n, 4), pvi.GradientUpdate(optax.adam(0.05),
-100), pvi.Sequential()).run(key, 10, X, y=y)``.
+**Example:** ``pvi.PVI(model, pvi.MeanFieldGaussian(), pvi.split_iid(key, n, 4),
+pvi.GradientUpdate(optax.adam(0.05), 100), pvi.Sequential()).run(key, 10, X, y=y)``.
 """
 
 from numpyro_pvi.backends import Backend, ConcurrentRunner, LoopBackend, VmapBackend

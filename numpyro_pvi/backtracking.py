@@ -1,8 +1,9 @@
 """Step halving: the one backtracking loop of the package.
 
 A damped merge on the server, a natural-gradient step, a moment-matching step and the prior factor's
-step all take the largest step ``step * 2**-k`` (``start <= k <= start + max_halvings``) whose proposal
-is valid, and take no step at all when none is. :func:`backtrack` is that loop, under ``jit``.
+step all take the largest step ``step * 2**-k`` (``start <= k <= start + max_halvings``) whose
+proposal is valid, and take no step at all when none is. :func:`backtrack` is that loop, under
+``jit``.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ class Backtracked(NamedTuple):
 
     :ivar value: the proposal at the step taken (at the last step tried if none was valid).
     :ivar step: the step taken, ``0`` if no proposal was valid.
-    :ivar halvings: how many times the step was halved beyond ``start`` (``max_halvings + 1`` if none was valid).
+    :ivar halvings: how many times the step was halved beyond ``start`` (``max_halvings + 1`` if
+        none was valid).
     :ivar valid: whether a valid proposal was found.
     """
 
@@ -28,9 +30,14 @@ class Backtracked(NamedTuple):
     valid: jax.Array
 
 
-def backtrack(propose: Callable[[jax.Array], tuple[Any, jax.Array]], step: float | jax.Array, max_halvings: int,
-              start: int | jax.Array = 0) -> Backtracked:
-    """Find the largest ``step * 2**-k``, ``k = start, ..., start + max_halvings``, whose proposal is valid.
+def backtrack(
+    propose: Callable[[jax.Array], tuple[Any, jax.Array]],
+    step: float | jax.Array,
+    max_halvings: int,
+    start: int | jax.Array = 0,
+) -> Backtracked:
+    """Find the largest ``step * 2**-k``, ``k = start, ..., start + max_halvings``, whose proposal
+    is valid.
 
     :param propose: ``step -> (value, valid)``, pure and traceable.
     :param step: the full step (e.g. the server's damping or a natural-gradient step size).

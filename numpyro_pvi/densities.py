@@ -1,8 +1,9 @@
-"""Densities in ``zeta``: a client's log-likelihood, the model with its globals set, the prior in unconstrained space.
+"""Densities in ``zeta``: a client's log-likelihood, the model with its globals set, the prior in
+unconstrained space.
 
-Each runs the user's model with handlers (``substitute`` the global sites' values ``theta(zeta)``, mask the
-padded rows of the partition plate, ``block`` so nothing leaks into an outer ELBO): pure functions of
-``zeta`` and the data, traced inside the compiled steps.
+Each runs the user's model with handlers (``substitute`` the global sites' values ``theta(zeta)``,
+mask the padded rows of the partition plate, ``block`` so nothing leaks into an outer ELBO): pure
+functions of ``zeta`` and the data, traced inside the compiled steps.
 """
 
 from __future__ import annotations
@@ -20,9 +21,12 @@ from numpyro_pvi.sites import ModelSites
 
 
 class PlateMask(Messenger):
-    """Mask the sites inside plate ``plate`` with a ``(rows,)`` boolean ``mask`` (padding for ``vmap``)."""
+    """Mask the sites inside plate ``plate`` with a ``(rows,)`` boolean ``mask`` (padding for
+    ``vmap``)."""
 
-    def __init__(self, fn: Callable | None = None, plate: str = "", mask: jax.Array | None = None) -> None:
+    def __init__(
+        self, fn: Callable | None = None, plate: str = "", mask: jax.Array | None = None
+    ) -> None:
         self.plate, self.mask = plate, mask
         super().__init__(fn)
 
@@ -35,26 +39,42 @@ class PlateMask(Messenger):
                 return
 
 
-def log_likelihood(model: Callable, sites: ModelSites, zeta: jax.Array, args: tuple, kwargs: dict,
-                   mask: jax.Array | None = None, hyper: dict | tuple = ()) -> jax.Array:
+def log_likelihood(
+    model: Callable,
+    sites: ModelSites,
+    zeta: jax.Array,
+    args: tuple,
+    kwargs: dict,
+    mask: jax.Array | None = None,
+    hyper: dict | tuple = (),
+) -> jax.Array:
     """``log p(y_m | theta(zeta))`` of one client's rows: a scalar, masked rows contribute 0.
 
     :param hyper: unconstrained values of the hyperparameters (default: their initial values).
     """
     values = sites.values(zeta, hyper)
     masked = PlateMask(handlers.substitute(model, data=values), plate=sites.plate, mask=mask)
-    with handlers.block():  # block *outside* trace: the inner sites must not leak into an outer ELBO
+    # block *outside* trace: the inner sites must not leak into an outer ELBO
+    with handlers.block():
         trace = handlers.trace(masked).get_trace(*args, **kwargs)
     return sum(site_log_prob(trace[name]) for name in sites.likelihoods)
 
 
-def local_model(model: Callable, sites: ModelSites, zeta: jax.Array, args: tuple, kwargs: dict,
-                mask: jax.Array | None = None, hyper: dict | tuple = ()) -> None:
-    """Run the model with its global sites set to ``theta(zeta)`` and its hyperparameters to ``hyper``.
+def local_model(
+    model: Callable,
+    sites: ModelSites,
+    zeta: jax.Array,
+    args: tuple,
+    kwargs: dict,
+    mask: jax.Array | None = None,
+    hyper: dict | tuple = (),
+) -> None:
+    """Run the model with its global sites set to ``theta(zeta)`` and its hyperparameters to
+    ``hyper``.
 
-    The global and param sites are hidden from outer handlers (their prior is the cavity's business),
-    so an outer ELBO sees only the client's local latents and observations, masked rows weighing 0.
-    Use it inside a tilted model whose ``_pvi_zeta`` site carries the cavity.
+    The global and param sites are hidden from outer handlers (their prior is the cavity's
+    business), so an outer ELBO sees only the client's local latents and observations, masked rows
+    weighing 0. Use it inside a tilted model whose ``_pvi_zeta`` site carries the cavity.
     """
     values = sites.values(zeta, hyper)
     hidden = [s.name for s in sites.globals] + [h.name for h in sites.hyper]
@@ -62,8 +82,14 @@ def local_model(model: Callable, sites: ModelSites, zeta: jax.Array, args: tuple
     PlateMask(hidden_model, plate=sites.plate, mask=mask)(*args, **kwargs)
 
 
-def log_prior(model: Callable, sites: ModelSites, zeta: jax.Array, args: tuple, kwargs: dict,
-              names: Any = None) -> jax.Array:
+def log_prior(
+    model: Callable,
+    sites: ModelSites,
+    zeta: jax.Array,
+    args: tuple,
+    kwargs: dict,
+    names: Any = None,
+) -> jax.Array:
     """``log p(theta(zeta)) + log|d theta / d zeta|``: the prior density in unconstrained space.
 
     :param names: restrict the sum to these global sites (default: all).
@@ -78,7 +104,7 @@ def log_prior(model: Callable, sites: ModelSites, zeta: jax.Array, args: tuple, 
     for site, start in zip(sites.globals, np.cumsum([0] + [s.size for s in sites.globals])):
         if names is not None and site.name not in names:
             continue
-        u = jnp.reshape(zeta[start:start + site.size], site.flat_shape)
+        u = jnp.reshape(zeta[start : start + site.size], site.flat_shape)
         jac = site.transform.log_abs_det_jacobian(u, values[site.name])
         total = total + site_log_prob(trace[site.name]) + jnp.sum(jac)
     return total

@@ -1,31 +1,35 @@
-"""Synchronous rounds with heavy-ball momentum whose damping and momentum come from the round's own spectrum.
+"""Synchronous rounds with heavy-ball momentum whose damping and momentum come from the round's own
+spectrum.
 
-Near the optimum a synchronous round moves ``q`` by ``rho * Delta(q)``, where the clients' summed delta
-``Delta(q) ~ -P (q - q*)`` and ``P`` is the linearised round (``(D + O/M)^-1 Lambda`` for mean-field
-factors on a posterior of precision ``Lambda = D + O``; see ``docs/servers/synchronous.md``). A fixed
-damping converges like ``1 - 2 / kappa(P)`` per round, which on a correlated posterior is many rounds.
-Polyak's heavy ball,
+Near the optimum a synchronous round moves ``q`` by ``rho * Delta(q)``, where the clients' summed
+delta ``Delta(q) ~ -P (q - q*)`` and ``P`` is the linearised round (``(D + O/M)^-1 Lambda`` for
+mean-field factors on a posterior of precision ``Lambda = D + O``; see
+``docs/servers/synchronous.md``). A fixed damping converges like ``1 - 2 / kappa(P)`` per round,
+which on a correlated posterior is many rounds. Polyak's heavy ball,
 
     ``x_{k+1} = x_k + rho * Delta(x_k) + beta * (x_k - x_{k-1})``,  ``x = (q, t_1..t_M)``,
 
-with ``rho = 4 / (sqrt(l_max) + sqrt(l_min))^2`` and ``beta = ((sqrt(kappa) - 1) / (sqrt(kappa) + 1))^2``
-converges like ``1 - 2 / sqrt(kappa)``. The server does not know ``P``'s spectrum, but every round gives a
-secant pair: the step ``s = q_k - q_{k-1}`` and the change of the clients' (undamped) summed delta,
-``y = -(Delta_k - Delta_{k-1}) ~ P s``. The Ritz values of ``P`` on the span of the last ``window``
-steps bound its spectrum from inside, so the estimate is widened (``l_min`` halved, ``l_max`` times 1.25,
-the smallest ``l_min`` and the median ``l_max`` of the last ``memory`` estimates) before Polyak's formulas.
+with ``rho = 4 / (sqrt(l_max) + sqrt(l_min))^2`` and ``beta = ((sqrt(kappa) - 1) / (sqrt(kappa) +
+1))^2`` converges like ``1 - 2 / sqrt(kappa)``. The server does not know ``P``'s spectrum, but every
+round gives a secant pair: the step ``s = q_k - q_{k-1}`` and the change of the clients' (undamped)
+summed delta, ``y = -(Delta_k - Delta_{k-1}) ~ P s``. The Ritz values of ``P`` on the span of the
+last ``window`` steps bound its spectrum from inside, so the estimate is widened (``l_min`` halved,
+``l_max`` times 1.25, the smallest ``l_min`` and the median ``l_max`` of the last ``memory``
+estimates) before Polyak's formulas.
 
-The momentum moves every factor by ``beta`` times its own last change (so ``q`` stays the prior times the
-factors) and is halved until ``q`` and every cavity are valid. A round in which a client was not run, was
-rejected or was merged with a backtracked damping gives no secant pair and no momentum (a restart).
+The momentum moves every factor by ``beta`` times its own last change (so ``q`` stays the prior
+times the factors) and is halved until ``q`` and every cavity are valid. A round in which a client
+was not run, was rejected or was merged with a backtracked damping gives no secant pair and no
+momentum (a restart).
 
-The spectrum estimate is only as good as the clients' deltas, which are noisy and, far from the optimum, not
-linear. So the global ELBO (``RoundInfo.elbo``, the same draws every round) guards the steps, as in the
-adaptive restart of momentum methods (O'Donoghue & Candes 2015): after a round whose ELBO fell by more than
-``elbo_tolerance`` nats the momentum restarts (the velocity is dropped), and if that round had no momentum (the
-damping itself overshot) a ceiling on the damping is set to half the damping of that round; every round that
-does not lower the ELBO raises the ceiling by ``grow`` (up to ``maximum``). ``numpyro_pvi.damping.warning`` says
-when the ELBO keeps falling all the same.
+The spectrum estimate is only as good as the clients' deltas, which are noisy and, far from the
+optimum, not linear. So the global ELBO (``RoundInfo.elbo``, the same draws every round) guards the
+steps, as in the adaptive restart of momentum methods (O'Donoghue & Candes 2015): after a round
+whose ELBO fell by more than ``elbo_tolerance`` nats the momentum restarts (the velocity is
+dropped), and if that round had no momentum (the damping itself overshot) a ceiling on the damping
+is set to half the damping of that round; every round that does not lower the ELBO raises the
+ceiling by ``grow`` (up to ``maximum``). ``numpyro_pvi.damping.warning`` says when the ELBO keeps
+falling all the same.
 """
 
 from __future__ import annotations
@@ -50,10 +54,12 @@ class HeavyBallState(NamedTuple):
     :ivar previous_delta: the clients' undamped summed delta of the last round, NaN if it gave none.
     :ivar steps, changes: ``(window, n)`` the last secant pairs ``s`` and ``y``, newest last.
     :ivar num_pairs: how many of them are filled.
-    :ivar lambda_min, lambda_max: ``(memory,)`` the last spectrum estimates, newest last (NaN if unused).
+    :ivar lambda_min, lambda_max: ``(memory,)`` the last spectrum estimates, newest last (NaN if
+        unused).
     :ivar velocity: each factor's change in the last round (stacked like ``PVIState.factors``).
     :ivar elbo: the ELBO after the last round (``-inf`` before the first).
-    :ivar ceiling: the largest damping allowed now (halved by an ELBO drop, regrown by rounds that do not drop).
+    :ivar ceiling: the largest damping allowed now (halved by an ELBO drop, regrown by rounds that
+        do not drop).
     :ivar drops: rounds in a row whose ELBO fell by more than ``elbo_tolerance``.
     :ivar restarts: rounds so far whose ELBO fell (each restarted the momentum).
     """
@@ -75,31 +81,47 @@ class HeavyBallState(NamedTuple):
 
 
 class HeavyBall:
-    """Damping and heavy-ball momentum for :class:`~numpyro_pvi.Synchronous`, set every round from an estimate of
-    the round's spectrum (see the module docstring): the default of ``Synchronous()``.
+    """Damping and heavy-ball momentum for :class:`~numpyro_pvi.Synchronous`, set every round from
+    an estimate of the round's spectrum (see the module docstring): the default of
+    ``Synchronous()``.
 
     :param float initial: the damping until two secant pairs exist (the first three rounds).
     :param int window: secant pairs (rounds) in one spectrum estimate.
     :param int memory: spectrum estimates combined (the smallest ``l_min``, the median ``l_max``).
-    :param float max_momentum: the largest ``beta`` (it bounds how much Monte Carlo noise is amplified).
+    :param float max_momentum: the largest ``beta`` (it bounds how much Monte Carlo noise is
+        amplified).
     :param float maximum: the largest damping.
-    :param float elbo_tolerance: an ELBO drop (nats) larger than this restarts the momentum, and halves the
-        ceiling of the damping if the round added no momentum.
+    :param float elbo_tolerance: an ELBO drop (nats) larger than this restarts the momentum, and
+        halves the ceiling of the damping if the round added no momentum.
     :param float grow: the ceiling's growth after a round whose ELBO did not drop.
     :param float minimum: the smallest ceiling.
 
-    **Example:** ``pvi.Synchronous()`` (the default) or ``pvi.Synchronous(pvi.HeavyBall(max_momentum=0.5))``;
-    ``pvi.Synchronous(0.5)`` keeps a fixed damping and no momentum.
+    **Example:** ``pvi.Synchronous()`` (the default) or
+    ``pvi.Synchronous(pvi.HeavyBall(max_momentum=0.5))``; ``pvi.Synchronous(0.5)`` keeps a fixed
+    damping and no momentum.
     """
 
-    def __init__(self, initial: float = 0.5, window: int = 10, memory: int = 5, max_momentum: float = 0.7,
-                 maximum: float = 1.0, elbo_tolerance: float = 2.0, grow: float = 1.25,
-                 minimum: float = 1 / 64) -> None:
+    def __init__(
+        self,
+        initial: float = 0.5,
+        window: int = 10,
+        memory: int = 5,
+        max_momentum: float = 0.7,
+        maximum: float = 1.0,
+        elbo_tolerance: float = 2.0,
+        grow: float = 1.25,
+        minimum: float = 1 / 64,
+    ) -> None:
         if not 0.0 < minimum <= initial <= maximum <= 1.0:
-            raise ValueError(f"HeavyBall: need 0 < minimum <= initial <= maximum <= 1, got minimum={minimum}, "
-                             f"initial={initial}, maximum={maximum}.")
+            raise ValueError(
+                "HeavyBall: need 0 < minimum <= initial <= maximum <= 1, got "
+                f"minimum={minimum}, "
+                f"initial={initial}, maximum={maximum}."
+            )
         if not (isinstance(elbo_tolerance, (int, float)) and elbo_tolerance >= 0.0):
-            raise ValueError(f"HeavyBall: elbo_tolerance must be a non-negative number, got {elbo_tolerance!r}.")
+            raise ValueError(
+                f"HeavyBall: elbo_tolerance must be a non-negative number, got {elbo_tolerance!r}."
+            )
         if not (isinstance(grow, (int, float)) and grow >= 1.0):
             raise ValueError(f"HeavyBall: grow must be >= 1, got {grow!r}.")
         for name, value in (("window", window), ("memory", memory)):
@@ -116,16 +138,28 @@ class HeavyBall:
         flat = ravel_pytree(q)[0]
         n, dtype = flat.shape[0], flat.dtype
         nan = jnp.full((self.memory,), jnp.nan, dtype)
-        return HeavyBallState(jnp.asarray(self.initial, dtype), jnp.zeros((), dtype), flat, jnp.full(n, jnp.nan, dtype),
-                              jnp.zeros((self.window, n), dtype), jnp.zeros((self.window, n), dtype),
-                              jnp.zeros((), jnp.int32), nan, nan, jax.tree.map(jnp.zeros_like, factors),
-                              jnp.asarray(-jnp.inf, dtype), jnp.asarray(self.maximum, dtype), jnp.zeros((), jnp.int32),
-                              jnp.zeros((), jnp.int32))
+        return HeavyBallState(
+            jnp.asarray(self.initial, dtype),
+            jnp.zeros((), dtype),
+            flat,
+            jnp.full(n, jnp.nan, dtype),
+            jnp.zeros((self.window, n), dtype),
+            jnp.zeros((self.window, n), dtype),
+            jnp.zeros((), jnp.int32),
+            nan,
+            nan,
+            jax.tree.map(jnp.zeros_like, factors),
+            jnp.asarray(-jnp.inf, dtype),
+            jnp.asarray(self.maximum, dtype),
+            jnp.zeros((), jnp.int32),
+            jnp.zeros((), jnp.int32),
+        )
 
     def accelerate(self, family: Any, before: Any, after: Any, clean: bool, rho_used: float) -> Any:
-        """The state after a round: ``after`` (the merged ``PVIState``, from ``before``), its merge rescaled to
-        the new damping and the momentum added when both keep ``q`` and every cavity valid, with the next
-        round's damping. ``clean``: every client ran and was merged with the full damping ``rho_used``.
+        """The state after a round: ``after`` (the merged ``PVIState``, from ``before``), its merge
+        rescaled to the new damping and the momentum added when both keep ``q`` and every cavity
+        valid, with the next round's damping. ``clean``: every client ran and was merged with the
+        full damping ``rho_used``.
         """
         hb, q_start = after.damping, ravel_pytree(before.q)[0]
         if clean:
@@ -135,33 +169,53 @@ class HeavyBall:
         else:
             delta, rho, beta = jnp.full_like(q_start, jnp.nan), rho_used, 0.0
         if not any(bool(jnp.any(v != 0)) for v in jax.tree.leaves(hb.velocity)):
-            beta = 0.0  # restarted (or the first round): no velocity, no momentum, and a drop now halves the damping
+            # restarted (or the first round): no velocity, no momentum, and a drop now halves the
+            # damping
+            beta = 0.0
         merged = jax.tree.map(jnp.subtract, after.factors, before.factors)
-        q, factors = _extrapolate(family, after.q, after.factors, merged, hb.velocity, rho / rho_used - 1.0, beta)
+        q, factors = _extrapolate(
+            family, after.q, after.factors, merged, hb.velocity, rho / rho_used - 1.0, beta
+        )
         dtype = hb.rho.dtype
-        hb = hb._replace(rho=jnp.asarray(rho, dtype), beta=jnp.asarray(beta, dtype), previous_q=q_start,
-                         previous_delta=delta, velocity=jax.tree.map(jnp.subtract, factors, before.factors))
+        hb = hb._replace(
+            rho=jnp.asarray(rho, dtype),
+            beta=jnp.asarray(beta, dtype),
+            previous_q=q_start,
+            previous_delta=delta,
+            velocity=jax.tree.map(jnp.subtract, factors, before.factors),
+        )
         return after._replace(q=q, factors=factors, damping=hb)
 
     def _record(self, hb: HeavyBallState, q_start: jax.Array, delta: jax.Array) -> HeavyBallState:
-        """Add the secant pair ``(q_k - q_{k-1}, -(Delta_k - Delta_{k-1}))`` and the spectrum estimate it gives."""
+        """Add the secant pair ``(q_k - q_{k-1}, -(Delta_k - Delta_{k-1}))`` and the spectrum
+        estimate it gives."""
         step = q_start - hb.previous_q
         if not bool(jnp.all(jnp.isfinite(hb.previous_delta))) or not bool(jnp.any(step != 0)):
             return hb
         steps = jnp.concatenate([hb.steps[1:], step[None]])
         changes = jnp.concatenate([hb.changes[1:], (hb.previous_delta - delta)[None]])
-        hb = hb._replace(steps=steps, changes=changes, num_pairs=jnp.minimum(hb.num_pairs + 1, self.window))
+        hb = hb._replace(
+            steps=steps, changes=changes, num_pairs=jnp.minimum(hb.num_pairs + 1, self.window)
+        )
         if int(hb.num_pairs) < 2:
             return hb
-        bounds = ritz_bounds(np.asarray(steps[-int(hb.num_pairs):]), np.asarray(changes[-int(hb.num_pairs):]))
+        bounds = ritz_bounds(
+            np.asarray(steps[-int(hb.num_pairs) :]), np.asarray(changes[-int(hb.num_pairs) :])
+        )
         if bounds is None:
             return hb
         low, high = bounds
-        push = lambda memory, value: jnp.concatenate([memory[1:], jnp.asarray([value], memory.dtype)])  # noqa: E731
-        return hb._replace(lambda_min=push(hb.lambda_min, low), lambda_max=push(hb.lambda_max, high))
+
+        def push(memory: jax.Array, value: jax.Array) -> jax.Array:
+            return jnp.concatenate([memory[1:], jnp.asarray([value], memory.dtype)])
+
+        return hb._replace(
+            lambda_min=push(hb.lambda_min, low), lambda_max=push(hb.lambda_max, high)
+        )
 
     def _parameters(self, hb: HeavyBallState, rho_used: float) -> tuple[float, float]:
-        """Polyak's damping and momentum for the widened spectrum estimate (``rho_used`` and none before one)."""
+        """Polyak's damping and momentum for the widened spectrum estimate (``rho_used`` and none
+        before one)."""
         ceiling = float(hb.ceiling)
         if bool(jnp.all(jnp.isnan(hb.lambda_min))):
             return min(rho_used, ceiling), 0.0
@@ -171,34 +225,58 @@ class HeavyBall:
         return min(rho, self.maximum, ceiling), beta
 
     def after_round(self, hb: HeavyBallState, elbo: float) -> HeavyBallState:
-        """The state once the round's ELBO is known: an ELBO drop restarts the momentum (the next round adds
-        none) and, after a round without momentum, caps the damping at half this round's; a round without a drop
-        raises the cap by ``grow``."""
+        """The state once the round's ELBO is known: an ELBO drop restarts the momentum (the next
+        round adds none) and, after a round without momentum, caps the damping at half this round's;
+        a round without a drop raises the cap by ``grow``."""
         dtype = hb.rho.dtype
-        dropped = bool(np.isfinite(float(hb.elbo))) and not elbo >= float(hb.elbo) - self.elbo_tolerance
-        elbo = elbo if np.isfinite(elbo) else float(hb.elbo)  # a NaN ELBO is a drop, never the reference
-        if dropped:  # a drop with momentum: restart it; a drop without (the damping overshot): halve the damping
-            ceiling = max(0.5 * float(hb.rho), self.minimum) if float(hb.beta) == 0.0 else float(hb.ceiling)
-            return hb._replace(rho=jnp.asarray(min(float(hb.rho), ceiling), dtype), beta=jnp.zeros((), dtype),
-                               velocity=jax.tree.map(jnp.zeros_like, hb.velocity), elbo=jnp.asarray(elbo, dtype),
-                               ceiling=jnp.asarray(ceiling, dtype), drops=hb.drops + 1, restarts=hb.restarts + 1)
+        dropped = (
+            bool(np.isfinite(float(hb.elbo))) and not elbo >= float(hb.elbo) - self.elbo_tolerance
+        )
+        # a NaN ELBO is a drop, never the reference
+        elbo = elbo if np.isfinite(elbo) else float(hb.elbo)
+        # a drop with momentum: restart it; a drop without (the damping overshot): halve the damping
+        if dropped:
+            ceiling = (
+                max(0.5 * float(hb.rho), self.minimum)
+                if float(hb.beta) == 0.0
+                else float(hb.ceiling)
+            )
+            return hb._replace(
+                rho=jnp.asarray(min(float(hb.rho), ceiling), dtype),
+                beta=jnp.zeros((), dtype),
+                velocity=jax.tree.map(jnp.zeros_like, hb.velocity),
+                elbo=jnp.asarray(elbo, dtype),
+                ceiling=jnp.asarray(ceiling, dtype),
+                drops=hb.drops + 1,
+                restarts=hb.restarts + 1,
+            )
         ceiling = min(float(hb.ceiling) * self.grow, self.maximum)
-        return hb._replace(elbo=jnp.asarray(elbo, dtype), ceiling=jnp.asarray(ceiling, dtype),
-                           drops=jnp.zeros_like(hb.drops))
+        return hb._replace(
+            elbo=jnp.asarray(elbo, dtype),
+            ceiling=jnp.asarray(ceiling, dtype),
+            drops=jnp.zeros_like(hb.drops),
+        )
 
     def __repr__(self) -> str:
-        return f"HeavyBall(initial={self.initial}, window={self.window}, max_momentum={self.max_momentum})"
+        return (
+            f"HeavyBall(initial={self.initial}, window={self.window}, "
+            f"max_momentum={self.max_momentum})"
+        )
 
 
-def ritz_bounds(steps: np.ndarray, changes: np.ndarray, rcond: float = 1e-8) -> tuple[float, float] | None:
-    """The smallest and largest Ritz value of ``P`` on the span of ``steps`` given ``changes ~ steps @ P.T``
-    (rows are pairs), clipped to ``[1e-3, 1]`` and ``[1, 20]``; None if the steps span nothing (all zero).
+def ritz_bounds(
+    steps: np.ndarray, changes: np.ndarray, rcond: float = 1e-8
+) -> tuple[float, float] | None:
+    """The smallest and largest Ritz value of ``P`` on the span of ``steps`` given ``changes ~ steps
+    @ P.T`` (rows are pairs), clipped to ``[1e-3, 1]`` and ``[1, 20]``; None if the steps span
+    nothing (all zero).
 
-    Steps that are (numerically) combinations of others add no direction: the Ritz matrix is taken on the
-    orthonormal basis of their span, ``U^T P U = U^T Y V S^-1`` from the SVD ``steps.T = U S V^T``.
+    Steps that are (numerically) combinations of others add no direction: the Ritz matrix is taken
+    on the orthonormal basis of their span, ``U^T P U = U^T Y V S^-1`` from the SVD ``steps.T = U S
+    V^T``.
 
-    **Example:** for ``P = diag(0.1, 1, 3)`` and steps ``eye(3)``, ``ritz_bounds(eye(3), eye(3) @ P.T)`` is
-    ``(0.1, 3.0)``.
+    **Example:** for ``P = diag(0.1, 1, 3)`` and steps ``eye(3)``, ``ritz_bounds(eye(3), eye(3) @
+    P.T)`` is ``(0.1, 3.0)``.
     """
     s, y = np.asarray(steps, np.float64).T, np.asarray(changes, np.float64).T
     if not (np.all(np.isfinite(s)) and np.all(np.isfinite(y))):
@@ -209,22 +287,27 @@ def ritz_bounds(steps: np.ndarray, changes: np.ndarray, rcond: float = 1e-8) -> 
         return None
     ritz = u[:, keep].T @ y @ vt[keep].T / sigma[keep]
     eigenvalues = np.linalg.eigvals(ritz).real
-    return float(np.clip(eigenvalues.min(), 1e-3, 1.0)), float(np.clip(eigenvalues.max(), 1.0, 20.0))
+    return float(np.clip(eigenvalues.min(), 1e-3, 1.0)), float(
+        np.clip(eigenvalues.max(), 1.0, 20.0)
+    )
 
 
-def polyak_parameters(lambda_min: float, lambda_max: float, max_momentum: float = 1.0) -> tuple[float, float]:
-    """Polyak's heavy-ball damping and momentum for a spectrum in ``[lambda_min, lambda_max]``, the momentum at most
-    ``max_momentum``.
+def polyak_parameters(
+    lambda_min: float, lambda_max: float, max_momentum: float = 1.0
+) -> tuple[float, float]:
+    """Polyak's heavy-ball damping and momentum for a spectrum in ``[lambda_min, lambda_max]``, the
+    momentum at most ``max_momentum``.
 
-    Heavy ball contracts an eigenvalue ``l``'s mode at the rate ``sqrt(beta)`` while ``rho * l`` lies in
-    ``[(1 - sqrt(beta))^2, (1 + sqrt(beta))^2]``, and diverges once ``rho * l > 2 (1 + beta)``. Polyak's pair puts
-    ``rho * lambda_max`` at the top of that interval; a momentum capped below Polyak's lowers the top, so the damping
-    is lowered with it to ``(1 + sqrt(beta))^2 / lambda_max``. (Capping only the momentum diverged: the spectrum
-    estimated on sklearn's diabetes data, ``[5e-4, 4.05]``, gave ``rho = 1`` and ``beta = 0.7``, and
-    ``rho * lambda_max = 4.05 > 3.4``.)
+    Heavy ball contracts an eigenvalue ``l``'s mode at the rate ``sqrt(beta)`` while ``rho * l``
+    lies in ``[(1 - sqrt(beta))^2, (1 + sqrt(beta))^2]``, and diverges once ``rho * l > 2 (1 +
+    beta)``. Polyak's pair puts ``rho * lambda_max`` at the top of that interval; a momentum capped
+    below Polyak's lowers the top, so the damping is lowered with it to ``(1 + sqrt(beta))^2 /
+    lambda_max``. (Capping only the momentum diverged: the spectrum estimated on sklearn's diabetes
+    data, ``[5e-4, 4.05]``, gave ``rho = 1`` and ``beta = 0.7``, and ``rho * lambda_max = 4.05 >
+    3.4``.)
 
-    **Example:** ``polyak_parameters(1.0, 1.0)`` is ``(1.0, 0.0)`` (one exact step); ``(0.139, 4.61)`` gives
-    ``(0.63, 0.50)``; ``(0.139, 4.61, 0.3)`` gives ``(0.52, 0.30)``.
+    **Example:** ``polyak_parameters(1.0, 1.0)`` is ``(1.0, 0.0)`` (one exact step); ``(0.139,
+    4.61)`` gives ``(0.63, 0.50)``; ``(0.139, 4.61, 0.3)`` gives ``(0.52, 0.30)``.
     """
     low, high = np.sqrt(lambda_min), np.sqrt(lambda_max)
     rho, beta = 4.0 / (low + high) ** 2, ((high - low) / (high + low)) ** 2
@@ -234,16 +317,27 @@ def polyak_parameters(lambda_min: float, lambda_max: float, max_momentum: float 
     return float(rho), float(beta)
 
 
-def _extrapolate(family: Any, q: Any, factors: Any, merged: Any, velocity: Any, rescale: float, beta: float) -> tuple:
-    """``(q, factors)`` moved by ``rescale`` times the merge's change and ``beta`` times the last velocity, the
-    move halved until ``q`` and every cavity are valid (none if no halving is)."""
+def _extrapolate(
+    family: Any, q: Any, factors: Any, merged: Any, velocity: Any, rescale: float, beta: float
+) -> tuple:
+    """``(q, factors)`` moved by ``rescale`` times the merge's change and ``beta`` times the last
+    velocity, the move halved until ``q`` and every cavity are valid (none if no halving is)."""
     if rescale == 0.0 and beta == 0.0:
         return q, factors
-    return _extrapolate_jit(family, q, factors, merged, velocity, jnp.asarray(rescale), jnp.asarray(beta))
+    return _extrapolate_jit(
+        family, q, factors, merged, velocity, jnp.asarray(rescale), jnp.asarray(beta)
+    )
 
 
-def _move(family: Any, q: Any, factors: Any, merged: Any, velocity: Any, rescale: jax.Array,
-          beta: jax.Array) -> tuple:
+def _move(
+    family: Any,
+    q: Any,
+    factors: Any,
+    merged: Any,
+    velocity: Any,
+    rescale: jax.Array,
+    beta: jax.Array,
+) -> tuple:
     move = jax.tree.map(lambda m, v: rescale * m + beta * v, merged, velocity)
 
     def propose(t: jax.Array) -> tuple:

@@ -1,4 +1,5 @@
-"""Client-private local latent variables: each client's own mean-field guide, never sent to the server.
+"""Client-private local latent variables: each client's own mean-field guide, never sent to the
+server.
 
 An unobserved site inside the partition plate (a random intercept, a latent position, a per-datum
 scale) belongs to the client that holds the row. The client keeps a guide for it, ``Normal(loc,
@@ -8,8 +9,8 @@ global ``q`` inside the local free energy
 ``F_m(q, q_m) = E_{q(zeta) q_m(z)}[log p(y_m, z | theta(zeta)) - log q_m(z)] - KL(q || cavity)``,
 
 and stored in the client's state across rounds. Only the factor on the global sites leaves the
-client. Discrete local latents marked for enumeration have no guide: ``TraceEnum_ELBO`` sums them out.
-Padded rows (``vmap`` over clients of unequal size) are masked in the model and in the guide.
+client. Discrete local latents marked for enumeration have no guide: ``TraceEnum_ELBO`` sums them
+out. Padded rows (``vmap`` over clients of unequal size) are masked in the model and in the guide.
 
 The local state of one client is a dict ``site -> (loc, scale)`` of unconstrained arrays with the
 (padded) client's rows on the partition plate's axis.
@@ -37,12 +38,16 @@ INIT_SCALE = 0.1  # like AutoNormal's init_scale
 
 def init_local_state(sites: ModelSites) -> dict:
     """A client's initial local guides: ``loc = 0`` and ``scale = 0.1`` in unconstrained space."""
-    return {s.name: (jnp.zeros(s.flat_shape), jnp.full(s.flat_shape, INIT_SCALE)) for s in sites.locals}
+    return {
+        s.name: (jnp.zeros(s.flat_shape), jnp.full(s.flat_shape, INIT_SCALE)) for s in sites.locals
+    }
 
 
-def local_distribution(site: LocalSite, loc: jax.Array, scale: jax.Array,
-                       mask: jax.Array | None = None) -> dist.Distribution:
-    """The guide's distribution of a local site (constrained values), rows outside ``mask`` masked."""
+def local_distribution(
+    site: LocalSite, loc: jax.Array, scale: jax.Array, mask: jax.Array | None = None
+) -> dist.Distribution:
+    """The guide's distribution of a local site (constrained values), rows outside ``mask``
+    masked."""
     fn = dist.Normal(loc, scale).to_event(site.event_dim)
     if not isinstance(site.transform, IdentityTransform):
         fn = dist.TransformedDistribution(fn, site.transform)
@@ -64,28 +69,39 @@ def local_guide(sites: ModelSites, mask: jax.Array | None, state: dict) -> dict:
     for site in sites.locals:
         loc0, scale0 = state[site.name]
         loc = numpyro.param(f"{PREFIX}loc_{site.name}", loc0)
-        scale = numpyro.param(f"{PREFIX}scale_{site.name}", scale0, constraint=constraints.softplus_positive)
+        scale = numpyro.param(
+            f"{PREFIX}scale_{site.name}", scale0, constraint=constraints.softplus_positive
+        )
         with ExitStack() as stack:
             for name, size, dim in site.frames:
                 stack.enter_context(numpyro.plate(name, size, dim=dim))
-            values[site.name] = numpyro.sample(site.name, local_distribution(site, loc, scale, mask))
+            values[site.name] = numpyro.sample(
+                site.name, local_distribution(site, loc, scale, mask)
+            )
     return values
 
 
 def state_from_params(sites: ModelSites, params: dict) -> dict:
     """The local state from (constrained) ``SVI`` parameters of :func:`local_guide`."""
-    return {s.name: (params[f"{PREFIX}loc_{s.name}"], params[f"{PREFIX}scale_{s.name}"]) for s in sites.locals}
+    return {
+        s.name: (params[f"{PREFIX}loc_{s.name}"], params[f"{PREFIX}scale_{s.name}"])
+        for s in sites.locals
+    }
 
 
 def own_rows(site: LocalSite, state: dict, rows: int) -> tuple:
-    """One client's guide parameters ``(loc, scale)`` of ``site`` on its first ``rows`` (real, unpadded) rows."""
+    """One client's guide parameters ``(loc, scale)`` of ``site`` on its first ``rows`` (real,
+    unpadded) rows."""
     index = [slice(None)] * len(site.flat_shape)
     index[site.row_axis] = slice(0, rows)
     return tuple(x[tuple(index)] for x in state[site.name])
 
 
-def sample_local(sites: ModelSites, rng_key: jax.Array, state: dict, num_samples: int, rows: int) -> dict:
-    """``num_samples`` draws of one client's local sites (its first ``rows`` real rows), constrained."""
+def sample_local(
+    sites: ModelSites, rng_key: jax.Array, state: dict, num_samples: int, rows: int
+) -> dict:
+    """``num_samples`` draws of one client's local sites (its first ``rows`` real rows),
+    constrained."""
     out = {}
     for site, key in zip(sites.locals, jax.random.split(rng_key, max(len(sites.locals), 1))):
         loc, scale = own_rows(site, state, rows)
@@ -94,12 +110,15 @@ def sample_local(sites: ModelSites, rng_key: jax.Array, state: dict, num_samples
     return out
 
 
-def expected_local_elbo(elbo: Any, family: Any, local_model: Callable, sites: ModelSites) -> Callable:
-    """``(rng_key, client, q, state, hyper) -> E_q[ELBO_m(theta)]``: the client's term of the global ELBO.
+def expected_local_elbo(
+    elbo: Any, family: Any, local_model: Callable, sites: ModelSites
+) -> Callable:
+    """``(rng_key, client, q, state, hyper) -> E_q[ELBO_m(theta)]``: the client's term of the global
+    ELBO.
 
-    ``ELBO_m(theta) = E_{q_m(z)}[log p(y_m, z | theta) - log q_m(z)]`` (discrete sites summed out by a
-    ``TraceEnum_ELBO``); computed as the negative ``elbo`` loss of a model and a guide that both draw
-    ``zeta`` from ``q``, whose KL term is then exactly zero.
+    ``ELBO_m(theta) = E_{q_m(z)}[log p(y_m, z | theta) - log q_m(z)]`` (discrete sites summed out by
+    a ``TraceEnum_ELBO``); computed as the negative ``elbo`` loss of a model and a guide that both
+    draw ``zeta`` from ``q``, whose KL term is then exactly zero.
     """
 
     def model(client: Any, q: tuple, state: dict, hyper: Any) -> None:
@@ -122,7 +141,8 @@ def pooled_order(sizes: Any, partitions: Any) -> np.ndarray:
     ``partitions`` are the index arrays of ``PVI(partitions=...)`` (``None`` for one client); with
     ``ClientData`` the pooled order is client 0's rows, then client 1's, ...
 
-    **Example:** ``pooled_order([2, 1], [np.array([2, 0]), np.array([1])])`` is ``array([2, 0, 1])``.
+    **Example:** ``pooled_order([2, 1], [np.array([2, 0]), np.array([1])])`` is ``array([2, 0,
+    1])``.
     """
     if partitions is None or isinstance(partitions, ClientData):
         return np.arange(int(np.sum(sizes)))
@@ -130,15 +150,25 @@ def pooled_order(sizes: Any, partitions: Any) -> np.ndarray:
 
 
 def pooled_local(sites: ModelSites, client_states: dict, sizes: Any, order: np.ndarray) -> dict:
-    """Every client's guide parameters gathered in pooled row order: site -> ``(loc, scale)`` over all rows.
+    """Every client's guide parameters gathered in pooled row order: site -> ``(loc, scale)`` over
+    all rows.
 
-    **Example:** ``pooled_local(sites, state.client_states, problem.sizes, pooled_order(problem.sizes, parts))``.
+    **Example:** ``pooled_local(sites, state.client_states, problem.sizes,
+    pooled_order(problem.sizes, parts))``.
     """
     rows = np.argsort(order, kind="stable")
     out = {}
     for site in sites.locals:
-        per_client = [own_rows(site, jax.tree.map(lambda s, m=m: s[m], client_states), int(n))
-                      for m, n in enumerate(sizes)]
-        out[site.name] = tuple(jnp.take(jnp.concatenate([c[k] for c in per_client], axis=site.row_axis), rows,
-                                        axis=site.row_axis) for k in range(2))
+        per_client = [
+            own_rows(site, jax.tree.map(lambda s, m=m: s[m], client_states), int(n))
+            for m, n in enumerate(sizes)
+        ]
+        out[site.name] = tuple(
+            jnp.take(
+                jnp.concatenate([c[k] for c in per_client], axis=site.row_axis),
+                rows,
+                axis=site.row_axis,
+            )
+            for k in range(2)
+        )
     return out

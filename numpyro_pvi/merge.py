@@ -1,16 +1,18 @@
-"""The server's merge: damped client deltas added to ``q`` and the factors, never leaving them invalid.
+"""The server's merge: damped client deltas added to ``q`` and the factors, never leaving them
+invalid.
 
 ``q += rho * sum_m delta_m`` and ``t_m += rho * delta_m`` over the clients that sent a finite delta.
-A merge that would leave ``q`` or a checked cavity ``q - t_m`` invalid is retried with ``rho`` halved
-(:func:`~numpyro_pvi.backtracking.backtrack`) and, if no halving helps, rejected as a whole: the
-server's state is never corrupted.
+A merge that would leave ``q`` or a checked cavity ``q - t_m`` invalid is retried with ``rho``
+halved (:func:`~numpyro_pvi.backtracking.backtrack`) and, if no halving helps, rejected as a whole:
+the server's state is never corrupted.
 
 Which cavities a merge checks depends on what checking costs. Diagonal precisions (mean-field) are
-checked elementwise, so every client's cavity is checked. Dense precisions (full rank) need one Cholesky
-per cavity, so a merge checks ``q`` and the cavities of the clients whose deltas it merges (which they use next);
-any other client's cavity is checked when that client is next visited (:mod:`numpyro_pvi.steps`), and an
-update from an invalid cavity is rejected as ``Rejection.INVALID`` without being merged. A round that
-samples 10 of 1,000 full-rank clients thus checks 10 cavities, not 1,000.
+checked elementwise, so every client's cavity is checked. Dense precisions (full rank) need one
+Cholesky per cavity, so a merge checks ``q`` and the cavities of the clients whose deltas it merges
+(which they use next); any other client's cavity is checked when that client is next visited
+(:mod:`numpyro_pvi.steps`), and an update from an invalid cavity is rejected as
+``Rejection.INVALID`` without being merged. A round that samples 10 of 1,000 full-rank clients thus
+checks 10 cavities, not 1,000.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ from numpyro_pvi.state import Rejection
 
 
 class Merged(NamedTuple):
-    """Result of :func:`merge`: new ``q`` and ``factors``, the damping used (0 if rejected), whether accepted."""
+    """Result of :func:`merge`: new ``q`` and ``factors``, the damping used (0 if rejected), whether
+    accepted."""
 
     q: NatParams
     factors: NatParams
@@ -35,7 +38,8 @@ class Merged(NamedTuple):
 
 
 def screen(deltas: NatParams, free_energy: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Per client (leading axis): whether its delta and free energy are finite, and whether its delta is non-zero.
+    """Per client (leading axis): whether its delta and free energy are finite, and whether its
+    delta is non-zero.
 
     **Example:** ``finite, moved = screen(result.delta, result.free_energy)``
     """
@@ -47,22 +51,36 @@ def screen(deltas: NatParams, free_energy: jax.Array) -> tuple[jax.Array, jax.Ar
     return finite, moved
 
 
-def rejection_codes(failure: jax.Array, finite: jax.Array, valid: jax.Array, allow: jax.Array | bool = True,
-                    cavity_ok: jax.Array | bool = True) -> jax.Array:
-    """Why each client's update was not merged (a :class:`~numpyro_pvi.Rejection` code, ``NONE`` if it was).
+def rejection_codes(
+    failure: jax.Array,
+    finite: jax.Array,
+    valid: jax.Array,
+    allow: jax.Array | bool = True,
+    cavity_ok: jax.Array | bool = True,
+) -> jax.Array:
+    """Why each client's update was not merged (a :class:`~numpyro_pvi.Rejection` code, ``NONE`` if
+    it was).
 
     A client that sent nothing (timed out, raised, out of budget) says so before staleness does.
     """
     allow, cavity_ok, valid = (jnp.broadcast_to(x, finite.shape) for x in (allow, cavity_ok, valid))
-    return jnp.select([failure > 0, ~allow, ~cavity_ok, ~finite, ~valid],
-                      [failure, Rejection.STALE, Rejection.INVALID, Rejection.NON_FINITE, Rejection.INVALID],
-                      Rejection.NONE)
+    return jnp.select(
+        [failure > 0, ~allow, ~cavity_ok, ~finite, ~valid],
+        [failure, Rejection.STALE, Rejection.INVALID, Rejection.NON_FINITE, Rejection.INVALID],
+        Rejection.NONE,
+    )
 
 
-def is_valid_state(family: Family, q: NatParams, factors: NatParams, ids: jax.Array | None = None,
-                   where: jax.Array | None = None) -> jax.Array:
-    """Whether ``q`` and the cavities ``q - t_m`` of the clients ``ids`` (default: every client; ``factors``
-    stacked ``(M, ...)``) are valid; with ``where`` (one flag per id), only those cavities count.
+def is_valid_state(
+    family: Family,
+    q: NatParams,
+    factors: NatParams,
+    ids: jax.Array | None = None,
+    where: jax.Array | None = None,
+) -> jax.Array:
+    """Whether ``q`` and the cavities ``q - t_m`` of the clients ``ids`` (default: every client;
+    ``factors`` stacked ``(M, ...)``) are valid; with ``where`` (one flag per id), only those
+    cavities count.
 
     **Example:** ``is_valid_state(pvi.MeanFieldGaussian(), state.q, state.factors)``
     """
@@ -73,23 +91,35 @@ def is_valid_state(family: Family, q: NatParams, factors: NatParams, ids: jax.Ar
 
 
 def checks_every_cavity(factors: NatParams) -> bool:
-    """Whether a merge checks every client's cavity: when every block's second natural parameter is elementwise
-    (diagonal precisions, Gamma/Beta/Dirichlet parameters), so checks cost no factorisation."""
+    """Whether a merge checks every client's cavity: when every block's second natural parameter is
+    elementwise (diagonal precisions, Gamma/Beta/Dirichlet parameters), so checks cost no
+    factorisation."""
     return all(leaf.ndim == factors.eta1.ndim for leaf in jax.tree.leaves(factors.eta2))
 
 
-def merge(family: Family, q: NatParams, factors: NatParams, ids: jax.Array, deltas: NatParams,
-          finite: jax.Array, damping: float, max_backtracks: int) -> Merged:
-    """Apply ``q += rho * sum(deltas)`` and ``factors[ids] += rho * deltas`` with validity backtracking.
+def merge(
+    family: Family,
+    q: NatParams,
+    factors: NatParams,
+    ids: jax.Array,
+    deltas: NatParams,
+    finite: jax.Array,
+    damping: float,
+    max_backtracks: int,
+) -> Merged:
+    """Apply ``q += rho * sum(deltas)`` and ``factors[ids] += rho * deltas`` with validity
+    backtracking.
 
-    :param factors: ``(M, ...)`` all client factors; ``ids`` ``(G,)`` the clients that sent ``deltas``.
+    :param factors: ``(M, ...)`` all client factors; ``ids`` ``(G,)`` the clients that sent
+        ``deltas``.
     :param finite: ``(G,)`` which deltas to merge (finite and allowed); the others are dropped.
     :param damping: the largest ``rho`` tried; it is halved up to ``max_backtracks`` times.
 
-    Checks ``q`` and every cavity when the precisions are diagonal, else ``q`` and the cavities of ``ids``
-    (see the module docstring).
+    Checks ``q`` and every cavity when the precisions are diagonal, else ``q`` and the cavities of
+    ``ids`` (see the module docstring).
 
-    **Example:** ``merged = merge(family, state.q, state.factors, jnp.array([0, 1]), deltas, ok, 0.5, 5)``
+    **Example:** ``merged = merge(family, state.q, state.factors, jnp.array([0, 1]), deltas, ok,
+    0.5, 5)``
     """
     deltas = jax.tree.map(lambda d: jnp.where(_expand(finite, d), d, 0.0), deltas)
     total = jax.tree.map(lambda d: jnp.sum(d, axis=0), deltas)
@@ -103,7 +133,9 @@ def merge(family: Family, q: NatParams, factors: NatParams, ids: jax.Array, delt
     out = backtrack(propose, damping, max_backtracks)
     q_new, f_new = out.value
     keep = lambda new, old: jnp.where(out.valid, new, old)  # noqa: E731
-    return Merged(jax.tree.map(keep, q_new, q), jax.tree.map(keep, f_new, factors), out.step, out.valid)
+    return Merged(
+        jax.tree.map(keep, q_new, q), jax.tree.map(keep, f_new, factors), out.step, out.valid
+    )
 
 
 def _expand(mask: jax.Array, x: jax.Array) -> jax.Array:

@@ -1,6 +1,7 @@
 """Marking and splitting the data plate that PVI partitions across clients.
 
-A model marks the plate that holds its data with :func:`partition_plate`. Outside PVI it is exactly a
+A model marks the plate that holds its data with :func:`partition_plate`. Outside PVI it is exactly
+a
 :class:`numpyro.plate`; under PVI each client sees only its own rows of that plate.
 
 Data reaches the clients in one of two ways:
@@ -23,7 +24,8 @@ import numpy as np
 import numpyro
 
 PARTITION_TAG = "_pvi_partition"
-NESTED_TAG = "_pvi_nested_partition"  # (outer, inner): a partition plate inside another of another name
+# (outer, inner): a partition plate inside another of another name
+NESTED_TAG = "_pvi_nested_partition"
 
 
 class partition_plate(numpyro.plate):
@@ -51,9 +53,10 @@ class partition_plate(numpyro.plate):
     """
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
-        # numpyro.contrib.funsor.plate_to_enum_plate (used by TraceEnum_ELBO) swaps numpyro.plate.__new__ for
-        # funsor's enumeration plate, and on exit leaves a __new__ that builds a plain numpyro.plate whatever
-        # the subclass: inside, be funsor's plate (needed for enumeration); outside, be a partition_plate.
+        # numpyro.contrib.funsor.plate_to_enum_plate (used by TraceEnum_ELBO) swaps
+        # numpyro.plate.__new__ for funsor's enumeration plate, and on exit leaves a __new__ that
+        # builds a plain numpyro.plate whatever the subclass: inside, be funsor's plate (needed for
+        # enumeration); outside, be a partition_plate.
         new = numpyro.plate.__dict__.get("__new__")
         if new is not None:
             plate = new(numpyro.plate, *args, **kwargs)
@@ -64,8 +67,9 @@ class partition_plate(numpyro.plate):
     def process_message(self, msg: dict) -> None:
         super().process_message(msg)
         if msg["type"] == "sample":
-            # Tag (on a copy: the user's `infer` dict is never mutated) every sample site inside; a site already
-            # tagged by an inner partition plate of another name records both (refused when the model is read).
+            # Tag (on a copy: the user's `infer` dict is never mutated) every sample site inside; a
+            # site already tagged by an inner partition plate of another name records both (refused
+            # when the model is read).
             infer = {**(msg.get("infer") or {}), PARTITION_TAG: self.name}
             inner = (msg.get("infer") or {}).get(PARTITION_TAG)
             if inner is not None and inner != self.name:
@@ -83,7 +87,10 @@ def split_iid(rng_key: jax.Array, num_data: int, num_clients: int) -> list[np.nd
 
     **Example:** ``parts = pvi.split_iid(random.PRNGKey(0), num_data=100, num_clients=4)``
     """
-    num_data, num_clients = _positive_int(num_data, "num_data"), _positive_int(num_clients, "num_clients")
+    num_data, num_clients = (
+        _positive_int(num_data, "num_data"),
+        _positive_int(num_clients, "num_clients"),
+    )
     if num_clients > num_data:
         raise ValueError(f"num_clients={num_clients} is larger than num_data={num_data}.")
     perm = np.asarray(jax.random.permutation(rng_key, num_data))
@@ -109,7 +116,9 @@ def split_by_label(
     if labels.ndim != 1:
         raise ValueError(f"labels must be one-dimensional, got shape {labels.shape}.")
     if num_clients > labels.shape[0]:
-        raise ValueError(f"num_clients={num_clients} is larger than the number of labels {labels.shape[0]}.")
+        raise ValueError(
+            f"num_clients={num_clients} is larger than the number of labels {labels.shape[0]}."
+        )
     if not alpha > 0:
         raise ValueError(f"alpha must be positive, got {alpha}.")
     rng = np.random.default_rng(np.asarray(jax.random.key_data(rng_key)).ravel())
@@ -129,7 +138,8 @@ def split_by_label(
 
 
 class ClientData(Sequence):
-    """Per-client model arguments for federated PVI: client ``m`` calls ``model(*args_m, **kwargs_m)``.
+    """Per-client model arguments for federated PVI: client ``m`` calls ``model(*args_m,
+    **kwargs_m)``.
 
     Every client must pass arguments of the same structure; array arguments whose leading axis is
     the client's partition-plate size are its rows, other arguments must have equal shapes.
@@ -140,8 +150,12 @@ class ClientData(Sequence):
 
         >>> import jax.numpy as jnp
         >>> import numpyro_pvi as pvi
-        >>> data = pvi.ClientData([((jnp.ones((5, 2)),), {"y": jnp.ones(5)}),
-        ...                        ((jnp.ones((3, 2)),), {"y": jnp.zeros(3)})])
+        >>> data = pvi.ClientData(
+        ...     [
+        ...         ((jnp.ones((5, 2)),), {"y": jnp.ones(5)}),
+        ...         ((jnp.ones((3, 2)),), {"y": jnp.zeros(3)}),
+        ...     ]
+        ... )
         >>> len(data)
         2
     """
@@ -151,9 +165,16 @@ class ClientData(Sequence):
         if not clients:
             raise ValueError("ClientData needs at least one client.")
         for m, entry in enumerate(clients):
-            if not (isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[0], tuple)
-                    and isinstance(entry[1], dict)):
-                raise TypeError(f"ClientData entry {m} must be a pair (args: tuple, kwargs: dict), got {type(entry)}.")
+            if not (
+                isinstance(entry, tuple)
+                and len(entry) == 2
+                and isinstance(entry[0], tuple)
+                and isinstance(entry[1], dict)
+            ):
+                raise TypeError(
+                    f"ClientData entry {m} must be a pair (args: tuple, kwargs: "
+                    f"dict), got {type(entry)}."
+                )
         self._clients = clients
 
     def __getitem__(self, m: int) -> tuple[tuple, dict]:
@@ -170,7 +191,8 @@ class ClientData(Sequence):
 
 
 class ArgsLayout(NamedTuple):
-    """How a client's array leaves become ``(args, kwargs)``: the tree structure and the static leaves.
+    """How a client's array leaves become ``(args, kwargs)``: the tree structure and the static
+    leaves.
 
     It holds no data, so it can be shipped to a remote client without anyone else's rows.
     """
@@ -186,14 +208,16 @@ class ArgsLayout(NamedTuple):
         return jax.tree_util.tree_unflatten(self.treedef, leaves)
 
     def array_names(self) -> list[str]:
-        """How the user wrote each array leaf, for messages: ``"y"``, ``"argument 0"``, ``"batch['x']"``.
+        """How the user wrote each array leaf, for messages: ``"y"``, ``"argument 0"``,
+        ``"batch['x']"``.
 
         **Example:** for ``model(X, y=y)``, ``layout.array_names()`` is ``["argument 0", "y"]``.
         """
         fixed = {pos for pos, _ in self.static}
         positions = [i for i in range(self.treedef.num_leaves) if i not in fixed]
-        paths, _ = jax.tree_util.tree_flatten_with_path(jax.tree_util.tree_unflatten(
-            self.treedef, list(range(self.treedef.num_leaves))))
+        paths, _ = jax.tree_util.tree_flatten_with_path(
+            jax.tree_util.tree_unflatten(self.treedef, list(range(self.treedef.num_leaves)))
+        )
         return [_argument_name(paths[i][0]) for i in positions]
 
 
@@ -207,46 +231,68 @@ def _argument_name(path: tuple) -> str:
 
 
 def check_partitions(partitions: Sequence, num_data: int, plate_name: str) -> None:
-    """Raise ``ValueError`` unless ``partitions`` are integer arrays covering ``range(num_data)`` once."""
+    """Raise ``ValueError`` unless ``partitions`` are integer arrays covering ``range(num_data)``
+    once."""
     if len(partitions) == 0:
         raise ValueError("partitions is empty: give at least one client.")
     seen = np.zeros(num_data, dtype=np.int64)
     for m, idx in enumerate(partitions):
         idx = np.asarray(idx)
         if idx.ndim != 1 or idx.size == 0 or not np.issubdtype(idx.dtype, np.integer):
-            raise ValueError(f"partition {m} must be a non-empty 1-d integer index array, got shape "
-                             f"{idx.shape} and dtype {idx.dtype}.")
+            raise ValueError(
+                f"partition {m} must be a non-empty 1-d integer index array, got "
+                "shape "
+                f"{idx.shape} and dtype {idx.dtype}."
+            )
         if idx.min() < 0 or idx.max() >= num_data:
-            raise ValueError(f"partition {m} has indices outside range(0, {num_data}) of plate '{plate_name}'.")
+            raise ValueError(
+                f"partition {m} has indices outside range(0, {num_data}) of plate '{plate_name}'."
+            )
         np.add.at(seen, idx, 1)
     if (seen > 1).any():
         rows = np.flatnonzero(seen > 1)
-        raise ValueError(f"partitions overlap: {len(rows)} rows of plate '{plate_name}' belong to more than "
-                         f"one client (first: {rows[:5].tolist()}).")
+        raise ValueError(
+            f"partitions overlap: {len(rows)} rows of plate '{plate_name}' belong to "
+            "more than "
+            f"one client (first: {rows[:5].tolist()})."
+        )
     if (seen == 0).any():
         rows = np.flatnonzero(seen == 0)
-        raise ValueError(f"partitions miss {len(rows)} rows of plate '{plate_name}' "
-                         f"(first: {rows[:5].tolist()}); every row must belong to one client.")
+        raise ValueError(
+            f"partitions miss {len(rows)} rows of plate '{plate_name}' "
+            f"(first: {rows[:5].tolist()}); every row must belong to one client."
+        )
 
 
 def pad_rows(x: Any, rows: int) -> np.ndarray:
     """A client's row array padded to ``rows`` rows with copies of its last real row.
 
-    Padded rows are masked out of every density, but the model still evaluates them: copies of a real
-    row keep them finite whatever the model does with them (a zero used as a scale would not).
+    Padded rows are masked out of every density, but the model still evaluates them: copies of a
+    real row keep them finite whatever the model does with them (a zero used as a scale would not).
     """
     x = np.asarray(x)
     if x.shape[0] == 0:
         raise ValueError("A client holds no rows.")
-    return np.concatenate([x, np.repeat(x[-1:], rows - x.shape[0], axis=0)]) if rows > x.shape[0] else x
+    return (
+        np.concatenate([x, np.repeat(x[-1:], rows - x.shape[0], axis=0)])
+        if rows > x.shape[0]
+        else x
+    )
 
 
-def stack_clients(columns: Sequence[Sequence], is_row: Sequence[bool], sizes: Sequence[int], rows: int,
-                  capacity: int) -> list:
-    """Stack each array leaf over clients (``(capacity, ...)``), padding row leaves to ``rows`` rows.
+def stack_clients(
+    columns: Sequence[Sequence],
+    is_row: Sequence[bool],
+    sizes: Sequence[int],
+    rows: int,
+    capacity: int,
+) -> list:
+    """Stack each array leaf over clients (``(capacity, ...)``), padding row leaves to ``rows``
+    rows.
 
     :param columns: for each array leaf, its value in every client.
-    :param capacity: client slots; the slots past ``len(sizes)`` repeat client 0 (they hold no real row).
+    :param capacity: client slots; the slots past ``len(sizes)`` repeat client 0 (they hold no real
+        row).
     """
     out = []
     for column, row in zip(columns, is_row):

@@ -1,10 +1,10 @@
 """The problem: everything built from the data, once, in one immutable object.
 
-:func:`build_problem` reads the model (one trace, on the pooled data or client 0's), splits and stacks
-the clients' data, finds the exact Gaussian part of the prior, and compiles the round's steps
-(:mod:`numpyro_pvi.steps`). A :class:`Problem` never changes: :meth:`PVI.add_client` makes a new one.
-Steps are compiled per data *structure*, so a problem built from new arrays of the same shapes and
-dtypes reuses an earlier problem's steps without recompiling.
+:func:`build_problem` reads the model (one trace, on the pooled data or client 0's), splits and
+stacks the clients' data, finds the exact Gaussian part of the prior, and compiles the round's steps
+(:mod:`numpyro_pvi.steps`). A :class:`Problem` never changes: :meth:`PVI.add_client` makes a new
+one. Steps are compiled per data *structure*, so a problem built from new arrays of the same shapes
+and dtypes reuses an earlier problem's steps without recompiling.
 """
 
 from __future__ import annotations
@@ -40,27 +40,31 @@ from numpyro_pvi.steps import Steps, compile_steps
 if TYPE_CHECKING:
     from numpyro_pvi.pvi import PVI
 
+
 @dataclass(frozen=True, eq=False)
 class Problem:
     """A model and its data, read, split over clients, stacked and compiled (immutable).
 
     :ivar sites: the model's sites (local sites with a padded client's shapes).
-    :ivar buckets: the clients' data in :class:`~numpyro_pvi.clients.Bucket` s of similar sizes (each a stacked
-        :class:`~numpyro_pvi.Client`, rows padded with copies of a real row and masked): by size with the
-        ``"vmap"`` backend and no local latent sites, so a round costs what the clients' rows cost; else one
-        bucket of every client slot, padded to the largest client.
+    :ivar buckets: the clients' data in :class:`~numpyro_pvi.clients.Bucket` s of similar sizes
+        (each a stacked
+        :class:`~numpyro_pvi.Client`, rows padded with copies of a real row and masked): by size
+        with the ``"vmap"`` backend and no local latent sites, so a round costs what the clients'
+        rows cost; else one bucket of every client slot, padded to the largest client.
     :ivar split: the clients' unpadded data (:class:`~numpyro_pvi.clients.ClientColumns`).
     :ivar client_problem: what a local update needs (:class:`~numpyro_pvi.ClientProblem`).
     :ivar prior: natural parameters of the exact Gaussian part of the prior.
     :ivar rest: the global sites whose prior is fitted by the prior factor ``t_0``.
     :ivar steps: the compiled steps (:class:`~numpyro_pvi.steps.Steps`).
     :ivar signature: the data's structure; problems with equal signatures share ``steps``.
-    :ivar source: the argument leaves it was built from (held, so that their identity stays meaningful).
-    :ivar configuration: the building ``PVI``'s configuration (:func:`configuration_of`); its steps hold them, so
-        only a ``PVI`` with the same objects may use this problem.
+    :ivar source: the argument leaves it was built from (held, so that their identity stays
+        meaningful).
+    :ivar configuration: the building ``PVI``'s configuration (:func:`configuration_of`); its steps
+        hold them, so only a ``PVI`` with the same objects may use this problem.
 
-    **Example:** ``problem = inference.build(X, y=y)``; ``problem.num_clients``, ``problem.sites.dim``;
-    ``inference.init(key, problem)`` and ``inference.update(state, problem)`` take it in place of the data.
+    **Example:** ``problem = inference.build(X, y=y)``; ``problem.num_clients``,
+    ``problem.sites.dim``; ``inference.init(key, problem)`` and ``inference.update(state, problem)``
+    take it in place of the data.
     """
 
     sites: ModelSites
@@ -76,7 +80,8 @@ class Problem:
     configuration: dict = field(default_factory=dict)
 
     def mismatch(self, inference: PVI) -> list[str]:
-        """The parts of ``inference``'s configuration that are not the objects this problem was built with."""
+        """The parts of ``inference``'s configuration that are not the objects this problem was
+        built with."""
         other = configuration_of(inference)
         return [name for name, value in self.configuration.items() if other[name] is not value]
 
@@ -97,8 +102,9 @@ class Problem:
 
     @cached_property
     def clients(self) -> Client:
-        """Every client's data as one :class:`~numpyro_pvi.Client` with a leading axis of ``capacity`` client
-        slots, rows padded to the largest client (built on first use when the clients are bucketed by size)."""
+        """Every client's data as one :class:`~numpyro_pvi.Client` with a leading axis of
+        ``capacity`` client slots, rows padded to the largest client (built on first use when the
+        clients are bucketed by size)."""
         if len(self.buckets) == 1 and np.array_equal(self.buckets[0].ids, np.arange(self.capacity)):
             return self.buckets[0].clients
         return stack(self.split, self.rows, self.capacity)
@@ -109,23 +115,36 @@ class Problem:
         return np.asarray(self.split.sizes)
 
 
-
 def configuration_of(inference: PVI) -> dict:
     """What a problem's compiled steps take from the ``PVI`` that builds it."""
-    names = ("model", "family", "partitions", "local_update", "server", "backend", "hyper_optimizer")
+    names = (
+        "model",
+        "family",
+        "partitions",
+        "local_update",
+        "server",
+        "backend",
+        "hyper_optimizer",
+    )
     return {name: getattr(inference, name) for name in names}
 
 
-def build_problem(inference: PVI, args: tuple, kwargs: dict, reuse: Problem | None = None) -> Problem:
+def build_problem(
+    inference: PVI, args: tuple, kwargs: dict, reuse: Problem | None = None
+) -> Problem:
     """Read ``inference.model`` on the data ``(args, kwargs)`` and build the :class:`Problem`.
 
-    :param reuse: an earlier problem whose compiled steps are reused if the data have the same structure.
+    :param reuse: an earlier problem whose compiled steps are reused if the data have the same
+        structure.
 
-    **Example:** ``problem = pvi.build_problem(inference, (X,), {"y": y})`` (what ``inference.build(X, y=y)`` does).
+    **Example:** ``problem = pvi.build_problem(inference, (X,), {"y": y})`` (what
+    ``inference.build(X, y=y)`` does).
     """
     sites, split = _read(inference, args, kwargs)
     inference.server.check_clients(len(split.sizes))
-    return _assemble(inference, sites, split, max(split.sizes), len(split.sizes), (args, kwargs), reuse)
+    return _assemble(
+        inference, sites, split, max(split.sizes), len(split.sizes), (args, kwargs), reuse
+    )
 
 
 def add_client(inference: PVI, problem: Problem, args: tuple, kwargs: dict) -> Problem:
@@ -135,14 +154,23 @@ def add_client(inference: PVI, problem: Problem, args: tuple, kwargs: dict) -> P
     recompiles only when it grows.
     """
     split = append_client(problem.split, args, kwargs, problem.sites.plate)
-    check_clients(inference.model, problem.sites, split, [len(split.sizes) - 1])  # the others: when they joined
+    # the others: when they joined
+    check_clients(inference.model, problem.sites, split, [len(split.sizes) - 1])
     rows, capacity = problem.rows, problem.capacity
     if split.sizes[-1] > rows:
         rows = max(split.sizes[-1], 2 * rows)
     if len(split.sizes) > capacity:
         capacity = 2 * capacity
-    return _assemble(inference, problem.sites, split, rows, capacity, problem.source + ((args, kwargs),), problem,
-                     grow=True)
+    return _assemble(
+        inference,
+        problem.sites,
+        split,
+        rows,
+        capacity,
+        problem.source + ((args, kwargs),),
+        problem,
+        grow=True,
+    )
 
 
 def _read(inference: PVI, args: tuple, kwargs: dict) -> tuple[ModelSites, ClientColumns]:
@@ -150,26 +178,37 @@ def _read(inference: PVI, args: tuple, kwargs: dict) -> tuple[ModelSites, Client
     model, partitions = inference.model, inference.partitions
     if isinstance(partitions, ClientData):
         if args or kwargs:
-            raise TypeError("partitions=ClientData: each client holds its own data, so pass no data arguments "
-                            "to init/update/run.")
+            raise TypeError(
+                "partitions=ClientData: each client holds its own data, so pass no "
+                "data arguments "
+                "to init/update/run."
+            )
         first_args, first_kwargs = partitions[0]
-        sites = inference.family.prepare_sites(read_model(model, first_args, first_kwargs, who="Client 0's data"))
+        sites = inference.family.prepare_sites(
+            read_model(model, first_args, first_kwargs, who="Client 0's data")
+        )
         split = split_client_data(partitions, sites.plate_size, sites.plate)
-        check_clients(model, sites, split, range(1, len(split.sizes)))  # client 0's: checked by read_model
+        # client 0's: checked by read_model
+        check_clients(model, sites, split, range(1, len(split.sizes)))
         return sites, split
     if not args and not kwargs:
-        raise TypeError("Pass the pooled data to init/update/run (or give partitions=pvi.ClientData(...)).")
+        raise TypeError(
+            "Pass the pooled data to init/update/run (or give partitions=pvi.ClientData(...))."
+        )
     sites = inference.family.prepare_sites(read_model(model, args, kwargs, who="The pooled data"))
     parts = [np.arange(sites.plate_size)] if partitions is None else list(partitions)
     return sites, split_pooled(args, kwargs, parts, sites.plate_size, sites.plate)
 
 
-def check_clients(model: Any, sites: ModelSites, split: ClientColumns, clients: Sequence[int]) -> None:
-    """The checks of every path that takes a client's data without reading the model on it (``ClientData``'s
-    clients past the first, :meth:`PVI.add_client`): its row arguments have client 0's shape past the rows
-    (:func:`~numpyro_pvi.clients.check_row_shapes`), its partition plate has as many rows as its row
-    arguments, and its observations are finite and in their likelihood's support. The data the model is
-    read on (the pooled data, client 0's, a Flower site's own) get the same checks from
+def check_clients(
+    model: Any, sites: ModelSites, split: ClientColumns, clients: Sequence[int]
+) -> None:
+    """The checks of every path that takes a client's data without reading the model on it
+    (``ClientData``'s clients past the first, :meth:`PVI.add_client`): its row arguments have client
+    0's shape past the rows (:func:`~numpyro_pvi.clients.check_row_shapes`), its partition plate has
+    as many rows as its row arguments, and its observations are finite and in their likelihood's
+    support. The data the model is read on (the pooled data, client 0's, a Flower site's own) get
+    the same checks from
     :func:`~numpyro_pvi.sites.read_model`, so every client's data passes one set of checks.
 
     **Example:** ``check_clients(model, problem.sites, split, [3])`` before client 3 joins.
@@ -181,8 +220,9 @@ def check_clients(model: Any, sites: ModelSites, split: ClientColumns, clients: 
 
 
 def _check_observations(sites: ModelSites, split: ClientColumns, clients: Sequence[int]) -> None:
-    """The observations of ``clients`` are finite and in their likelihood's support (observations the model
-    computes from its arguments are checked only where the model was read: the pooled data or client 0's)."""
+    """The observations of ``clients`` are finite and in their likelihood's support (observations
+    the model computes from its arguments are checked only where the model was read: the pooled data
+    or client 0's)."""
     clients = list(clients)
     for observed in sites.observed:
         if not clients or observed.source is None or not split.is_row[observed.source]:
@@ -191,37 +231,56 @@ def _check_observations(sites: ModelSites, split: ClientColumns, clients: Sequen
         inside = np.asarray(observed.support(jnp.asarray(np.concatenate(column))))
         starts = np.cumsum([0] + [len(x) for x in column])
         for i, (m, values) in enumerate(zip(clients, column)):
-            check_observed(observed.name, {"fn": observed}, bool(np.all(np.isfinite(values))),
-                           bool(np.all(inside[starts[i]:starts[i + 1]])), f"Client {m}'s data")
+            check_observed(
+                observed.name,
+                {"fn": observed},
+                bool(np.all(np.isfinite(values))),
+                bool(np.all(inside[starts[i] : starts[i + 1]])),
+                f"Client {m}'s data",
+            )
 
 
-def _check_unsure(model: Any, sites: ModelSites, split: ClientColumns, clients: Sequence[int]) -> None:
+def _check_unsure(
+    model: Any, sites: ModelSites, split: ClientColumns, clients: Sequence[int]
+) -> None:
     """Trace (abstractly) those of ``clients`` whose rows their arguments' shapes do not settle."""
     for m in set(split.unsure) & set(clients):
-        size, _ = plate_and_locals(model, sites, *split.layout.build([col[m] for col in split.columns]),
-                                   who=f"Client {m}'s data")
+        size, _ = plate_and_locals(
+            model,
+            sites,
+            *split.layout.build([col[m] for col in split.columns]),
+            who=f"Client {m}'s data",
+        )
         if size != split.sizes[m]:
-            raise ValueError(f"Client {m}'s data does not fit the model: partition_plate '{sites.plate}' has size "
-                             f"{size} in its model call, but its row arguments have {split.sizes[m]} rows.")
+            raise ValueError(
+                f"Client {m}'s data does not fit the model: partition_plate "
+                f"'{sites.plate}' has size "
+                f"{size} in its model call, but its row arguments have "
+                f"{split.sizes[m]} rows."
+            )
 
 
-STATE_COPIES = 2  # a round's compiled step holds the old state and the new one at least (no buffer donation)
+# a round's compiled step holds the old state and the new one at least (no buffer donation)
+STATE_COPIES = 2
 
 
 def factor_bytes(family: Any, dim: int) -> int:
-    """Bytes of one factor (one set of natural parameters) of ``family`` over ``dim`` coordinates, read from the
-    shapes of ``family.zeros(dim)`` without allocating it: ``4 D (D + 1)`` for a full-rank Gaussian in float32,
-    ``8 D`` for a mean-field one.
+    """Bytes of one factor (one set of natural parameters) of ``family`` over ``dim`` coordinates,
+    read from the shapes of ``family.zeros(dim)`` without allocating it: ``4 D (D + 1)`` for a
+    full-rank Gaussian in float32, ``8 D`` for a mean-field one.
 
     **Example:** ``factor_bytes(pvi.FullRankGaussian(), 20_000)`` is 1,600,080,000 (1.6 GB).
     """
     shapes = jax.eval_shape(lambda: family.zeros(dim))
-    return sum(int(np.prod(leaf.shape, dtype=np.int64)) * leaf.dtype.itemsize for leaf in jax.tree.leaves(shapes))
+    return sum(
+        int(np.prod(leaf.shape, dtype=np.int64)) * leaf.dtype.itemsize
+        for leaf in jax.tree.leaves(shapes)
+    )
 
 
 def state_bytes(family: Any, dim: int, num_clients: int) -> int:
-    """A lower bound on the memory a run needs: ``q``, the prior factor and ``num_clients`` client factors
-    (:func:`factor_bytes` each), held ``STATE_COPIES`` times while a round's step runs.
+    """A lower bound on the memory a run needs: ``q``, the prior factor and ``num_clients`` client
+    factors (:func:`factor_bytes` each), held ``STATE_COPIES`` times while a round's step runs.
 
     **Example:** ``state_bytes(pvi.FullRankGaussian(), 20_000, 4)`` is about 19 GB.
     """
@@ -229,8 +288,9 @@ def state_bytes(family: Any, dim: int, num_clients: int) -> int:
 
 
 def available_memory() -> int:
-    """Bytes the run can still allocate: the default JAX device's free memory where it reports one (GPU), else
-    the host's ``MemAvailable`` (``/proc/meminfo``), else its free pages (``os.sysconf``)."""
+    """Bytes the run can still allocate: the default JAX device's free memory where it reports one
+    (GPU), else the host's ``MemAvailable`` (``/proc/meminfo``), else its free pages
+    (``os.sysconf``)."""
     stats = jax.devices()[0].memory_stats() or {}
     if "bytes_limit" in stats:
         return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
@@ -253,32 +313,61 @@ def check_memory(family: Any, dim: int, num_clients: int) -> None:
     """
     needed, available = state_bytes(family, dim, num_clients), available_memory()
     if needed > available:
-        raise MemoryError(f"{family!r} over D = {dim} coordinates with {num_clients} client factors needs at least "
-                          f"{needed / 1e9:.2f} GB ({num_clients + 2} factors of {factor_bytes(family, dim) / 1e9:.3g} "
-                          f"GB, q and the prior's included, times {STATE_COPIES} copies while a round runs), but "
-                          f"only {available / 1e9:.2f} GB are available. Use pvi.MeanFieldGaussian(), or "
-                          "pvi.SiteFamilies with a FullRankGaussian block only on the sites that need correlations, "
-                          "or fewer clients.")
+        raise MemoryError(
+            f"{family!r} over D = {dim} coordinates with {num_clients} client "
+            "factors needs at least "
+            f"{needed / 1e9:.2f} GB ({num_clients + 2} factors of "
+            f"{factor_bytes(family, dim) / 1e9:.3g} "
+            f"GB, q and the prior's included, times {STATE_COPIES} copies while a "
+            "round runs), but "
+            f"only {available / 1e9:.2f} GB are available. Use "
+            "pvi.MeanFieldGaussian(), or "
+            "pvi.SiteFamilies with a FullRankGaussian block only on the sites that "
+            "need correlations, "
+            "or fewer clients."
+        )
 
 
-def _assemble(inference: PVI, sites: ModelSites, split: ClientColumns, rows: int, capacity: int, source: tuple,
-              reuse: Problem | None, grow: bool = False) -> Problem:
+def _assemble(
+    inference: PVI,
+    sites: ModelSites,
+    split: ClientColumns,
+    rows: int,
+    capacity: int,
+    source: tuple,
+    reuse: Problem | None,
+    grow: bool = False,
+) -> Problem:
     check_memory(inference.family, sites.dim, capacity)
     by_size = isinstance(inference.backend, VmapBackend) and not sites.has_local
     bucketed = buckets(split, by_size, rows, capacity, grow)
     first_client = bucketed[0].clients
     first = split.layout.build([a[0] for a in first_client.arrays])
     sites = read_padded(inference.model, sites, *first, int(first_client.mask.shape[1]))
-    prior, rest = exact_prior(inference.family, sites,
-                              lambda zeta, names: log_prior(inference.model, sites, zeta, *first, names=names))
+    prior, rest = exact_prior(
+        inference.family,
+        sites,
+        lambda zeta, names: log_prior(inference.model, sites, zeta, *first, names=names),
+    )
     signature = _signature(sites, split, bucketed, rest)
     if reuse is not None and _same(reuse.signature, signature):
         client_problem, steps = reuse.client_problem, reuse.steps
     else:
         client_problem = _client_problem(inference, sites, split)
         steps = compile_steps(inference, client_problem, split.layout, rest)
-    return Problem(sites, bucketed, split, client_problem, prior, rest, steps, signature, capacity, source,
-                   configuration_of(inference))
+    return Problem(
+        sites,
+        bucketed,
+        split,
+        client_problem,
+        prior,
+        rest,
+        steps,
+        signature,
+        capacity,
+        source,
+        configuration_of(inference),
+    )
 
 
 def _client_problem(inference: PVI, sites: ModelSites, split: ClientColumns) -> ClientProblem:
@@ -294,32 +383,56 @@ def _client_problem(inference: PVI, sites: ModelSites, split: ClientColumns) -> 
         local_model(model, sites, zeta, c_args, c_kwargs, client.mask, hyper)
 
     _check_support(inference.local_update, sites, inference.family)
-    return ClientProblem(inference.family, sites.dim, client_loglik, split.is_row, sites,
-                         client_local_model if sites.has_local else None)
+    return ClientProblem(
+        inference.family,
+        sites.dim,
+        client_loglik,
+        split.is_row,
+        sites,
+        client_local_model if sites.has_local else None,
+    )
 
 
 def _check_support(local_update: Any, sites: ModelSites, family: Any) -> None:
-    """Refuse a model whose local latents, hyperparameters or family the local update cannot handle."""
+    """Refuse a model whose local latents, hyperparameters or family the local update cannot
+    handle."""
     name = type(local_update).__name__
-    if not isinstance(family, Family) and not getattr(local_update, "supports_factor_families", False):
-        raise NotImplementedError(f"{name} needs a Gaussian family (MeanFieldGaussian or FullRankGaussian), not "
-                                  f"{family!r}: it does not set supports_factor_families = True. Every local update "
-                                  "of the library supports every family (docs/families.md).")
+    if not isinstance(family, Family) and not getattr(
+        local_update, "supports_factor_families", False
+    ):
+        raise NotImplementedError(
+            f"{name} needs a Gaussian family (MeanFieldGaussian or "
+            "FullRankGaussian), not "
+            f"{family!r}: it does not set supports_factor_families = True. "
+            "Every local update "
+            "of the library supports every family (docs/families.md)."
+        )
     if sites.has_local and not getattr(local_update, "supports_local_latents", False):
         names = [s.name for s in sites.locals] + list(sites.enumerated)
-        raise NotImplementedError(f"{name} does not support local latent variables (sites {names} inside "
-                                  f"partition plate '{sites.plate}'); use pvi.GradientUpdate.")
+        raise NotImplementedError(
+            f"{name} does not support local latent variables (sites {names} "
+            "inside "
+            f"partition plate '{sites.plate}'); use pvi.GradientUpdate."
+        )
     if sites.hyper and not getattr(local_update, "supports_hyperparameters", False):
-        raise NotImplementedError(f"{name} does not support hyperparameters (numpyro.param sites "
-                                  f"{[h.name for h in sites.hyper]}); use pvi.GradientUpdate.")
+        raise NotImplementedError(
+            f"{name} does not support hyperparameters (numpyro.param sites "
+            f"{[h.name for h in sites.hyper]}); use pvi.GradientUpdate."
+        )
 
 
 def _signature(sites: ModelSites, split: ClientColumns, bucketed: tuple, rest: tuple) -> tuple:
-    """What the compiled steps depend on: the sites' structure, the layout, the stacked shapes and dtypes."""
-    site_structure = (sites.plate, sites.plate_size, tuple((s.name, s.shape, s.flat_shape, s.transform)
-                                                          for s in sites.globals),
-                      sites.likelihoods, tuple((s.name, s.flat_shape, s.row_axis) for s in sites.locals),
-                      sites.enumerated, tuple(h.name for h in sites.hyper))
+    """What the compiled steps depend on: the sites' structure, the layout, the stacked shapes and
+    dtypes."""
+    site_structure = (
+        sites.plate,
+        sites.plate_size,
+        tuple((s.name, s.shape, s.flat_shape, s.transform) for s in sites.globals),
+        sites.likelihoods,
+        tuple((s.name, s.flat_shape, s.row_axis) for s in sites.locals),
+        sites.enumerated,
+        tuple(h.name for h in sites.hyper),
+    )
     shapes = tuple((a.shape, a.dtype) for b in bucketed for a in b.clients.arrays)
     return site_structure, split.layout.treedef, split.layout.static, split.is_row, shapes, rest
 

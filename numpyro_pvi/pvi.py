@@ -1,10 +1,11 @@
-"""The ``PVI`` inference object: ``init`` / ``update`` / ``run`` / ``evaluate``, like ``numpyro.infer.SVI``.
+"""The ``PVI`` inference object: ``init`` / ``update`` / ``run`` / ``evaluate``, like
+``numpyro.infer.SVI``.
 
 ``q(zeta) ∝ p(zeta) t_0(zeta) prod_m t_m(zeta)`` over the flat unconstrained vector of the model's
-global sites; ``t_0`` stands for the non-Gaussian part of the prior (:mod:`numpyro_pvi.prior`), ``t_m``
-for client ``m``'s data. One round visits the clients in the server's schedule (:mod:`numpyro_pvi.rounds`).
-``PVI`` holds configuration; the data's :class:`~numpyro_pvi.Problem` and the :class:`~numpyro_pvi.PVIState`
-are values passed in and out.
+global sites; ``t_0`` stands for the non-Gaussian part of the prior (:mod:`numpyro_pvi.prior`),
+``t_m`` for client ``m``'s data. One round visits the clients in the server's schedule
+(:mod:`numpyro_pvi.rounds`). ``PVI`` holds configuration; the data's :class:`~numpyro_pvi.Problem`
+and the :class:`~numpyro_pvi.PVIState` are values passed in and out.
 """
 
 from __future__ import annotations
@@ -29,7 +30,13 @@ from numpyro_pvi.local_updates.base import LocalUpdate
 from numpyro_pvi.monitor import RunMonitor, largest, q_move
 from numpyro_pvi.partition import ClientData, is_array, same_static
 from numpyro_pvi.problem import Problem, build_problem
-from numpyro_pvi.results import PVIRunResult, average_states, hyperparameters, make_guide, sample_posterior
+from numpyro_pvi.results import (
+    PVIRunResult,
+    average_states,
+    hyperparameters,
+    make_guide,
+    sample_posterior,
+)
 from numpyro_pvi.rounds import InFlight, Round, cancel_in_flight
 from numpyro_pvi.servers import Server, Synchronous
 from numpyro_pvi.sites import ModelSites
@@ -44,62 +51,70 @@ class PVI:
     """Partitioned variational inference (Bui et al. 2018; Ashman et al. 2022) for a NumPyro model.
 
     The model marks its data plate with :func:`~numpyro_pvi.partition_plate`. Its global latent
-    sites get an approximation ``q`` (of the ``family``) built from one factor per client; each client
-    improves its factor against its cavity with ``local_update``; ``server`` schedules the clients
-    and merges their damped updates. With one partition this is global VI (``SVI`` with
+    sites get an approximation ``q`` (of the ``family``) built from one factor per client; each
+    client improves its factor against its cavity with ``local_update``; ``server`` schedules the
+    clients and merges their damped updates. With one partition this is global VI (``SVI`` with
     ``AutoDiagonalNormal`` / ``AutoMultivariateNormal``).
 
     :param model: a NumPyro model with one ``partition_plate`` holding its observations.
-    :param family: the family of ``q`` and of the factors: :class:`~numpyro_pvi.MeanFieldGaussian` or
-        :class:`~numpyro_pvi.FullRankGaussian` (Gaussian in the unconstrained space of every global site);
-        :class:`~numpyro_pvi.Gamma`, :class:`~numpyro_pvi.Beta` or :class:`~numpyro_pvi.Dirichlet` (in a
-        site's own space: conjugate to Poisson, Bernoulli, categorical likelihoods); or
-        :class:`~numpyro_pvi.SiteFamilies` ``({"w": FullRankGaussian(), "tau": Gamma()})``, a family per
-        site (block-diagonal ``q``). See ``docs/families.md``.
+    :param family: the family of ``q`` and of the factors: :class:`~numpyro_pvi.MeanFieldGaussian`
+        or
+        :class:`~numpyro_pvi.FullRankGaussian` (Gaussian in the unconstrained space of every global
+            site);
+        :class:`~numpyro_pvi.Gamma`, :class:`~numpyro_pvi.Beta` or :class:`~numpyro_pvi.Dirichlet`
+        (in a site's own space: conjugate to Poisson, Bernoulli, categorical likelihoods); or
+        :class:`~numpyro_pvi.SiteFamilies` ``({"w": FullRankGaussian(), "tau": Gamma()})``, a family
+        per site (block-diagonal ``q``). See ``docs/families.md``.
     :param partitions: index arrays into the partition plate of the pooled data passed to
-        ``init``/``run`` (e.g. from :func:`~numpyro_pvi.split_iid` or :func:`~numpyro_pvi.split_by_label`),
-        :class:`~numpyro_pvi.ClientData` for federated clients that never pool data, or ``None`` for one
-        partition (global VI).
-    :param local_update: how a client improves its factor: :class:`~numpyro_pvi.GradientUpdate` (an optax
-        optimiser on the local free energy; local latents and hyperparameters),
-        :class:`~numpyro_pvi.NaturalGradientUpdate` (CVI), :class:`~numpyro_pvi.MomentMatchingUpdate` (EP),
-        :class:`~numpyro_pvi.SNEPUpdate` (stochastic natural-gradient EP), and the differentially private
+        ``init``/``run`` (e.g. from :func:`~numpyro_pvi.split_iid` or
+        :func:`~numpyro_pvi.split_by_label`),
+        :class:`~numpyro_pvi.ClientData` for federated clients that never pool data, or ``None`` for
+        one partition (global VI).
+    :param local_update: how a client improves its factor: :class:`~numpyro_pvi.GradientUpdate` (an
+        optax optimiser on the local free energy; local latents and hyperparameters),
+        :class:`~numpyro_pvi.NaturalGradientUpdate` (CVI),
+            :class:`~numpyro_pvi.MomentMatchingUpdate` (EP),
+        :class:`~numpyro_pvi.SNEPUpdate` (stochastic natural-gradient EP), and the differentially
+            private
         :class:`~numpyro_pvi.DPGradientUpdate` and :class:`~numpyro_pvi.DPLocalAveraging`; or any
         :class:`~numpyro_pvi.LocalUpdate`.
-    :param server: how rounds run and merge: :class:`~numpyro_pvi.Synchronous` (default ``Synchronous()``:
-        every client from the same ``q``, merged with :class:`~numpyro_pvi.HeavyBall` damping; a float or
+    :param server: how rounds run and merge: :class:`~numpyro_pvi.Synchronous` (default
+        ``Synchronous()``: every client from the same ``q``, merged with
+        :class:`~numpyro_pvi.HeavyBall` damping; a float or
         :class:`~numpyro_pvi.AdaptiveDamping` instead; ``clients_per_round=K`` samples clients),
         :class:`~numpyro_pvi.Sequential` (clients in turn, each from the last one's ``q``),
         :class:`~numpyro_pvi.Asynchronous` (merged as they arrive, stale updates handled) or
         :class:`~numpyro_pvi.Continual` (each client once, as it joins with :meth:`add_client`).
-    :param backend: where clients run: ``"vmap"`` (default: a round's clients in one compiled, vmapped call),
-        ``"loop"`` (one at a time), ``"ray"`` / :class:`~numpyro_pvi.RayBackend` (a Ray actor per client),
-        or any :class:`~numpyro_pvi.Backend`. Sites that hold their own data run under Flower
-        (:mod:`numpyro_pvi.flower`).
+    :param backend: where clients run: ``"vmap"`` (default: a round's clients in one compiled,
+        vmapped call), ``"loop"`` (one at a time), ``"ray"`` / :class:`~numpyro_pvi.RayBackend` (a
+        Ray actor per client), or any :class:`~numpyro_pvi.Backend`. Sites that hold their own data
+        run under Flower (:mod:`numpyro_pvi.flower`).
     :param int num_elbo_particles: samples of the global ELBO estimate recorded every round.
     :param hyper_optimizer: optax optimiser of the model's hyperparameters (``numpyro.param`` sites
-        outside the partition plate, in unconstrained space); default :func:`~numpyro_pvi.rprop` ``(0.1)``. After
-        every round it takes one step along the sum of the clients' gradients of their local free
-        energies (Bui et al. 2018, eq. 5), each a Monte Carlo estimate from the local update's
-        ``num_hyper_particles`` draws. Rprop's steps grow while the gradient keeps its sign and halve
-        when it flips, which suits one noisy gradient per round; ``pvi.rprop`` steps on the round's own
-        gradient (``optax.rprop`` on the previous one's, which rings). On the 40-row, 8-weight model of
-        ``tests/test_hyperparameters.py`` (4 clients, ``Synchronous(0.5)``) a noise scale is within 1 % of its
-        type-II maximum-likelihood value after 40 rounds.
-    :param init_loc_fn: start ``q`` at the global sites' values this NumPyro init strategy gives (e.g.
-        ``numpyro.infer.init_to_median``), split evenly over the clients' factors (:mod:`numpyro_pvi.start`);
-        default ``None``: ``q`` starts at the prior. Every family (each block of a ``SiteFamilies``) builds its
-        own start (``family.initial_q``).
-    :param init_scale: the chosen start's spread (default 0.1 when ``init_loc_fn`` is given; alone, it starts
-        at ``init_to_median``): the sd in every unconstrained coordinate for the Gaussian families, the
-        coefficient of variation for ``Gamma``, the sd relative to ``sqrt(m (1 - m))`` for ``Beta`` and
-        ``Dirichlet`` (:mod:`numpyro_pvi.start`).
+        outside the partition plate, in unconstrained space); default :func:`~numpyro_pvi.rprop`
+        ``(0.1)``. After every round it takes one step along the sum of the clients' gradients of
+        their local free energies (Bui et al. 2018, eq. 5), each a Monte Carlo estimate from the
+        local update's ``num_hyper_particles`` draws. Rprop's steps grow while the gradient keeps
+        its sign and halve when it flips, which suits one noisy gradient per round; ``pvi.rprop``
+        steps on the round's own gradient (``optax.rprop`` on the previous one's, which rings). On
+        the 40-row, 8-weight model of ``tests/test_hyperparameters.py`` (4 clients,
+        ``Synchronous(0.5)``) a noise scale is within 1 % of its type-II maximum-likelihood value
+        after 40 rounds.
+    :param init_loc_fn: start ``q`` at the global sites' values this NumPyro init strategy gives
+        (e.g. ``numpyro.infer.init_to_median``), split evenly over the clients' factors
+        (:mod:`numpyro_pvi.start`); default ``None``: ``q`` starts at the prior. Every family (each
+        block of a ``SiteFamilies``) builds its own start (``family.initial_q``).
+    :param init_scale: the chosen start's spread (default 0.1 when ``init_loc_fn`` is given; alone,
+        it starts at ``init_to_median``): the sd in every unconstrained coordinate for the Gaussian
+        families, the coefficient of variation for ``Gamma``, the sd relative to ``sqrt(m (1 - m))``
+        for ``Beta`` and ``Dirichlet`` (:mod:`numpyro_pvi.start`).
 
-    ``PVI`` holds configuration only, like ``numpyro.infer.SVI``. What it builds from the data (the sites,
-    the clients' stacked data, the compiled steps) is an immutable :class:`~numpyro_pvi.Problem`
-    (:meth:`build`); ``init``/``update``/``run``/``evaluate`` take the data, or a problem in their place.
-    Building is cached, invisibly to results: the same arrays give back the same problem, and new arrays
-    of the same shapes and dtypes reuse its compiled steps (no recompilation).
+    ``PVI`` holds configuration only, like ``numpyro.infer.SVI``. What it builds from the data (the
+    sites, the clients' stacked data, the compiled steps) is an immutable
+    :class:`~numpyro_pvi.Problem` (:meth:`build`); ``init``/``update``/``run``/``evaluate`` take the
+    data, or a problem in their place. Building is cached, invisibly to results: the same arrays
+    give back the same problem, and new arrays of the same shapes and dtypes reuse its compiled
+    steps (no recompilation).
 
     Local latent sites (unobserved, inside the partition plate) get client-private guides kept in
     the clients' states, and discrete ones marked for enumeration are summed out: see
@@ -117,33 +132,62 @@ class PVI:
         ...     with pvi.partition_plate("data", x.shape[0]):
         ...         numpyro.sample("y", dist.Normal(mu, 1.0), obs=y)
         >>> x, y = jnp.zeros(40), 1.0 + random.normal(random.PRNGKey(0), (40,))
-        >>> inference = pvi.PVI(model, pvi.MeanFieldGaussian(),
-        ...                     partitions=pvi.split_iid(random.PRNGKey(1), 40, num_clients=4),
-        ...                     local_update=pvi.GradientUpdate(optax.adam(0.05), num_steps=200),
-        ...                     server=pvi.Sequential())
+        >>> inference = pvi.PVI(
+        ...     model,
+        ...     pvi.MeanFieldGaussian(),
+        ...     partitions=pvi.split_iid(random.PRNGKey(1), 40, num_clients=4),
+        ...     local_update=pvi.GradientUpdate(optax.adam(0.05), num_steps=200),
+        ...     server=pvi.Sequential(),
+        ... )
         >>> result = inference.run(random.PRNGKey(2), 3, x, y=y, progress_bar=False)
         >>> samples = result.sample_posterior(random.PRNGKey(3), 100)
         >>> samples["mu"].shape
         (100,)
     """
 
-    def __init__(self, model: Callable, family: FactorFamily, partitions: Any = None, local_update: Any = None,
-                 server: Server | None = None, backend: Any = "vmap", num_elbo_particles: int = 64,
-                 hyper_optimizer: Any = None, init_loc_fn: Callable | None = None,
-                 init_scale: float | None = None) -> None:
+    def __init__(
+        self,
+        model: Callable,
+        family: FactorFamily,
+        partitions: Any = None,
+        local_update: Any = None,
+        server: Server | None = None,
+        backend: Any = "vmap",
+        num_elbo_particles: int = 64,
+        hyper_optimizer: Any = None,
+        init_loc_fn: Callable | None = None,
+        init_scale: float | None = None,
+    ) -> None:
         if not isinstance(family, FactorFamily):
-            raise TypeError(f"family must be a pvi family such as pvi.MeanFieldGaussian() or pvi.FullRankGaussian(), "
-                            f"got {family!r}.")
+            raise TypeError(
+                "family must be a pvi family such as pvi.MeanFieldGaussian() or "
+                "pvi.FullRankGaussian(), "
+                f"got {family!r}."
+            )
         if not isinstance(local_update, LocalUpdate):
-            raise TypeError(f"local_update must be a local update such as pvi.GradientUpdate(...), "
-                            f"got {local_update!r}.")
-        if hyper_optimizer is not None and not isinstance(hyper_optimizer, optax.GradientTransformation):
-            raise TypeError(f"hyper_optimizer must be an optax.GradientTransformation, got {hyper_optimizer!r}.")
-        if not isinstance(num_elbo_particles, int) or isinstance(num_elbo_particles, bool) or num_elbo_particles < 1:
-            raise ValueError(f"num_elbo_particles must be a positive integer, got {num_elbo_particles!r}.")
+            raise TypeError(
+                f"local_update must be a local update such as pvi.GradientUpdate(...), "
+                f"got {local_update!r}."
+            )
+        if hyper_optimizer is not None and not isinstance(
+            hyper_optimizer, optax.GradientTransformation
+        ):
+            raise TypeError(
+                f"hyper_optimizer must be an optax.GradientTransformation, got {hyper_optimizer!r}."
+            )
+        if (
+            not isinstance(num_elbo_particles, int)
+            or isinstance(num_elbo_particles, bool)
+            or num_elbo_particles < 1
+        ):
+            raise ValueError(
+                f"num_elbo_particles must be a positive integer, got {num_elbo_particles!r}."
+            )
         server = Synchronous() if server is None else server
         if not isinstance(server, Server):
-            raise TypeError(f"server must be a pvi server such as pvi.Synchronous(), got {server!r}.")
+            raise TypeError(
+                f"server must be a pvi server such as pvi.Synchronous(), got {server!r}."
+            )
         self.model = model
         self.family = family
         self.partitions = partitions
@@ -155,16 +199,21 @@ class PVI:
         if init_scale is not None and not (isinstance(init_scale, (int, float)) and init_scale > 0):
             raise ValueError(f"init_scale must be a positive number or None, got {init_scale!r}.")
         if init_loc_fn is not None and not callable(init_loc_fn):
-            raise TypeError(f"init_loc_fn must be a NumPyro init strategy such as init_to_median, got {init_loc_fn!r}.")
+            raise TypeError(
+                "init_loc_fn must be a NumPyro init strategy such as init_to_median, "
+                f"got {init_loc_fn!r}."
+            )
         self.init_loc_fn, self.init_scale = init_loc_fn, init_scale
         self._memo: list[Problem] = []  # a cache (never state): recent problems, newest last
 
     # ------------------------------------------------------------------ the problem
 
     def build(self, *args: Any, **kwargs: Any) -> Problem:
-        """The :class:`~numpyro_pvi.Problem` of the model on these data (cached by the data's identity).
+        """The :class:`~numpyro_pvi.Problem` of the model on these data (cached by the data's
+        identity).
 
-        **Example:** ``problem = inference.build(X, y=y)``; ``state = inference.init(key, problem)``.
+        **Example:** ``problem = inference.build(X, y=y)``; ``state = inference.init(key,
+        problem)``.
         """
         return self._problem(args, kwargs)
 
@@ -172,20 +221,28 @@ class PVI:
         if len(args) == 1 and not kwargs and isinstance(args[0], Problem):
             mismatch = args[0].mismatch(self)
             if mismatch:
-                raise ValueError(f"This problem was built by another PVI: its {', '.join(mismatch)} are not this "
-                                 f"PVI's; its compiled steps would use theirs: build it with this PVI's build(...).")
+                raise ValueError(
+                    "This problem was built by another PVI: its "
+                    f"{', '.join(mismatch)} are not this "
+                    "PVI's; its compiled steps would use theirs: build it with this "
+                    "PVI's build(...)."
+                )
             return args[0]
         for problem in reversed(self._memo):
             if _same_data(problem.source, (args, kwargs)):
                 return problem
         problem = build_problem(self, args, kwargs, reuse=self._compatible(args, kwargs))
-        self._memo = [*self._memo[-(MEMO_SIZE - 1):], problem]
+        self._memo = [*self._memo[-(MEMO_SIZE - 1) :], problem]
         return problem
 
     def _compatible(self, args: tuple, kwargs: dict) -> Problem | None:
-        """The newest cached problem whose data have the same tree structure (its steps may be reused)."""
+        """The newest cached problem whose data have the same tree structure (its steps may be
+        reused)."""
         treedef = jax.tree_util.tree_structure((args, kwargs))
-        return next((p for p in reversed(self._memo) if jax.tree_util.tree_structure(p.source) == treedef), None)
+        return next(
+            (p for p in reversed(self._memo) if jax.tree_util.tree_structure(p.source) == treedef),
+            None,
+        )
 
     # ------------------------------------------------------------------ the SVI-like interface
 
@@ -193,7 +250,8 @@ class PVI:
         """The initial state: ``q`` = prior, every factor flat.
 
         :param rng_key: random key of the run.
-        :param args, kwargs: the model's pooled data (none with ``partitions=ClientData``), or a ``Problem``.
+        :param args, kwargs: the model's pooled data (none with ``partitions=ClientData``), or a
+            ``Problem``.
         """
         problem = self._problem(args, kwargs)
         steps, capacity = problem.steps, problem.capacity
@@ -201,18 +259,36 @@ class PVI:
         factors = _broadcast(zeros, capacity, zero=True)
         t0 = zeros if steps.prior_init is None else steps.prior_init(problem.prior, _data(problem))
         q = problem.prior + t0
-        if self.init_loc_fn is not None or self.init_scale is not None:  # a chosen start, split over the factors
-            q, factors = chosen_start(self.family, self.model, problem, q, rng_key, self.init_loc_fn, self.init_scale)
+        # a chosen start, split over the factors
+        if self.init_loc_fn is not None or self.init_scale is not None:
+            q, factors = chosen_start(
+                self.family, self.model, problem, q, rng_key, self.init_loc_fn, self.init_scale
+            )
         if not bool(self.family.is_valid(q)):
-            raise ValueError("The prior of the global sites could not be approximated by a proper member of the "
-                             f"family (sites: {[s.name for s in problem.sites.globals]}); PVI needs proper priors.")
+            raise ValueError(
+                "The prior of the global sites could not be approximated by a proper "
+                "member of the "
+                f"family (sites: {[s.name for s in problem.sites.globals]}); PVI "
+                "needs proper priors."
+            )
         client_states = _broadcast(self.local_update.init_state(problem.client_problem), capacity)
         hyper = {h.name: jnp.asarray(h.init, jnp.result_type(float)) for h in problem.sites.hyper}
-        hyper = hyper or ()  # not weak-typed: the optimiser's first step must not change types (a recompilation)
+        # not weak-typed: the optimiser's first step must not change types (a recompilation)
+        hyper = hyper or ()
         hyper_state = self.hyper_optimizer.init(hyper) if hyper else ()
-        return PVIState(q, factors, t0, client_states, self.server.init(q, capacity), rng_key, hyper, hyper_state,
-                        _broadcast(hyper, capacity, zero=True),
-                        damping.initial_state(self.server.damping, q, factors, self.family), MadeFor.of(self, problem))
+        return PVIState(
+            q,
+            factors,
+            t0,
+            client_states,
+            self.server.init(q, capacity),
+            rng_key,
+            hyper,
+            hyper_state,
+            _broadcast(hyper, capacity, zero=True),
+            damping.initial_state(self.server.damping, q, factors, self.family),
+            MadeFor.of(self, problem),
+        )
 
     def update(self, state: PVIState, *args: Any, **kwargs: Any) -> tuple[PVIState, RoundInfo]:
         """One round: the prior factor's step (if any), then the clients in the server's schedule.
@@ -227,130 +303,223 @@ class PVI:
 
     def _check_state(self, state: PVIState, problem: Problem) -> None:
         if not isinstance(state, PVIState):
-            raise TypeError(f"state must be a PVIState (from init, or pvi.load), got {type(state).__name__}.")
-        differences = state.made_for.differences(MadeFor.of(self, problem)) if state.made_for.known else []
+            raise TypeError(
+                f"state must be a PVIState (from init, or pvi.load), got {type(state).__name__}."
+            )
+        differences = (
+            state.made_for.differences(MadeFor.of(self, problem)) if state.made_for.known else []
+        )
         if differences:
-            raise ValueError("The state was made for another set-up: " + "; ".join(differences) + ". Resume it with "
-                             "the PVI (model, family, server) and the data it was made for.")
+            raise ValueError(
+                "The state was made for another set-up: " + "; ".join(differences) + ". "
+                "Resume it with "
+                "the PVI (model, family, server) and the data it was made for."
+            )
         expected = jax.tree.map(jnp.shape, self.family.zeros(problem.sites.dim))
         if jax.tree.map(jnp.shape, state.q) != expected:
-            raise ValueError(f"The state's q has shapes {jax.tree.map(jnp.shape, state.q)}, but this model's global "
-                             f"sites {[s.name for s in problem.sites.globals]} with {type(self.family).__name__} need "
-                             f"{expected}: was it made for another model or family?")
+            raise ValueError(
+                f"The state's q has shapes {jax.tree.map(jnp.shape, state.q)}, but "
+                "this model's global "
+                f"sites {[s.name for s in problem.sites.globals]} with "
+                f"{type(self.family).__name__} need "
+                f"{expected}: was it made for another model or family?"
+            )
         if int(state.factors.eta1.shape[0]) != problem.capacity:
-            raise ValueError(f"The state has {state.factors.eta1.shape[0]} client slots but the problem "
-                             f"{problem.capacity} ({problem.num_clients} clients): was it made for other data?")
+            raise ValueError(
+                f"The state has {state.factors.eta1.shape[0]} client slots but the "
+                "problem "
+                f"{problem.capacity} ({problem.num_clients} clients): was it made "
+                "for other data?"
+            )
 
-    def _round(self, state: PVIState, problem: Problem, in_flight: InFlight,
-               monitor: RunMonitor) -> tuple[PVIState, RoundInfo]:
+    def _round(
+        self, state: PVIState, problem: Problem, in_flight: InFlight, monitor: RunMonitor
+    ) -> tuple[PVIState, RoundInfo]:
         self._check_state(state, problem)
         start, steps, old_q = time.perf_counter(), problem.steps, state.q
         round_key, sample_key, next_key = jax.random.split(state.rng_key, 3)
         rho = float(damping.current(self.server.damping, state.damping))
         if steps.prior_step is not None:
             state = steps.prior_step(state, _data(problem))
-        round = Round(steps, problem.buckets, round_key, problem.num_clients, problem.capacity, in_flight, sample_key)
+        round = Round(
+            steps,
+            problem.buckets,
+            round_key,
+            problem.num_clients,
+            problem.capacity,
+            in_flight,
+            sample_key,
+        )
         before = state
         state = self.server.run_round(state, round, problem.num_clients)
         backtracked = round.backtracked(rho)
-        state = damping.accelerate(self.server.damping, self.family, before, state,
-                                   round.every_client_merged() and not backtracked, rho)
+        state = damping.accelerate(
+            self.server.damping,
+            self.family,
+            before,
+            state,
+            round.every_client_merged() and not backtracked,
+            rho,
+        )
         if steps.hyper_step is not None and round.hyper_grad:
             grads = state.hyper_grads
             for m, grad in round.hyper_grad.items():
                 grads = jax.tree.map(lambda stack, g, m=m: stack.at[m].set(g), grads, grad)
-            state = steps.hyper_step(state._replace(hyper_grads=grads), jax.tree.map(lambda g: g.sum(0), grads))
-        # the same draws every round (common random numbers): rounds' ELBOs compare without sampling noise
-        elbo = float(steps.elbo(state.q, ELBO_KEY, _data(problem), self.num_elbo_particles, state.client_states,
-                                state.hyper))
-        state = state._replace(damping=damping.after_round(self.server.damping, state.damping, elbo, backtracked))
+            state = steps.hyper_step(
+                state._replace(hyper_grads=grads), jax.tree.map(lambda g: g.sum(0), grads)
+            )
+        # the same draws every round (common random numbers): rounds' ELBOs compare without sampling
+        # noise
+        elbo = float(
+            steps.elbo(
+                state.q,
+                ELBO_KEY,
+                _data(problem),
+                self.num_elbo_particles,
+                state.client_states,
+                state.hyper,
+            )
+        )
+        state = state._replace(
+            damping=damping.after_round(self.server.damping, state.damping, elbo, backtracked)
+        )
         move = q_move(self.family, old_q, state.q)
-        info = RoundInfo(elbo, *round.record(), time.perf_counter() - start, round.rejection, round.moved,
-                         largest(move), round.bytes_received, round.bytes_sent, round.inflation)
+        info = RoundInfo(
+            elbo,
+            *round.record(),
+            time.perf_counter() - start,
+            round.rejection,
+            round.moved,
+            largest(move),
+            round.bytes_received,
+            round.bytes_sent,
+            round.inflation,
+        )
         monitor.after_round(info, round.staleness, move)
-        note = damping.warning(self.server.damping, state.damping)  # an oscillating or falling run says so
+        # an oscillating or falling run says so
+        note = damping.warning(self.server.damping, state.damping)
         if note is not None:
             monitor.warn(*note)
         return state._replace(rng_key=next_key), info
 
-    def run(self, rng_key: jax.Array, num_rounds: int, *args: Any, progress_bar: bool = True,
-            init_state: PVIState | PVIRunResult | None = None, tol: float | None = None,
-            init_history: RoundInfo | None = None, average_rounds: int | None = None,
-            **kwargs: Any) -> PVIRunResult:
-        """Run ``num_rounds`` rounds from ``init(rng_key, ...)`` (or ``init_state``) with a tqdm bar.
+    def run(
+        self,
+        rng_key: jax.Array,
+        num_rounds: int,
+        *args: Any,
+        progress_bar: bool = True,
+        init_state: PVIState | PVIRunResult | None = None,
+        tol: float | None = None,
+        init_history: RoundInfo | None = None,
+        average_rounds: int | None = None,
+        **kwargs: Any,
+    ) -> PVIRunResult:
+        """Run ``num_rounds`` rounds from ``init(rng_key, ...)`` (or ``init_state``) with a tqdm
+        bar.
 
-        Like ``SVI.run(..., init_state=...)``, ``init_state`` continues a run (``rng_key`` is then unused:
-        the state carries its key). Given a previous :class:`PVIRunResult`, the run also continues its
-        history: ``result.history`` holds the old rounds, then the new ones. From a bare state (e.g.
-        :func:`~numpyro_pvi.load`), pass the old rounds as ``init_history``; a run resumed from a checkpoint
-        then has the uninterrupted run's history (up to the rounds' ``time``), and knows which clients
-        were merged before (without it, a sampled client counts as merged only once this run merges it).
+        Like ``SVI.run(..., init_state=...)``, ``init_state`` continues a run (``rng_key`` is then
+        unused: the state carries its key). Given a previous :class:`PVIRunResult`, the run also
+        continues its history: ``result.history`` holds the old rounds, then the new ones. From a
+        bare state (e.g.
+        :func:`~numpyro_pvi.load`), pass the old rounds as ``init_history``; a run resumed from a
+        checkpoint then has the uninterrupted run's history (up to the rounds' ``time``), and knows
+        which clients were merged before (without it, a sampled client counts as merged only once
+        this run merges it).
 
-        Background work of a concurrent backend carries over between the run's rounds and is cancelled
-        when the run ends: a later run never merges it. A :class:`~numpyro_pvi.PVIWarning` says when the run
-        cannot do what was asked (every update rejected or clamped, a client failing every round, a stall, a
-        falling ELBO, no convergence), and ``result.stopped_because`` names the same reason.
+        Background work of a concurrent backend carries over between the run's rounds and is
+        cancelled when the run ends: a later run never merges it. A :class:`~numpyro_pvi.PVIWarning`
+        says when the run cannot do what was asked (every update rejected or clamped, a client
+        failing every round, a stall, a falling ELBO, no convergence), and
+        ``result.stopped_because`` names the same reason.
 
-        :param tol: stop once the run has converged: a round moved ``q`` by at most ``tol`` posterior sds
-            (``RoundInfo.change``: the largest change of a marginal mean in sds, or of a marginal log sd),
-            every update of that round was merged (none rejected, none clamped), every client has been
-            merged at least once (client sampling), the ELBO is not falling, ``q`` is not drifting one way
-            with more than ``tol`` still to go, and ``q`` is not a factorised EP / SNEP fixed point over correlated
-            clients (such a run stops once ``q`` settles, ``stopped_because == "factorised_correlation"``);
-            ``result.converged`` says
+        :param tol: stop once the run has converged: a round moved ``q`` by at most ``tol``
+            posterior sds (``RoundInfo.change``: the largest change of a marginal mean in sds, or of
+            a marginal log sd), every update of that round was merged (none rejected, none clamped),
+            every client has been merged at least once (client sampling), the ELBO is not falling,
+            ``q`` is not drifting one way with more than ``tol`` still to go, and ``q`` is not a
+            factorised EP / SNEP fixed point over correlated clients (such a run stops once ``q``
+            settles, ``stopped_because == "factorised_correlation"``); ``result.converged`` says
             whether it did. Pick it above the Monte Carlo noise of the local updates (e.g. 0.05 for
-            ``GradientUpdate`` with a few particles, far less for exact or natural-gradient updates); a run
-            whose ``q`` jitters at that noise floor says so (``stopped_because == "noise_floor"``).
-        :param average_rounds: keep the average of the natural parameters of ``q`` (and of the factors)
-            over the last ``average_rounds`` rounds: ``result.averaged()`` (an iterate average that cuts the
-            jitter of stochastic local updates; it holds ``average_rounds`` copies of the factors).
-        :return: :class:`PVIRunResult` with the final state, the stacked per-round history and the problem.
+            ``GradientUpdate`` with a few particles, far less for exact or natural-gradient
+            updates); a run whose ``q`` jitters at that noise floor says so (``stopped_because ==
+            "noise_floor"``).
+        :param average_rounds: keep the average of the natural parameters of ``q`` (and of the
+            factors) over the last ``average_rounds`` rounds: ``result.averaged()`` (an iterate
+            average that cuts the jitter of stochastic local updates; it holds ``average_rounds``
+            copies of the factors).
+        :return: :class:`PVIRunResult` with the final state, the stacked per-round history and the
+            problem.
 
         **Example:** ``result = inference.run(key, 50, X, y=y, tol=0.05, average_rounds=10)``;
-        ``result.converged``, ``result.stopped_because``, ``result.averaged().sample_posterior(key, 1000)``.
+        ``result.converged``, ``result.stopped_because``, ``result.averaged().sample_posterior(key,
+        1000)``.
         """
         if tol is not None and not (isinstance(tol, (int, float)) and tol > 0):
             raise ValueError(f"tol must be a positive number or None, got {tol!r}.")
-        if not isinstance(num_rounds, (int, np.integer)) or isinstance(num_rounds, bool) or num_rounds < 1:
+        if (
+            not isinstance(num_rounds, (int, np.integer))
+            or isinstance(num_rounds, bool)
+            or num_rounds < 1
+        ):
             raise ValueError(f"num_rounds must be a positive integer, got {num_rounds!r}.")
-        if average_rounds is not None and (not isinstance(average_rounds, (int, np.integer))
-                                           or isinstance(average_rounds, bool) or average_rounds < 1):
-            raise ValueError(f"average_rounds must be a positive integer or None, got {average_rounds!r}.")
+        if average_rounds is not None and (
+            not isinstance(average_rounds, (int, np.integer))
+            or isinstance(average_rounds, bool)
+            or average_rounds < 1
+        ):
+            raise ValueError(
+                f"average_rounds must be a positive integer or None, got {average_rounds!r}."
+            )
         problem = self._problem(args, kwargs)
         if isinstance(init_state, PVIRunResult):
-            init_state, init_history = init_state.state, init_state.history if init_history is None else init_history
+            init_state, init_history = (
+                init_state.state,
+                init_state.history if init_history is None else init_history,
+            )
         if init_history is not None and not isinstance(init_history, RoundInfo):
-            raise TypeError(f"init_history must be a RoundInfo (a result's history), got "
-                            f"{type(init_history).__name__}.")
+            raise TypeError(
+                f"init_history must be a RoundInfo (a result's history), got "
+                f"{type(init_history).__name__}."
+            )
         state = self.init(rng_key, problem) if init_state is None else init_state
         infos, in_flight, monitor = [], InFlight(), RunMonitor(self.server, tol, init_history)
-        last: deque = deque(maxlen=average_rounds or 1)  # the last rounds' (q, factors, prior factor)
+        # the last rounds' (q, factors, prior factor)
+        last: deque = deque(maxlen=average_rounds or 1)
         try:
             with trange(num_rounds, disable=not progress_bar, desc="PVI") as rounds:
                 for _ in rounds:
                     state, info = self._round(state, problem, in_flight, monitor)
                     infos.append(info)
                     last.append((state.q, state.factors, state.prior_factor))
-                    rounds.set_postfix(elbo=f"{info.elbo:.4g}", rejected=int(info.num_rejected),
-                                       clamped=int(np.sum(info.clamped)), change=f"{info.change:.2g}")
+                    rounds.set_postfix(
+                        elbo=f"{info.elbo:.4g}",
+                        rejected=int(info.num_rejected),
+                        clamped=int(np.sum(info.clamped)),
+                        change=f"{info.change:.2g}",
+                    )
                     if monitor.settled:
                         break
         finally:
             cancel_in_flight(problem.steps.runner, in_flight)
         history = RoundInfo(*(np.stack([np.asarray(x) for x in field]) for field in zip(*infos)))
         if init_history is not None:
-            history = RoundInfo(*(np.concatenate([np.asarray(old), new]) for old, new in zip(init_history, history)))
+            history = RoundInfo(
+                *(np.concatenate([np.asarray(old), new]) for old, new in zip(init_history, history))
+            )
         converged, stopped_because = monitor.at_end()
         averaged = None if average_rounds is None else average_states(self.family, state, last)
         return PVIRunResult(state, history, self, problem, converged, stopped_because, averaged)
 
-    def add_client(self, state: PVIState, problem: Problem, *args: Any, **kwargs: Any) -> tuple[PVIState, Problem]:
-        """A client that holds ``model(*args, **kwargs)``'s data joins a running federated inference.
+    def add_client(
+        self, state: PVIState, problem: Problem, *args: Any, **kwargs: Any
+    ) -> tuple[PVIState, Problem]:
+        """A client that holds ``model(*args, **kwargs)``'s data joins a running federated
+        inference.
 
         Nothing is mutated: the state and the problem with one more client are returned. Its factor
-        starts flat (``q`` is unchanged); with :class:`~numpyro_pvi.Continual` the next round visits only
-        it (continual learning). Client slots and padded rows grow geometrically, so adding clients one
-        by one recompiles only when they grow. Only for ``partitions=ClientData``.
+        starts flat (``q`` is unchanged); with :class:`~numpyro_pvi.Continual` the next round visits
+        only it (continual learning). Client slots and padded rows grow geometrically, so adding
+        clients one by one recompiles only when they grow. Only for ``partitions=ClientData``.
 
         **Example:** ``state, problem = inference.add_client(state, problem, X_new, y=y_new)``, then
         ``state, info = inference.update(state, problem)``.
@@ -358,88 +527,138 @@ class PVI:
         :return: ``(state, problem)`` extended by one client.
         """
         if not isinstance(self.partitions, ClientData):
-            raise TypeError("add_client needs partitions=pvi.ClientData(...): with pooled data, pass the new rows "
-                            "in the pooled arrays and new index partitions to a new PVI instead.")
+            raise TypeError(
+                "add_client needs partitions=pvi.ClientData(...): with pooled data, "
+                "pass the new rows "
+                "in the pooled arrays and new index partitions to a new PVI instead."
+            )
         self._check_state(state, problem)
         new = problems.add_client(self, problem, args, kwargs)
         local = self.local_update.init_state(new.client_problem)
-        if jax.tree.map(jnp.shape, local) != jax.tree.map(lambda x: jnp.shape(x)[1:], state.client_states):
-            raise NotImplementedError("add_client: the new client holds more local-latent rows than the clients' "
-                                      "padded rows so far, which would change every client's local guide shapes; "
-                                      "not supported.")
+        if jax.tree.map(jnp.shape, local) != jax.tree.map(
+            lambda x: jnp.shape(x)[1:], state.client_states
+        ):
+            raise NotImplementedError(
+                "add_client: the new client holds more local-latent rows "
+                "than the clients' "
+                "padded rows so far, which would change every client's "
+                "local guide shapes; "
+                "not supported."
+            )
         m, capacity = problem.num_clients, new.capacity
         server_state = _grow(state.server_state, self.server.init(state.q, capacity))
-        state = state._replace(factors=_grow(state.factors, _broadcast(self.family.zeros(new.sites.dim), capacity,
-                                                                       zero=True)),
-                               client_states=_grow(state.client_states, _broadcast(local, capacity)),
-                               hyper_grads=_grow(state.hyper_grads, _broadcast(state.hyper, capacity, zero=True)),
-                               server_state=self.server.add_client(server_state, state.q, m))
-        state = state._replace(damping=damping.after_new_client(self.server.damping, state.damping, state.q,
-                                                                 state.factors), made_for=MadeFor.of(self, new))
+        state = state._replace(
+            factors=_grow(
+                state.factors, _broadcast(self.family.zeros(new.sites.dim), capacity, zero=True)
+            ),
+            client_states=_grow(state.client_states, _broadcast(local, capacity)),
+            hyper_grads=_grow(state.hyper_grads, _broadcast(state.hyper, capacity, zero=True)),
+            server_state=self.server.add_client(server_state, state.q, m),
+        )
+        state = state._replace(
+            damping=damping.after_new_client(
+                self.server.damping, state.damping, state.q, state.factors
+            ),
+            made_for=MadeFor.of(self, new),
+        )
         return state, new
 
-    def evaluate(self, state: PVIState, *args: Any, num_particles: int | None = None, **kwargs: Any) -> jax.Array:
-        """Monte Carlo estimate of the global ELBO ``E_q[log p(y, theta)] + H[q]`` (all clients' data)."""
+    def evaluate(
+        self, state: PVIState, *args: Any, num_particles: int | None = None, **kwargs: Any
+    ) -> jax.Array:
+        """Monte Carlo estimate of the global ELBO ``E_q[log p(y, theta)] + H[q]`` (all clients'
+        data)."""
         problem = self._problem(args, kwargs)
-        return problem.steps.elbo(state.q, state.rng_key, _data(problem), num_particles or self.num_elbo_particles,
-                                  state.client_states, state.hyper)
+        return problem.steps.elbo(
+            state.q,
+            state.rng_key,
+            _data(problem),
+            num_particles or self.num_elbo_particles,
+            state.client_states,
+            state.hyper,
+        )
 
     # ------------------------------------------------------------------ the posterior
 
     def sites(self, *args: Any, **kwargs: Any) -> ModelSites:
-        """The model's sites as PVI reads them (global sites, flat layout), from the data or a problem."""
+        """The model's sites as PVI reads them (global sites, flat layout), from the data or a
+        problem."""
         return self._problem(args, kwargs).sites
 
     def get_posterior(self, state: PVIState) -> dist.Distribution:
         """``q`` as a NumPyro distribution over the flat unconstrained vector ``zeta``."""
         return self.family.to_dist(state.q)
 
-    def sample_posterior(self, rng_key: jax.Array, state: PVIState, num_samples: int, client: int | None = None,
-                         problem: Problem | None = None) -> dict:
-        """Draw ``num_samples`` from ``q``: a dict site -> constrained samples ``(num_samples, *shape)``.
+    def sample_posterior(
+        self,
+        rng_key: jax.Array,
+        state: PVIState,
+        num_samples: int,
+        client: int | None = None,
+        problem: Problem | None = None,
+    ) -> dict:
+        """Draw ``num_samples`` from ``q``: a dict site -> constrained samples ``(num_samples,
+        *shape)``.
 
         :param client: also draw client ``client``'s local latent sites from its private guide (its
             own rows only); the hyperparameters are in :meth:`hyperparameters`.
         :param problem: the problem ``state`` belongs to (default: the last one built).
         """
-        return sample_posterior(self._latest(problem), self.family, state, rng_key, num_samples, client)
+        return sample_posterior(
+            self._latest(problem), self.family, state, rng_key, num_samples, client
+        )
 
     def hyperparameters(self, state: PVIState, problem: Problem | None = None) -> dict:
         """The learned hyperparameters (``numpyro.param`` sites), constrained: site -> value."""
         return hyperparameters(self._latest(problem), state)
 
     def get_params(self, state: PVIState, problem: Problem | None = None) -> dict:
-        """The model's ``numpyro.param`` values, constrained, like ``SVI.get_params`` (``{}`` if it has none).
+        """The model's ``numpyro.param`` values, constrained, like ``SVI.get_params`` (``{}`` if it
+        has none).
 
-        PVI's posterior is not in params (as ``SVI``'s guide parameters are): it is :meth:`get_posterior`.
+        PVI's posterior is not in params (as ``SVI``'s guide parameters are): it is
+        :meth:`get_posterior`.
 
-        **Example:** ``Predictive(model, guide=inference.guide(state), params=inference.get_params(state))``.
+        **Example:** ``Predictive(model, guide=inference.guide(state),
+        params=inference.get_params(state))``.
         """
         return hyperparameters(self._latest(problem), state)
 
-    def guide(self, state: PVIState, client: int | None = None, problem: Problem | None = None) -> Callable:
-        """A NumPyro guide drawing the global sites from ``q``, for ``Predictive(model, guide=...)``.
+    def guide(
+        self, state: PVIState, client: int | None = None, problem: Problem | None = None
+    ) -> Callable:
+        """A NumPyro guide drawing the global sites from ``q``, for ``Predictive(model,
+        guide=...)``.
 
-        Pass the learned hyperparameters to the model with ``Predictive(..., params=hyperparameters)``.
-        Local latent sites are drawn from the guide of the client that holds each row: call ``Predictive``
-        with the pooled data; with ``client``, only that client's rows (call it with the client's own data,
-        its rows in the order it holds them). Data with another number of rows raise ``ValueError``.
+        Pass the learned hyperparameters to the model with ``Predictive(...,
+        params=hyperparameters)``. Local latent sites are drawn from the guide of the client that
+        holds each row: call ``Predictive`` with the pooled data; with ``client``, only that
+        client's rows (call it with the client's own data, its rows in the order it holds them).
+        Data with another number of rows raise ``ValueError``.
         """
-        return make_guide(self._latest(problem), self.family, state, client, self.model, self.partitions)
+        return make_guide(
+            self._latest(problem), self.family, state, client, self.model, self.partitions
+        )
 
     def _latest(self, problem: Problem | None) -> Problem:
         if problem is not None:
             return problem
         if not self._memo:
-            raise RuntimeError("Call init/run first (or pass problem=inference.build(...)): PVI reads the model's "
-                               "sites from the data.")
+            raise RuntimeError(
+                "Call init/run first (or pass problem=inference.build(...)): PVI "
+                "reads the model's "
+                "sites from the data."
+            )
         return self._memo[-1]
 
 
 def _same_data(source: tuple, data: tuple) -> bool:
-    """Whether ``data`` are the very objects ``source`` holds (identity; ``source`` keeps them alive)."""
+    """Whether ``data`` are the very objects ``source`` holds (identity; ``source`` keeps them
+    alive)."""
     a, b = jax.tree_util.tree_flatten(source), jax.tree_util.tree_flatten(data)
-    return a[1] == b[1] and all(x is y if is_array(x) or is_array(y) else same_static(x, y) for x, y in zip(a[0], b[0]))
+    return a[1] == b[1] and all(
+        x is y if is_array(x) or is_array(y) else same_static(x, y) for x, y in zip(a[0], b[0])
+    )
 
 
 def _data(problem: Problem) -> tuple:
@@ -449,11 +668,18 @@ def _data(problem: Problem) -> tuple:
 
 def _broadcast(tree: Any, capacity: int, zero: bool = False) -> Any:
     """``tree`` repeated over ``capacity`` client slots (zeros of its shape if ``zero``)."""
-    fill = (lambda x: jnp.zeros((capacity,) + jnp.shape(x), jnp.result_type(x))) if zero else \
-        (lambda x: jnp.broadcast_to(x, (capacity,) + jnp.shape(x)))
+    fill = (
+        (lambda x: jnp.zeros((capacity,) + jnp.shape(x), jnp.result_type(x)))
+        if zero
+        else (lambda x: jnp.broadcast_to(x, (capacity,) + jnp.shape(x)))
+    )
     return jax.tree.map(fill, tree)
 
 
 def _grow(old: Any, fresh: Any) -> Any:
     """``fresh`` (sized for more client slots) holding ``old``'s entries in its first slots."""
-    return jax.tree.map(lambda o, f: o if jnp.shape(o) == jnp.shape(f) else f.at[:jnp.shape(o)[0]].set(o), old, fresh)
+    return jax.tree.map(
+        lambda o, f: o if jnp.shape(o) == jnp.shape(f) else f.at[: jnp.shape(o)[0]].set(o),
+        old,
+        fresh,
+    )

@@ -1,11 +1,12 @@
-"""``RayBackend``: each client is a Ray actor that holds only its own data; clients run concurrently.
+"""``RayBackend``: each client is a Ray actor that holds only its own data; clients run
+concurrently.
 
 The server sends a client its cavity and ``q`` and receives its delta. A client whose update raises,
-exceeds ``timeout`` seconds or whose actor died is reported as a rejected update; a dead or timed-out
-actor is restarted from the client's data. The actors hold the data of the problem they were last given:
-when a round runs on other data (new arrays, :meth:`PVI.add_client`) or another problem, the live actors are
-given the new data and update (their processes, which have imported JAX, are kept); only dead, timed-out or
-surplus actors are killed.
+exceeds ``timeout`` seconds or whose actor died is reported as a rejected update; a dead or
+timed-out actor is restarted from the client's data. The actors hold the data of the problem they
+were last given: when a round runs on other data (new arrays, :meth:`PVI.add_client`) or another
+problem, the live actors are given the new data and update (their processes, which have imported
+JAX, are kept); only dead, timed-out or surplus actors are killed.
 """
 
 from __future__ import annotations
@@ -27,7 +28,9 @@ from numpyro_pvi.state import Rejection
 def unpad(client: Client, is_row: tuple) -> Client:
     """One client without its padding rows (a remote client computes on its own size)."""
     n = int(client.size)
-    return Client([a[:n] if row else a for a, row in zip(client.arrays, is_row)], client.mask[:n], client.size)
+    return Client(
+        [a[:n] if row else a for a, row in zip(client.arrays, is_row)], client.mask[:n], client.size
+    )
 
 
 def digest(client: Client) -> str:
@@ -39,23 +42,34 @@ def digest(client: Client) -> str:
 
 
 def start_ray(ray: Any, num_cpus: int | None, **init_args: Any) -> None:
-    """``ray.init(num_cpus=num_cpus, **init_args)`` for this process, without the alarms Ray's start raises beside JAX.
+    """``ray.init(num_cpus=num_cpus, **init_args)`` for this process, without the alarms Ray's start
+    raises beside JAX.
 
-    Ray starts its daemons (GCS server, raylet, monitors) with ``subprocess.Popen(..., preexec_fn=...)``, which
-    runs the interpreter's fork hooks: JAX's prints "os.fork() was called ... will likely lead to a deadlock",
-    though the child only sets its signals and runs another program (no JAX, no thread of ours in it); and
-    Ray leaves the ``/dev/null`` handles it opened for them to the garbage collector (``ResourceWarning``).
-    Neither is about this process's state, so both are silenced during ``ray.init`` only; the actors are
-    started by the raylet, not forked from this process.
+    Ray starts its daemons (GCS server, raylet, monitors) with ``subprocess.Popen(...,
+    preexec_fn=...)``, which runs the interpreter's fork hooks: JAX's prints "os.fork() was called
+    ... will likely lead to a deadlock", though the child only sets its signals and runs another
+    program (no JAX, no thread of ours in it); and Ray leaves the ``/dev/null`` handles it opened
+    for them to the garbage collector (``ResourceWarning``). Neither is about this process's state,
+    so both are silenced during ``ray.init`` only; the actors are started by the raylet, not forked
+    from this process.
 
-    **Example:** ``start_ray(ray, 2)`` (what ``RayBackend(num_workers=2)`` does when Ray is not running).
+    **Example:** ``start_ray(ray, 2)`` (what ``RayBackend(num_workers=2)`` does when Ray is not
+    running).
     """
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", r"os\.fork\(\) was called", RuntimeWarning)
         warnings.filterwarnings("ignore", category=ResourceWarning)
-        ray.init(**{"num_cpus": num_cpus, "include_dashboard": False, "log_to_driver": False, **init_args})
-        # some of those handles sit in reference cycles: collected later, they would warn outside this window
-        # (measured: two from the API server's start, in a second Ray session of a process)
+        ray.init(
+            **{
+                "num_cpus": num_cpus,
+                "include_dashboard": False,
+                "log_to_driver": False,
+                **init_args,
+            }
+        )
+        # some of those handles sit in reference cycles: collected later, they would warn outside
+        # this window (measured: two from the API server's start, in a second Ray session of a
+        # process)
         gc.collect()
 
 
@@ -67,35 +81,46 @@ class RayBackend:
     seconds or whose actor died is reported as a rejected update; a dead or timed-out actor is
     restarted from the client's data and the client is tried again next time.
 
-    :param int num_workers: CPUs (concurrently running clients) for ``ray.init`` when Ray is not running yet.
-    :param float timeout: seconds to wait for one client update (``None``: no limit). It does not count the
-        actor's compilation: a new or restarted actor first compiles its update (ahead of time, within
-        ``compile_timeout``), and only then is its update timed.
+    :param int num_workers: CPUs (concurrently running clients) for ``ray.init`` when Ray is not
+        running yet.
+    :param float timeout: seconds to wait for one client update (``None``: no limit). It does not
+        count the actor's compilation: a new or restarted actor first compiles its update (ahead of
+        time, within ``compile_timeout``), and only then is its update timed.
     :param float cpus_per_client: the CPU share each actor reserves (several actors share a core).
     :param float compile_timeout: seconds to wait for an actor's compilation (``None``: no limit).
 
-    **Example:** ``pvi.PVI(..., backend=pvi.RayBackend(num_workers=2))``; ``backend.close()`` frees the
-    actors' CPU shares when the inference is done.
+    **Example:** ``pvi.PVI(..., backend=pvi.RayBackend(num_workers=2))``; ``backend.close()`` frees
+    the actors' CPU shares when the inference is done.
     """
 
     name = "ray"
     jit_group = False
 
-    def __init__(self, num_workers: int | None = None, timeout: float | None = None,
-                 cpus_per_client: float = 0.25, compile_timeout: float | None = None) -> None:
+    def __init__(
+        self,
+        num_workers: int | None = None,
+        timeout: float | None = None,
+        cpus_per_client: float = 0.25,
+        compile_timeout: float | None = None,
+    ) -> None:
         try:
             import ray
         except ImportError as e:  # pragma: no cover - exercised only without ray
             raise ImportError("RayBackend needs Ray: pip install 'numpyro-pvi[ray]'") from e
-        self.ray, self.num_workers, self.timeout, self.cpus_per_client = ray, num_workers, timeout, cpus_per_client
+        self.ray, self.num_workers, self.timeout, self.cpus_per_client = (
+            ray,
+            num_workers,
+            timeout,
+            cpus_per_client,
+        )
         self.compile_timeout = compile_timeout
         self.runners: list[RayRunner] = []
 
     def prepare(self, local_update: Any, problem: ClientProblem) -> ClientRunner:
         if not self.ray.is_initialized():
             start_ray(self.ray, self.num_workers)
-        # the actors of an earlier problem are given this problem's data and update at its first round: a new
-        # actor's process first imports JAX (seconds of CPU each)
+        # the actors of an earlier problem are given this problem's data and update at its first
+        # round: a new actor's process first imports JAX (seconds of CPU each)
         idle = [actor for runner in self.runners for actor in runner.release()]
         runner = RayRunner(self, local_update, problem, idle)
         self.runners = [runner]
@@ -107,7 +132,8 @@ class RayBackend:
         return self.runners[-1].actors if self.runners else []
 
     def close(self) -> None:
-        """Kill this backend's client actors: each holds its CPU share (``cpus_per_client``) until killed.
+        """Kill this backend's client actors: each holds its CPU share (``cpus_per_client``) until
+        killed.
 
         The next update with this backend starts new actors from the clients' data.
         """
@@ -116,24 +142,30 @@ class RayBackend:
 
 
 class RayRunner:
-    """The client runner of :class:`RayBackend` for one client problem (a :class:`~numpyro_pvi.ConcurrentRunner`).
+    """The client runner of :class:`RayBackend` for one client problem (a
+    :class:`~numpyro_pvi.ConcurrentRunner`).
 
-    Its actors hold the clients of the last ``clients`` it was called with; other clients are loaded into them.
-    ``idle``: live actors of an earlier problem, loaded with this one's clients before any new actor is started.
+    Its actors hold the clients of the last ``clients`` it was called with; other clients are loaded
+    into them. ``idle``: live actors of an earlier problem, loaded with this one's clients before
+    any new actor is started.
     """
 
-    def __init__(self, backend: RayBackend, local_update: Any, problem: ClientProblem, idle: list = ()) -> None:
+    def __init__(
+        self, backend: RayBackend, local_update: Any, problem: ClientProblem, idle: list = ()
+    ) -> None:
         self.backend, self.ray, self.timeout = backend, backend.ray, backend.timeout
         self.actor_class = self.ray.remote(num_cpus=backend.cpus_per_client)(ClientActor)
         self.local_update, self.problem = local_update, problem
         self.clients: Client | None = None  # the data the actors hold
         self.digests: list[str] = []
         self.actors: list = []
-        self.compiling: dict = {}  # client -> the reference of its actor's compilation, until it is collected
+        # client -> the reference of its actor's compilation, until it is collected
+        self.compiling: dict = {}
         self.compiled: set = set()  # clients whose actor has compiled its update
         self.idle = list(idle)
-        # clients with a cancelled update: their actors are not given other data. A cancelled actor call can leave
-        # the actor waiting for it (measured: "Timed out waiting for seq_no ...", 30 s, then the actor unavailable)
+        # clients with a cancelled update: their actors are not given other data. A cancelled actor
+        # call can leave the actor waiting for it (measured: "Timed out waiting for seq_no ...", 30
+        # s, then the actor unavailable)
         self.abandoned: set = set()
 
     def _spawn(self, m: int) -> Any:
@@ -150,13 +182,14 @@ class RayRunner:
         return unpad(jax.device_get(take(self.clients, m)), self.problem.is_row)
 
     def sync(self, clients: Client) -> None:
-        """Make the actors hold ``clients`` (start them, or give those whose data changed the new data)."""
+        """Make the actors hold ``clients`` (start them, or give those whose data changed the new
+        data)."""
         if clients is self.clients and self.actors:
             return
         self.clients = clients
         digests = [digest(self._own(m)) for m in range(int(np.sum(np.asarray(clients.size) > 0)))]
         started = []  # the references to wait for: new actors' pings and live actors' loads
-        for m, old in enumerate(self.digests[:len(digests)]):
+        for m, old in enumerate(self.digests[: len(digests)]):
             if old != digests[m] and m in self.abandoned:
                 self.ray.kill(self.actors[m], no_restart=True)
                 self.actors[m] = self._spawn(m)
@@ -165,7 +198,7 @@ class RayRunner:
                 started.append(self._load(self.actors[m], m))
         for m in range(len(digests), len(self.actors)):
             self.ray.kill(self.actors[m], no_restart=True)
-        self.actors = self.actors[:len(digests)]
+        self.actors = self.actors[: len(digests)]
         for m in range(len(self.actors), len(digests)):
             if self.idle:
                 self.actors.append(self.idle.pop(0))
@@ -177,22 +210,45 @@ class RayRunner:
             self.ray.kill(actor, no_restart=True)
         self.idle, self.digests = [], digests
         try:
-            # a load that failed (its arguments could not be unpickled) would leave the last problem's update
+            # a load that failed (its arguments could not be unpickled) would leave the last
+            # problem's update
             self.ray.get(started)
         except self.ray.exceptions.RayError as e:
-            raise RuntimeError("A Ray client actor failed to start. Its worker process must be able to import the "
-                               "model's module (define the model in __main__, or register its module with "
-                               f"ray.cloudpickle.register_pickle_by_value, or set a runtime_env): {e}") from e
+            raise RuntimeError(
+                "A Ray client actor failed to start. Its worker process must be "
+                "able to import the "
+                "model's module (define the model in __main__, or register its "
+                "module with "
+                "ray.cloudpickle.register_pickle_by_value, or set a runtime_env): "
+                f"{e}"
+            ) from e
 
-    def __call__(self, ids: Any, keys: Any, cavities: Any, q: Any, states: Any, clients: Client,
-                 hyper: Any = ()) -> ClientResult:
-        handles = [self.submit(int(m), keys[i], take(cavities, i), q, take(states, i), hyper, clients)
-                   for i, m in enumerate(ids)]
-        return stack([self.result(int(m), h, take(cavities, i), take(states, i), hyper)
-                      for i, (m, h) in enumerate(zip(ids, handles))])
+    def __call__(
+        self,
+        ids: Any,
+        keys: Any,
+        cavities: Any,
+        q: Any,
+        states: Any,
+        clients: Client,
+        hyper: Any = (),
+    ) -> ClientResult:
+        handles = [
+            self.submit(int(m), keys[i], take(cavities, i), q, take(states, i), hyper, clients)
+            for i, m in enumerate(ids)
+        ]
+        return stack(
+            [
+                self.result(int(m), h, take(cavities, i), take(states, i), hyper)
+                for i, (m, h) in enumerate(zip(ids, handles))
+            ]
+        )
 
-    def submit(self, m: int, key: jax.Array, cavity: Any, q: Any, state: Any, hyper: Any, clients: Client) -> Any:
-        """Start client ``m``'s update (after compiling it, if its actor has not yet); returns a Ray object reference.
+    def submit(
+        self, m: int, key: jax.Array, cavity: Any, q: Any, state: Any, hyper: Any, clients: Client
+    ) -> Any:
+        """Start client ``m``'s update (after compiling it, if its actor has not yet); returns a Ray
+        object reference.
 
         An actor runs its calls in order, so the update starts when the compilation ends.
         """
@@ -207,7 +263,8 @@ class RayRunner:
         """Client ``m``'s result, or a rejected one if it failed, timed out or its actor died."""
         ray = self.ray
         try:
-            if m in self.compiling:  # the compilation is not timed by `timeout`, only by `compile_timeout`
+            # the compilation is not timed by `timeout`, only by `compile_timeout`
+            if m in self.compiling:
                 ray.get(self.compiling.pop(m), timeout=self.backend.compile_timeout)
             return jax.tree.map(jnp.asarray, ray.get(handle, timeout=self.timeout))
         except (ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError):
@@ -223,13 +280,16 @@ class RayRunner:
         refs = list(handles.values())
         compiling = [self.compiling[m] for m in handles if m in self.compiling]
         if compiling:  # actors still compiling: their time does not count against `timeout`
-            self.ray.wait(compiling, num_returns=len(compiling), timeout=self.backend.compile_timeout)
+            self.ray.wait(
+                compiling, num_returns=len(compiling), timeout=self.backend.compile_timeout
+            )
         done, _ = self.ray.wait(refs, num_returns=1, timeout=self.timeout)
         ref = done[0] if done else refs[0]  # on time-out, collect (and fail) the oldest
         return next(m for m, h in handles.items() if h is ref)
 
     def cancel(self, handles: dict) -> None:
-        """Abandon pending updates: their results are never read (a running one finishes on its actor)."""
+        """Abandon pending updates: their results are never read (a running one finishes on its
+        actor)."""
         for m, handle in handles.items():
             self.abandoned.add(m)
             try:
@@ -262,13 +322,15 @@ class RayRunner:
 
 
 class ClientActor:
-    """A Ray actor: one client's data and its jitted ``client_update`` (built in the actor's process)."""
+    """A Ray actor: one client's data and its jitted ``client_update`` (built in the actor's
+    process)."""
 
     def __init__(self, local_update: Any, problem: ClientProblem, client: Client) -> None:
         self.load(local_update, problem, client)
 
     def load(self, local_update: Any, problem: ClientProblem, client: Client) -> bool:
-        """Hold ``client`` and its update for ``problem`` instead (the process, with JAX imported, is kept)."""
+        """Hold ``client`` and its update for ``problem`` instead (the process, with JAX imported,
+        is kept)."""
         self.client = jax.tree.map(jnp.asarray, client)
         self.client_update = jax.jit(local_update.bind(problem))
         return True

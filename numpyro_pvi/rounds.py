@@ -2,13 +2,15 @@
 
 A server's ``run_round(state, round, num_clients)`` schedules clients through a :class:`Round`:
 
-* ``round(state, ids, pulled=None, salt=0, allow=True) -> (state, accepted)`` runs the group of clients
-  ``ids`` against ``pulled`` (default: the current ``q``) and merges their deltas into the current ``q``;
+* ``round(state, ids, pulled=None, salt=0, allow=True) -> (state, accepted)`` runs the group of
+  clients ``ids`` against ``pulled`` (default: the current ``q``) and merges their deltas into the
+  current ``q``;
 * when the backend's runner is a :class:`~numpyro_pvi.backends.ConcurrentRunner` (Ray),
-  ``round.concurrent`` is true and ``start`` / ``wait`` / ``finish`` run single clients in the background
-  and merge each as it arrives. Work still in flight at the end of a round is kept in ``round.in_flight``,
-  which belongs to the *run* (:meth:`PVI.run` hands the same dict to all its rounds and cancels what is
-  left when it ends), never to the server: nothing leaks from one run into another.
+  ``round.concurrent`` is true and ``start`` / ``wait`` / ``finish`` run single clients in the
+  background and merge each as it arrives. Work still in flight at the end of a round is kept in
+  ``round.in_flight``, which belongs to the *run* (:meth:`PVI.run` hands the same dict to all its
+  rounds and cancels what is left when it ends), never to the server: nothing leaks from one run
+  into another.
 
 The round records what every client did (:class:`~numpyro_pvi.RoundInfo`'s per-client fields).
 """
@@ -30,7 +32,8 @@ from numpyro_pvi.steps import Group, Steps
 
 
 class Pending(NamedTuple):
-    """A client update running in the background: the backend's ``handle`` and what it started from."""
+    """A client update running in the background: the backend's ``handle`` and what it started
+    from."""
 
     handle: Any
     cavity: NatParams
@@ -39,14 +42,16 @@ class Pending(NamedTuple):
 
 
 class InFlightUpdate(NamedTuple):
-    """An update in flight across rounds, and the server's merge count when its client pulled ``q``."""
+    """An update in flight across rounds, and the server's merge count when its client pulled
+    ``q``."""
 
     pending: Pending
     pulled_at: int
 
 
 class InFlight(dict):
-    """Client updates running in the background across rounds of one run: ``client -> InFlightUpdate``."""
+    """Client updates running in the background across rounds of one run: ``client ->
+    InFlightUpdate``."""
 
 
 class Round:
@@ -61,42 +66,60 @@ class Round:
     :param sample_key: the key a server draws the round's clients from (``clients_per_round``).
     """
 
-    def __init__(self, steps: Steps, clients: Client | tuple, round_key: jax.Array, num_clients: int, capacity: int,
-                 in_flight: InFlight | None = None, sample_key: jax.Array | None = None) -> None:
+    def __init__(
+        self,
+        steps: Steps,
+        clients: Client | tuple,
+        round_key: jax.Array,
+        num_clients: int,
+        capacity: int,
+        in_flight: InFlight | None = None,
+        sample_key: jax.Array | None = None,
+    ) -> None:
         if isinstance(clients, Client):
             clients = (Bucket(clients, np.arange(capacity)),)
         self.buckets = tuple(clients)
-        self.clients = self.buckets[0].clients  # all client slots when there is one bucket (concurrent runners)
-        self.bucket_of = np.zeros(capacity, int)  # the bucket of each client slot, and its row there
+        # all client slots when there is one bucket (concurrent runners)
+        self.clients = self.buckets[0].clients
+        # the bucket of each client slot, and its row there
+        self.bucket_of = np.zeros(capacity, int)
         self.row_of = np.zeros(capacity, int)
         for b, bucket in enumerate(self.buckets):
             real = np.flatnonzero(bucket.ids >= 0)
             self.bucket_of[bucket.ids[real]], self.row_of[bucket.ids[real]] = b, real
         self.steps, self.round_key = steps, round_key
-        self.sample_key = jax.random.fold_in(round_key, 2**31 - 1) if sample_key is None else sample_key
+        self.sample_key = (
+            jax.random.fold_in(round_key, 2**31 - 1) if sample_key is None else sample_key
+        )
         self.num_clients, self.capacity = num_clients, capacity
         self.concurrent = isinstance(steps.runner, ConcurrentRunner)
         self.in_flight = InFlight() if in_flight is None else in_flight
         self.free_energy, self.damping = np.full(num_clients, np.nan), np.zeros(num_clients)
         self.attempts, self.accepted, self.clamped = (np.zeros(num_clients, int) for _ in range(3))
         self.rejection, self.moved = np.zeros(num_clients, int), np.zeros(num_clients, bool)
-        self.bytes_received, self.bytes_sent = np.zeros(num_clients, np.int64), np.zeros(num_clients, np.int64)
+        self.bytes_received, self.bytes_sent = (
+            np.zeros(num_clients, np.int64),
+            np.zeros(num_clients, np.int64),
+        )
         self.inflation = np.ones(num_clients)  # each client's last ClientResult.inflation
-        self.staleness: list[int] = []  # how stale each update the server rejected as stale was (in merges)
+        # how stale each update the server rejected as stale was (in merges)
+        self.staleness: list[int] = []
         self.hyper_grad: dict = {}  # client -> its last accepted hyperparameter gradient this round
 
     def record(self) -> tuple:
-        """``(free_energy, attempts, accepted, damping, clamped)`` for :class:`~numpyro_pvi.RoundInfo`."""
+        """``(free_energy, attempts, accepted, damping, clamped)`` for
+        :class:`~numpyro_pvi.RoundInfo`."""
         return self.free_energy, self.attempts, self.accepted, self.damping, self.clamped
 
     def backtracked(self, rho: float) -> bool:
-        """Whether a merge of this round had to backtrack: an update rejected as ``INVALID``, or one merged with a
-        damping below ``rho`` (the damping the round started from)."""
+        """Whether a merge of this round had to backtrack: an update rejected as ``INVALID``, or one
+        merged with a damping below ``rho`` (the damping the round started from)."""
         below = (self.accepted > 0) & (self.damping < rho * (1 - 1e-6))
         return bool(np.any(self.rejection == Rejection.INVALID) or np.any(below))
 
     def every_client_merged(self) -> bool:
-        """Whether every client ran and was merged in this round (a round :class:`~numpyro_pvi.HeavyBall` can use)."""
+        """Whether every client ran and was merged in this round (a round
+        :class:`~numpyro_pvi.HeavyBall` can use)."""
         return bool(np.all(self.accepted > 0))
 
     def note_stale(self, staleness: int) -> None:
@@ -108,8 +131,12 @@ class Round:
         return self.round_key if salt == 0 else jax.random.fold_in(self.round_key, salt)
 
     def _count(self, ids: list, q: NatParams, hyper: Any, out: ClientOutcome) -> None:
-        """The messages of one update of each client ``ids``: ``q`` and the cavity down, the delta up."""
-        down, up = 2 * nbytes(q) + nbytes(hyper), nbytes(q) + jnp.dtype(out.free_energy.dtype).itemsize
+        """The messages of one update of each client ``ids``: ``q`` and the cavity down, the delta
+        up."""
+        down, up = (
+            2 * nbytes(q) + nbytes(hyper),
+            nbytes(q) + jnp.dtype(out.free_energy.dtype).itemsize,
+        )
         up += nbytes(hyper) if out.hyper_grad else 0
         self.bytes_received[ids] += down
         self.bytes_sent[ids] += up
@@ -117,11 +144,17 @@ class Round:
     def _note(self, ids: list, out: ClientOutcome) -> np.ndarray:
         n = len(ids)  # the group may be padded with unused slots (not allowed, not recorded)
         accepted = np.asarray(out.accepted)[:n]
-        self.free_energy[ids], self.damping[ids] = np.asarray(out.free_energy)[:n], np.asarray(out.damping)[:n]
+        self.free_energy[ids], self.damping[ids] = (
+            np.asarray(out.free_energy)[:n],
+            np.asarray(out.damping)[:n],
+        )
         self.attempts[ids] += 1
         self.accepted[ids] += accepted
         self.clamped[ids] += np.asarray(out.clamped)[:n]
-        self.rejection[ids], self.moved[ids] = np.asarray(out.rejection)[:n], np.asarray(out.moved)[:n]
+        self.rejection[ids], self.moved[ids] = (
+            np.asarray(out.rejection)[:n],
+            np.asarray(out.moved)[:n],
+        )
         self.inflation[ids] = np.asarray(out.inflation)[:n]
         if out.hyper_grad:
             for i, m in enumerate(ids):
@@ -130,11 +163,13 @@ class Round:
         return accepted
 
     def _groups(self, ids: list, allow: bool) -> tuple[tuple[Group, ...], list]:
-        """One :class:`~numpyro_pvi.steps.Group` per bucket holding some of ``ids``, and ``ids`` in group order.
+        """One :class:`~numpyro_pvi.steps.Group` per bucket holding some of ``ids``, and ``ids`` in
+        group order.
 
-        Each bucket's clients are padded with its other rows (its other clients first, then placeholders, which
-        stand in for their bucket's first client; none may merge) to a power of two (at most the bucket's size):
-        groups come in a few sizes only, so sampling clients recompiles rarely.
+        Each bucket's clients are padded with its other rows (its other clients first, then
+        placeholders, which stand in for their bucket's first client; none may merge) to a power of
+        two (at most the bucket's size): groups come in a few sizes only, so sampling clients
+        recompiles rarely.
         """
         groups, order, ids = [], [], np.asarray(ids, int)
         for b, bucket in enumerate(self.buckets):
@@ -144,18 +179,35 @@ class Round:
             size, slots = len(mine), len(bucket.ids)
             target = min(slots, 1 << (size - 1).bit_length()) if size < slots else size
             taken = set(mine)
-            spare = [r for r in np.argsort(bucket.ids < 0, kind="stable") if bucket.ids[r] not in taken][:target - size]
+            spare = [
+                r for r in np.argsort(bucket.ids < 0, kind="stable") if bucket.ids[r] not in taken
+            ][: target - size]
             allowed = np.concatenate([np.full(size, allow, bool), np.zeros(len(spare), bool)])
             rows = np.concatenate([self.row_of[mine], np.asarray(spare, int)])
-            members = np.concatenate([mine, np.where(bucket.ids[spare] >= 0, bucket.ids[spare], bucket.ids[0])])
+            members = np.concatenate(
+                [mine, np.where(bucket.ids[spare] >= 0, bucket.ids[spare], bucket.ids[0])]
+            )
             real = np.arange(len(rows)) < size
-            groups.append(Group(bucket.clients, jnp.asarray(rows), jnp.asarray(members), jnp.asarray(allowed),
-                                jnp.asarray(real)))
+            groups.append(
+                Group(
+                    bucket.clients,
+                    jnp.asarray(rows),
+                    jnp.asarray(members),
+                    jnp.asarray(allowed),
+                    jnp.asarray(real),
+                )
+            )
             order += mine + [-1] * len(spare)
         return tuple(groups), order
 
-    def __call__(self, state: PVIState, ids: list, pulled: NatParams | None = None, salt: int = 0,
-                 allow: bool = True) -> tuple[PVIState, np.ndarray]:
+    def __call__(
+        self,
+        state: PVIState,
+        ids: list,
+        pulled: NatParams | None = None,
+        salt: int = 0,
+        allow: bool = True,
+    ) -> tuple[PVIState, np.ndarray]:
         pulled = state.q if pulled is None else pulled
         groups, order = self._groups([int(m) for m in ids], allow)
         state, out = self.steps.group_step(state, groups, self.key(salt), pulled)
@@ -178,9 +230,13 @@ class Round:
         """The client (a key of ``{client: Pending}``) that finishes first."""
         return self.steps.runner.wait_any({m: p.handle for m, p in pending.items()})
 
-    def finish(self, state: PVIState, m: int, pending: Pending, allow: bool = True) -> tuple[PVIState, np.ndarray]:
+    def finish(
+        self, state: PVIState, m: int, pending: Pending, allow: bool = True
+    ) -> tuple[PVIState, np.ndarray]:
         """Collect client ``m``'s update and merge it into the current q."""
-        out = self.steps.runner.result(m, pending.handle, pending.cavity, pending.state, pending.hyper)
+        out = self.steps.runner.result(
+            m, pending.handle, pending.cavity, pending.state, pending.hyper
+        )
         result = jax.tree.map(lambda x: jnp.asarray(x)[None], out)
         state, out = self.steps.apply(state, jnp.asarray([m]), result, jnp.asarray([allow]))
         self._count([m], state.q, pending.hyper, out)
@@ -189,7 +245,9 @@ class Round:
 
 def nbytes(tree: Any) -> int:
     """Bytes of the arrays of ``tree`` (what sending it costs)."""
-    return int(sum(np.size(x) * jnp.dtype(jnp.result_type(x)).itemsize for x in jax.tree.leaves(tree)))
+    return int(
+        sum(np.size(x) * jnp.dtype(jnp.result_type(x)).itemsize for x in jax.tree.leaves(tree))
+    )
 
 
 def cancel_in_flight(runner: Any, in_flight: InFlight) -> None:

@@ -24,12 +24,12 @@ from numpyro_pvi.sampling import ClientSampling
 class Server:
     """Base class: damping ``rho`` in ``(0, 1]`` with backtracking, and the schedule of a round.
 
-    A server drives a round through ``run_round(state, round, num_clients)``, where
-    ``round(state, ids, pulled=None, salt=0, allow=True) -> (state, accepted)`` lets the clients ``ids``
-    update against ``pulled`` (default: the current ``q``) and merges their deltas into the current ``q``
-    (see :class:`~numpyro_pvi.rounds.Round`, which also runs single clients in the background when the
-    backend is concurrent). Its own bookkeeping lives in ``PVIState.server_state`` (:meth:`init`), never
-    on the server object, which holds configuration only.
+    A server drives a round through ``run_round(state, round, num_clients)``, where ``round(state,
+    ids, pulled=None, salt=0, allow=True) -> (state, accepted)`` lets the clients ``ids`` update
+    against ``pulled`` (default: the current ``q``) and merges their deltas into the current ``q``
+    (see :class:`~numpyro_pvi.rounds.Round`, which also runs single clients in the background when
+    the backend is concurrent). Its own bookkeeping lives in ``PVIState.server_state``
+    (:meth:`init`), never on the server object, which holds configuration only.
 
     **Example:** a server that visits the clients in reverse order, one at a time::
 
@@ -45,24 +45,31 @@ class Server:
 
     def __init__(self, damping: Damping | None = 1.0, max_backtracks: int = 5) -> None:
         if not isinstance(max_backtracks, int) or max_backtracks < 0:
-            raise ValueError(f"{type(self).__name__}: max_backtracks must be a non-negative integer, "
-                             f"got {max_backtracks!r}.")
-        self.damping = checked_damping(damping, type(self).__name__, type(self).default_damping,
-                                       type(self).synchronous_rounds)
+            raise ValueError(
+                f"{type(self).__name__}: max_backtracks must be a non-negative "
+                "integer, "
+                f"got {max_backtracks!r}."
+            )
+        self.damping = checked_damping(
+            damping, type(self).__name__, type(self).default_damping, type(self).synchronous_rounds
+        )
         self.max_backtracks = max_backtracks
         self.sampling = ClientSampling(None, owner=type(self).__name__)
 
     def check_clients(self, num_clients: int) -> None:
-        """Refuse a configuration that does not fit ``num_clients`` clients (called when a problem is built)."""
+        """Refuse a configuration that does not fit ``num_clients`` clients (called when a problem
+        is built)."""
         self.sampling.check(num_clients)
 
     def init(self, q: NatParams, num_clients: int) -> Any:
-        """The server's own state for ``num_clients`` client slots, kept in ``PVIState.server_state`` (none by
-        default); per-client entries have a leading client axis."""
+        """The server's own state for ``num_clients`` client slots, kept in
+        ``PVIState.server_state`` (none by default); per-client entries have a leading client
+        axis."""
         return None
 
     def add_client(self, server_state: Any, q: NatParams, m: int) -> Any:
-        """The server state once client slot ``m`` holds a new client (see :meth:`PVI.add_client`)."""
+        """The server state once client slot ``m`` holds a new client (see
+        :meth:`PVI.add_client`)."""
         return server_state
 
     def run_round(self, state: Any, round: Round, num_clients: int) -> Any:
@@ -86,22 +93,24 @@ class Sequential(Server):
 
 
 class Synchronous(Server):
-    """All clients (or ``clients_per_round`` of them) update against the same ``q``; the server adds their
-    damped deltas (PVI-sync).
+    """All clients (or ``clients_per_round`` of them) update against the same ``q``; the server adds
+    their damped deltas (PVI-sync).
 
     With many clients undamped synchronous rounds can overshoot (a factor is counted once by each
-    client's cavity), and on a correlated posterior a damped round is a slow Jacobi iteration. The default
-    damping is :class:`~numpyro_pvi.HeavyBall`: Polyak's heavy-ball damping and momentum, set every round from
-    the spectrum of the round estimated from the clients' deltas, restarted (and the damping halved) when the
-    global ELBO falls (with ``clients_per_round``, whose rounds cannot be compared,
-    :class:`~numpyro_pvi.AdaptiveDamping`, which follows the ELBO). A float fixes the damping and adds no
-    momentum; no value is safe for every posterior (0.5 cycles on correlated ones with mean-field factors,
-    ``1 / num_clients`` never overshoots but is slow), and a run whose rounds swing ``q`` back and forth warns
-    that it is oscillating.
+    client's cavity), and on a correlated posterior a damped round is a slow Jacobi iteration. The
+    default damping is :class:`~numpyro_pvi.HeavyBall`: Polyak's heavy-ball damping and momentum,
+    set every round from the spectrum of the round estimated from the clients' deltas, restarted
+    (and the damping halved) when the global ELBO falls (with ``clients_per_round``, whose rounds
+    cannot be compared,
+    :class:`~numpyro_pvi.AdaptiveDamping`, which follows the ELBO). A float fixes the damping and
+    adds no momentum; no value is safe for every posterior (0.5 cycles on correlated ones with
+    mean-field factors, ``1 / num_clients`` never overshoots but is slow), and a run whose rounds
+    swing ``q`` back and forth warns that it is oscillating.
 
-    :param clients_per_round: ``K`` clients drawn per round (an int, or a float fraction of the clients;
-        ``None``: all), without replacement, from the state's key (:mod:`numpyro_pvi.sampling`); the others
-        keep their factors. ``RoundInfo.attempts`` shows who ran.
+    :param clients_per_round: ``K`` clients drawn per round (an int, or a float fraction of the
+        clients; ``None``: all), without replacement, from the state's key
+        (:mod:`numpyro_pvi.sampling`); the others keep their factors. ``RoundInfo.attempts`` shows
+        who ran.
     :param client_weights: the clients' relative probabilities of being drawn (default uniform).
 
     **Example:** ``pvi.PVI(..., server=pvi.Synchronous())``, ``pvi.Synchronous(damping=0.5)`` or
@@ -111,11 +120,20 @@ class Synchronous(Server):
     default_damping = HeavyBall
     synchronous_rounds = True
 
-    def __init__(self, damping: Damping | None = None, max_backtracks: int = 5,
-                 clients_per_round: int | float | None = None, client_weights: Any = None) -> None:
+    def __init__(
+        self,
+        damping: Damping | None = None,
+        max_backtracks: int = 5,
+        clients_per_round: int | float | None = None,
+        client_weights: Any = None,
+    ) -> None:
         if clients_per_round is not None and isinstance(damping, HeavyBall):
-            raise ValueError("Synchronous: pvi.HeavyBall needs every client in every round (its spectrum estimate "
-                             "compares whole rounds); with clients_per_round use a float or pvi.AdaptiveDamping.")
+            raise ValueError(
+                "Synchronous: pvi.HeavyBall needs every client in every round (its "
+                "spectrum estimate "
+                "compares whole rounds); with clients_per_round use a float or "
+                "pvi.AdaptiveDamping."
+            )
         if clients_per_round is not None and damping is None:
             damping = AdaptiveDamping()
         super().__init__(damping, max_backtracks)
@@ -173,33 +191,43 @@ class AsyncState(NamedTuple):
 
 
 class Asynchronous(Server):
-    """Lock-free asynchronous PVI, simulated in process with a seeded clock (PVI-async / SNEP's server).
+    """Lock-free asynchronous PVI, simulated in process with a seeded clock (PVI-async / SNEP's
+    server).
 
-    Client ``m`` finishes updates at times ``(phase_m + k) / speeds[m]``, ``k = 0, 1, ...`` (a random
-    phase per client from ``seed``); round ``r`` processes the updates finished in ``[r, r + 1)`` in
-    time order. Each update was computed against the ``q`` the client pulled when it finished its
-    previous one (possibly stale); the server adds its damped delta to the *current* ``q`` and the
-    client pulls the result. Updates older than ``max_staleness`` merges are rejected.
+    Client ``m`` finishes updates at times ``(phase_m + k) / speeds[m]``, ``k = 0, 1, ...`` (a
+    random phase per client from ``seed``); round ``r`` processes the updates finished in ``[r, r +
+    1)`` in time order. Each update was computed against the ``q`` the client pulled when it
+    finished its previous one (possibly stale); the server adds its damped delta to the *current*
+    ``q`` and the client pulls the result. Updates older than ``max_staleness`` merges are rejected.
 
     :param speeds: relative speeds of the clients (default all 1: each updates once per round).
     :param clients_per_round: at most ``K`` clients online (in flight) at a time (an int, or a float
-        fraction of the clients; ``None``: all). In process, each round draws ``K`` clients from the state's
-        key; they pull the current ``q`` as they come online and only their updates finish that round. With a
-        concurrent backend (Ray) at most ``K`` updates run at once, each finished one replaced by a client
-        drawn from the idle ones, and a round is ``K`` merges.
+        fraction of the clients; ``None``: all). In process, each round draws ``K`` clients from the
+        state's key; they pull the current ``q`` as they come online and only their updates finish
+        that round. With a concurrent backend (Ray) at most ``K`` updates run at once, each finished
+        one replaced by a client drawn from the idle ones, and a round is ``K`` merges.
     :param client_weights: the clients' relative probabilities of being drawn (default uniform).
 
     **Example:** ``pvi.PVI(..., server=pvi.Asynchronous(damping=0.5, speeds=[1, 1, 0.2]))``
     """
 
-    def __init__(self, damping: float | AdaptiveDamping | None = None, max_staleness: int | None = None,
-                 speeds: Any = None, seed: int = 0, max_backtracks: int = 5,
-                 clients_per_round: int | float | None = None, client_weights: Any = None) -> None:
+    def __init__(
+        self,
+        damping: float | AdaptiveDamping | None = None,
+        max_staleness: int | None = None,
+        speeds: Any = None,
+        seed: int = 0,
+        max_backtracks: int = 5,
+        clients_per_round: int | float | None = None,
+        client_weights: Any = None,
+    ) -> None:
         super().__init__(damping, max_backtracks)
         self.sampling = ClientSampling(clients_per_round, client_weights, "Asynchronous")
         if max_staleness is not None and (not isinstance(max_staleness, int) or max_staleness < 0):
-            raise ValueError(f"Asynchronous: max_staleness must be a non-negative integer or None, "
-                             f"got {max_staleness!r}.")
+            raise ValueError(
+                f"Asynchronous: max_staleness must be a non-negative integer or None, "
+                f"got {max_staleness!r}."
+            )
         if speeds is not None and not np.all(np.asarray(speeds, float) > 0):
             raise ValueError(f"Asynchronous: speeds must be positive, got {speeds!r}.")
         self.max_staleness, self.speeds, self.seed = max_staleness, speeds, seed
@@ -213,9 +241,14 @@ class Asynchronous(Server):
 
     def add_client(self, server_state: AsyncState, q: NatParams, m: int) -> AsyncState:
         if self.speeds is not None:
-            raise ValueError("Asynchronous(speeds=...) has one speed per client: make a new server to add a client.")
+            raise ValueError(
+                "Asynchronous(speeds=...) has one speed per client: make a new "
+                "server to add a client."
+            )
         pulled = jax.tree.map(lambda p, x: p.at[m].set(x), server_state.pulled, q)
-        return server_state._replace(pulled=pulled, pulled_at=server_state.pulled_at.at[m].set(server_state.merges))
+        return server_state._replace(
+            pulled=pulled, pulled_at=server_state.pulled_at.at[m].set(server_state.merges)
+        )
 
     def events(self, round_index: int, num_clients: int) -> list[tuple[float, int]]:
         """``(time, client)`` of the updates finished in round ``round_index``, in time order."""
@@ -235,13 +268,15 @@ class Asynchronous(Server):
             return self._run_concurrent(state, round, num_clients)
         server = state.server_state
         events = self.events(int(server.round), num_clients)
-        if self.sampling.active(num_clients):  # the drawn clients come online: they pull the current q
+        # the drawn clients come online: they pull the current q
+        if self.sampling.active(num_clients):
             online = self.sampling.draw(round.sample_key, num_clients)
             chosen = set(online.tolist())
             events = [(t, m) for t, m in events if m in chosen]
             server = server._replace(
                 pulled=jax.tree.map(lambda p, q: p.at[online].set(q), server.pulled, state.q),
-                pulled_at=server.pulled_at.at[online].set(server.merges))
+                pulled_at=server.pulled_at.at[online].set(server.merges),
+            )
         for salt, (_, m) in enumerate(events):
             pulled = jax.tree.map(lambda x, m=m: x[m], server.pulled)
             stale = int(server.merges - server.pulled_at[m])
@@ -250,31 +285,40 @@ class Asynchronous(Server):
                 round.note_stale(stale)
             state, accepted = round(state, [m], pulled=pulled, salt=salt, allow=fresh)
             merges = server.merges + 1
-            server = AsyncState(jax.tree.map(lambda p, q, m=m: p.at[m].set(q), server.pulled, state.q),
-                                server.pulled_at.at[m].set(merges), merges, server.round)
+            server = AsyncState(
+                jax.tree.map(lambda p, q, m=m: p.at[m].set(q), server.pulled, state.q),
+                server.pulled_at.at[m].set(merges),
+                merges,
+                server.round,
+            )
         server = server._replace(round=server.round + 1)
         return state._replace(server_state=server)
 
     def _run_concurrent(self, state: Any, round: Round, num_clients: int) -> Any:
-        """Real asynchrony (Ray): every client works all the time; a round is ``num_clients`` merges.
+        """Real asynchrony (Ray): every client works all the time; a round is ``num_clients``
+        merges.
 
-        Each arriving update is merged at once and its client restarts from the new q, so fast clients
-        are never held back by slow ones. Updates still running at the end of a round stay in
-        ``round.in_flight``, which belongs to the run: the next round of the same run merges them, a
-        new run never sees them.
+        Each arriving update is merged at once and its client restarts from the new q, so fast
+        clients are never held back by slow ones. Updates still running at the end of a round stay
+        in ``round.in_flight``, which belongs to the run: the next round of the same run merges
+        them, a new run never sees them.
         """
         server, in_flight = state.server_state, round.in_flight
         limit = self.sampling.num_sampled(num_clients)
-        queue = [int(m) for m in self.sampling.order(round.sample_key, num_clients)] \
-            if self.sampling.active(num_clients) else list(range(num_clients))
+        queue = (
+            [int(m) for m in self.sampling.order(round.sample_key, num_clients)]
+            if self.sampling.active(num_clients)
+            else list(range(num_clients))
+        )
 
         def refill(state: Any, server: AsyncState) -> None:
             """Start the next idle clients of the queue until ``limit`` are in flight."""
             while len(in_flight) < limit and queue:
                 m = queue.pop(0)
                 if m not in in_flight:
-                    in_flight[m] = InFlightUpdate(round.start(state, m, salt=int(server.merges) + 1),
-                                                  int(server.merges))
+                    in_flight[m] = InFlightUpdate(
+                        round.start(state, m, salt=int(server.merges) + 1), int(server.merges)
+                    )
 
         refill(state, server)
         for _ in range(limit):
@@ -285,7 +329,9 @@ class Asynchronous(Server):
             if not fresh:
                 round.note_stale(stale)
             state, _ = round.finish(state, m, update.pending, allow=fresh)
-            server = server._replace(merges=server.merges + 1, pulled_at=server.pulled_at.at[m].set(server.merges + 1))
+            server = server._replace(
+                merges=server.merges + 1, pulled_at=server.pulled_at.at[m].set(server.merges + 1)
+            )
             if self.sampling.active(num_clients):
                 queue.append(m)  # it goes offline: the next idle client of the queue starts
             else:
@@ -294,4 +340,7 @@ class Asynchronous(Server):
         return state._replace(server_state=server._replace(round=server.round + 1))
 
     def __repr__(self) -> str:
-        return f"Asynchronous(damping={self.damping}, max_staleness={self.max_staleness}{self.sampling.suffix()})"
+        return (
+            f"Asynchronous(damping={self.damping}, "
+            f"max_staleness={self.max_staleness}{self.sampling.suffix()})"
+        )

@@ -3,8 +3,9 @@
 PVI's factors live in the unconstrained space of the global latent sites, flattened into one vector
 ``zeta`` of size ``D`` in model order (like ``AutoDiagonalNormal``), never in ``ravel_pytree``'s
 sorted-key order. Unobserved sites inside the partition plate are *local latents*: continuous ones
-get a client-private guide, discrete ones marked for enumeration are summed out (``TraceEnum_ELBO``).
-``numpyro.param`` sites outside the partition plate are *hyperparameters*, learned as point estimates.
+get a client-private guide, discrete ones marked for enumeration are summed out
+(``TraceEnum_ELBO``). ``numpyro.param`` sites outside the partition plate are *hyperparameters*,
+learned as point estimates.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ from numpyro_pvi.partition import NESTED_TAG, PARTITION_TAG
 
 @dataclass(frozen=True)
 class GlobalSite:
-    """A global latent site: its constrained value ``shape`` and its unconstrained ``flat_shape``."""
+    """A global latent site: its constrained value ``shape`` and its unconstrained
+    ``flat_shape``."""
 
     name: str
     shape: tuple
@@ -42,13 +44,15 @@ class GlobalSite:
 
 @dataclass(frozen=True)
 class LocalSite:
-    """A continuous local latent site (inside the partition plate), as one client's model call sees it.
+    """A continuous local latent site (inside the partition plate), as one client's model call sees
+    it.
 
     :ivar shape: constrained value shape (with the client's rows on the partition plate's axis).
     :ivar flat_shape: unconstrained shape, where the client's guide lives.
     :ivar event_dim: event dimensions of the unconstrained value.
     :ivar frames: ``(name, size, dim)`` of every plate the site is in (to rebuild them in a guide).
-    :ivar row_axis: the (negative) axis of the unconstrained value that indexes the partition plate's rows.
+    :ivar row_axis: the (negative) axis of the unconstrained value that indexes the partition
+        plate's rows.
     """
 
     name: str
@@ -62,7 +66,8 @@ class LocalSite:
 
 @dataclass(frozen=True)
 class HyperSite:
-    """A hyperparameter: a ``numpyro.param`` site outside the partition plate, learned as a point estimate.
+    """A hyperparameter: a ``numpyro.param`` site outside the partition plate, learned as a point
+    estimate.
 
     :ivar init: its initial value in unconstrained space.
     :ivar transform: ``biject_to(constraint)``, unconstrained -> constrained.
@@ -75,8 +80,9 @@ class HyperSite:
 
 @dataclass(frozen=True)
 class ObservedSite:
-    """An observed site in the partition plate: its likelihood's ``support``, and ``source``, the position of the
-    array argument (among the array arguments) its values are, or ``None`` if the model computes them."""
+    """An observed site in the partition plate: its likelihood's ``support``, and ``source``, the
+    position of the array argument (among the array arguments) its values are, or ``None`` if the
+    model computes them."""
 
     name: str
     support: Any
@@ -135,14 +141,16 @@ class ModelSites:
         """Flat unconstrained ``(D,)`` vector -> dict of constrained values of the global sites."""
         values, start = {}, 0
         for site in self.globals:
-            u = jnp.reshape(zeta[start:start + site.size], site.flat_shape)
+            u = jnp.reshape(zeta[start : start + site.size], site.flat_shape)
             values[site.name] = site.transform(u)
             start += site.size
         return values
 
     def flatten(self, values: dict) -> jax.Array:
         """Dict of constrained values -> flat unconstrained ``(D,)`` vector."""
-        return jnp.concatenate([jnp.reshape(s.transform.inv(values[s.name]), (-1,)) for s in self.globals])
+        return jnp.concatenate(
+            [jnp.reshape(s.transform.inv(values[s.name]), (-1,)) for s in self.globals]
+        )
 
     def slices(self) -> dict:
         """Name -> ``slice`` of the site in the flat vector."""
@@ -154,8 +162,8 @@ class ModelSites:
 
 
 def read_model(model: Callable, args: tuple, kwargs: dict, who: str = "The data") -> ModelSites:
-    """Trace ``model(*args, **kwargs)`` once (one compiled call) and classify its sites; raise on what PVI
-    cannot handle.
+    """Trace ``model(*args, **kwargs)`` once (one compiled call) and classify its sites; raise on
+    what PVI cannot handle.
 
     :param who: names the data in errors, e.g. ``"Client 3's data"``.
     """
@@ -163,24 +171,45 @@ def read_model(model: Callable, args: tuple, kwargs: dict, who: str = "The data"
     plate = _partition_plate(trace)
     kinds = _classify(trace, plate)
     if not kinds["likelihoods"]:
-        raise ValueError(f"partition_plate '{plate}' holds no observed site: put the likelihood (obs=...) inside it.")
+        raise ValueError(
+            f"partition_plate '{plate}' holds no observed site: put the likelihood "
+            "(obs=...) inside it."
+        )
     if not kinds["globals"]:
-        raise ValueError("The model has no global latent site outside the partition plate: nothing to infer.")
+        raise ValueError(
+            "The model has no global latent site outside the partition plate: nothing to infer."
+        )
     for name in kinds["likelihoods"]:
         check_observed(name, trace[name], *values_ok[name], who)
-    observed = tuple(ObservedSite(n, trace[n]["fn"].support, trace[n]["source"]) for n in kinds["likelihoods"])
-    gaussian = _gaussian_prior(get_model_relations(model, args, kwargs), kinds["globals"], kinds["hyper"], blocks)
-    return ModelSites(plate, int(trace[plate]["args"][0]), *(tuple(kinds[k]) for k in ("globals", "likelihoods")),
-                      gaussian, *(tuple(kinds[k]) for k in ("locals", "enumerated", "hyper")), observed)
+    observed = tuple(
+        ObservedSite(n, trace[n]["fn"].support, trace[n]["source"]) for n in kinds["likelihoods"]
+    )
+    gaussian = _gaussian_prior(
+        get_model_relations(model, args, kwargs), kinds["globals"], kinds["hyper"], blocks
+    )
+    return ModelSites(
+        plate,
+        int(trace[plate]["args"][0]),
+        *(tuple(kinds[k]) for k in ("globals", "likelihoods")),
+        gaussian,
+        *(tuple(kinds[k]) for k in ("locals", "enumerated", "hyper")),
+        observed,
+    )
 
 
 def check_observed(name: str, site: dict, finite: bool, in_support: bool, who: str) -> None:
-    """Raise a ``ValueError`` naming the site if its values are not finite or outside the likelihood's support."""
+    """Raise a ``ValueError`` naming the site if its values are not finite or outside the
+    likelihood's support."""
     if not finite:
-        raise ValueError(f"{who}: observed site '{name}' holds NaN or inf values; remove or impute those rows.")
+        raise ValueError(
+            f"{who}: observed site '{name}' holds NaN or inf values; remove or impute those rows."
+        )
     if not in_support:
-        raise ValueError(f"{who}: observed site '{name}' has values outside the support of its likelihood "
-                         f"({site['fn'].support}), e.g. Bernoulli labels must be 0 or 1.")
+        raise ValueError(
+            f"{who}: observed site '{name}' has values outside the support of its "
+            "likelihood "
+            f"({site['fn'].support}), e.g. Bernoulli labels must be 0 or 1."
+        )
 
 
 def _partition_plate(trace: dict) -> str:
@@ -188,27 +217,44 @@ def _partition_plate(trace: dict) -> str:
     for name, site in trace.items():
         if site["type"] == "sample" and NESTED_TAG in (site.get("infer") or {}):
             outer, inner = site["infer"][NESTED_TAG]
-            raise ValueError(f"partition_plate '{outer}' holds another partition_plate, '{inner}' (around site "
-                             f"'{name}'): PVI partitions one plate. Keep the plate whose rows are split across "
-                             f"clients as the partition plate and make '{inner}' or '{outer}' a numpyro.plate (a "
-                             "numpyro.plate inside the partition plate is supported).")
-    plates = {s["infer"].get(PARTITION_TAG) for s in trace.values()
-              if s["type"] == "sample" and s.get("infer") and PARTITION_TAG in s["infer"]}
+            raise ValueError(
+                f"partition_plate '{outer}' holds another partition_plate, '{inner}' "
+                "(around site "
+                f"'{name}'): PVI partitions one plate. Keep the plate whose rows are "
+                "split across "
+                f"clients as the partition plate and make '{inner}' or '{outer}' a "
+                "numpyro.plate (a "
+                "numpyro.plate inside the partition plate is supported)."
+            )
+    plates = {
+        s["infer"].get(PARTITION_TAG)
+        for s in trace.values()
+        if s["type"] == "sample" and s.get("infer") and PARTITION_TAG in s["infer"]
+    }
     if not plates:
-        raise ValueError("The model has no pvi.partition_plate around its observed data: mark the plate that "
-                         "holds the data with `with pvi.partition_plate(name, size): ...`.")
+        raise ValueError(
+            "The model has no pvi.partition_plate around its observed data: mark the "
+            "plate that "
+            "holds the data with `with pvi.partition_plate(name, size): ...`."
+        )
     if len(plates) > 1:
-        raise ValueError(f"The model has several partition plates {sorted(plates)}; PVI partitions exactly one.")
+        raise ValueError(
+            f"The model has several partition plates {sorted(plates)}; PVI partitions exactly one."
+        )
     plate = plates.pop()
     size, subsample_size = trace[plate]["args"]
     if subsample_size is not None and subsample_size != size:
-        raise ValueError(f"partition_plate '{plate}' uses subsample_size={subsample_size}; under PVI use "
-                         "GradientUpdate(batch_size=...) for mini-batches instead.")
+        raise ValueError(
+            f"partition_plate '{plate}' uses subsample_size={subsample_size}; under "
+            "PVI use "
+            "GradientUpdate(batch_size=...) for mini-batches instead."
+        )
     return plate
 
 
 def _classify(trace: dict, plate: str) -> dict:
-    """The trace's sites by kind: ``globals``, ``likelihoods``, ``locals``, ``enumerated``, ``hyper`` (model order)."""
+    """The trace's sites by kind: ``globals``, ``likelihoods``, ``locals``, ``enumerated``,
+    ``hyper`` (model order)."""
     kinds: dict = {"globals": [], "likelihoods": [], "locals": [], "enumerated": [], "hyper": []}
     for name, site in trace.items():
         in_plate = any(f.name == plate for f in site.get("cond_indep_stack", ()))
@@ -218,86 +264,139 @@ def _classify(trace: dict, plate: str) -> dict:
             continue
         elif site["is_observed"]:
             if not in_plate:
-                raise NotImplementedError(f"Observed site '{name}' is outside partition plate '{plate}'; PVI splits "
-                                          "only the observations inside the partition plate.")
+                raise NotImplementedError(
+                    f"Observed site '{name}' is outside partition plate "
+                    f"'{plate}'; PVI splits "
+                    "only the observations inside the partition plate."
+                )
             _check_observed_shape(name, site, plate)
             kinds["likelihoods"].append(name)
         elif in_plate and site["fn"].support.is_discrete:
             if (site.get("infer") or {}).get("enumerate") != "parallel":
-                raise ValueError(f"Local latent site '{name}' is discrete: mark it for enumeration "
-                                 "(numpyro.infer.config_enumerate or infer={'enumerate': 'parallel'}) so that "
-                                 "clients sum it out with TraceEnum_ELBO.")
+                raise ValueError(
+                    f"Local latent site '{name}' is discrete: mark it for enumeration "
+                    "(numpyro.infer.config_enumerate or infer={'enumerate': "
+                    "'parallel'}) so that "
+                    "clients sum it out with TraceEnum_ELBO."
+                )
             kinds["enumerated"].append(name)
         elif in_plate:
             kinds["locals"].append(_local_site(name, site, plate))
         elif site["fn"].improper:
-            raise ValueError(f"Global site '{name}' has an improper prior ({site['fn'].support}); PVI's factors need "
-                             "a proper prior: give it a proper distribution (e.g. a wide Normal).")
+            raise ValueError(
+                f"Global site '{name}' has an improper prior ({site['fn'].support}); "
+                "PVI's factors need "
+                "a proper prior: give it a proper distribution (e.g. a wide Normal)."
+            )
         elif site["fn"].support.is_discrete:
-            raise ValueError(f"Global site '{name}' has a discrete support ({site['fn'].support}); PVI's factors "
-                             "are Gaussian in unconstrained space, so global latents must be continuous.")
+            raise ValueError(
+                f"Global site '{name}' has a discrete support "
+                f"({site['fn'].support}); PVI's factors "
+                "are Gaussian in unconstrained space, so global latents must be "
+                "continuous."
+            )
         else:
             transform = biject_to(site["fn"].support)
             shape = tuple(site["value"].shape)
-            kinds["globals"].append(GlobalSite(name, shape, tuple(transform.inverse_shape(shape)), transform))
+            kinds["globals"].append(
+                GlobalSite(name, shape, tuple(transform.inverse_shape(shape)), transform)
+            )
     return kinds
 
 
 def _check_observed_shape(name: str, site: dict, plate: str) -> None:
-    """An observed site has one likelihood term per row of its plates: no nested copies of the partition plate,
-    and no observations that broadcast against the batch (``y`` of shape ``(n, 1)`` under a plate of ``n``)."""
+    """An observed site has one likelihood term per row of its plates: no nested copies of the
+    partition plate, and no observations that broadcast against the batch (``y`` of shape ``(n, 1)``
+    under a plate of ``n``)."""
     frames = site["cond_indep_stack"]
     if sum(f.name == plate for f in frames) > 1:
-        raise ValueError(f"Observed site '{name}' is inside partition plate '{plate}' more than once (nested plates "
-                         "with the same name): use the partition plate once.")
+        raise ValueError(
+            f"Observed site '{name}' is inside partition plate '{plate}' more than "
+            "once (nested plates "
+            "with the same name): use the partition plate once."
+        )
     rows = int(np.prod([f.size for f in frames], dtype=np.int64))
     terms = int(np.prod(site["fn"].log_prob_shape, dtype=np.int64))
     if terms > rows:
-        raise ValueError(f"Observed site '{name}' has {terms} likelihood terms for {rows} rows of its plates: its "
-                         f"value of shape {tuple(site['value'].shape)} broadcasts against the distribution's batch "
-                         "shape (e.g. y of shape (n, 1) under a plate of size n). Pass y of shape (n,), or declare "
-                         "the extra dimensions with .to_event() or an inner plate.")
+        raise ValueError(
+            f"Observed site '{name}' has {terms} likelihood terms for {rows} rows of "
+            "its plates: its "
+            f"value of shape {tuple(site['value'].shape)} broadcasts against the "
+            "distribution's batch "
+            "shape (e.g. y of shape (n, 1) under a plate of size n). Pass y of shape "
+            "(n,), or declare "
+            "the extra dimensions with .to_event() or an inner plate."
+        )
 
 
 def _hyper_site(name: str, site: dict, in_plate: bool, plate: str) -> HyperSite:
     if in_plate:
-        raise ValueError(f"numpyro.param site '{name}' is inside partition plate '{plate}': a per-row "
-                         "parameter would belong to one client only. Make it a local latent (a sample "
-                         "site with a prior) or move it outside the plate to learn it as a hyperparameter.")
+        raise ValueError(
+            f"numpyro.param site '{name}' is inside partition plate '{plate}': a "
+            "per-row "
+            "parameter would belong to one client only. Make it a local latent (a "
+            "sample "
+            "site with a prior) or move it outside the plate to learn it as a "
+            "hyperparameter."
+        )
     transform = biject_to(site["kwargs"].get("constraint", constraints.real))
     return HyperSite(name, transform.inv(site["value"]), transform)
 
 
 def _gaussian_prior(relations: dict, global_sites: list, hyper: list, blocks: dict) -> dict:
-    """The Gaussian prior blocks of the global sites whose prior has fixed parameters (no latent parent)."""
+    """The Gaussian prior blocks of the global sites whose prior has fixed parameters (no latent
+    parent)."""
     parents, names = relations.get("sample_sample", {}), {s.name for s in global_sites}
     for site in global_sites if hyper else ():
         used = set(relations.get("sample_param", {}).get(site.name, ())) & {h.name for h in hyper}
         if used:
-            raise NotImplementedError(f"Hyperparameter(s) {sorted(used)} enter the prior of global site '{site.name}'; "
-                                      "PVI learns hyperparameters of the likelihood and of local latents only. Give "
-                                      "them a prior (make them global latent sites) instead.")
-    return {s.name: blocks[s.name] for s in global_sites
-            if names.isdisjoint(parents.get(s.name, ())) and s.name in blocks}
+            raise NotImplementedError(
+                f"Hyperparameter(s) {sorted(used)} enter the prior of "
+                f"global site '{site.name}'; "
+                "PVI learns hyperparameters of the likelihood and of local "
+                "latents only. Give "
+                "them a prior (make them global latent sites) instead."
+            )
+    return {
+        s.name: blocks[s.name]
+        for s in global_sites
+        if names.isdisjoint(parents.get(s.name, ())) and s.name in blocks
+    }
 
 
-def read_padded(model: Callable, sites: ModelSites, args: tuple, kwargs: dict, rows: int,
-                who: str = "Client 0's data") -> ModelSites:
-    """``sites`` as a padded client's model call (``rows`` rows) sees them (an abstract trace, no computation).
+def read_padded(
+    model: Callable,
+    sites: ModelSites,
+    args: tuple,
+    kwargs: dict,
+    rows: int,
+    who: str = "Client 0's data",
+) -> ModelSites:
+    """``sites`` as a padded client's model call (``rows`` rows) sees them (an abstract trace, no
+    computation).
 
-    Checks that the partition plate has ``rows`` rows in that call and reads the local sites' shapes.
+    Checks that the partition plate has ``rows`` rows in that call and reads the local sites'
+    shapes.
     """
     size, local_sites = plate_and_locals(model, sites, args, kwargs, who)
     if size != rows:
-        raise ValueError(f"partition_plate '{sites.plate}' has size {size} in a client's model call with "
-                         f"{rows} rows: size the plate from the data (e.g. X.shape[0]).")
+        raise ValueError(
+            f"partition_plate '{sites.plate}' has size {size} in a client's model "
+            "call with "
+            f"{rows} rows: size the plate from the data (e.g. X.shape[0])."
+        )
     return replace(sites, plate_size=rows, locals=local_sites)
 
 
-def plate_and_locals(model: Callable, sites: ModelSites, args: tuple, kwargs: dict, who: str) -> tuple[int, tuple]:
-    """The partition plate's size and the local sites in ``model(*args, **kwargs)``, traced abstractly."""
+def plate_and_locals(
+    model: Callable, sites: ModelSites, args: tuple, kwargs: dict, who: str
+) -> tuple[int, tuple]:
+    """The partition plate's size and the local sites in ``model(*args, **kwargs)``, traced
+    abstractly."""
     trace = read_shapes(model, args, kwargs, who)
-    return trace[sites.plate]["args"][0], tuple(_local_site(s.name, trace[s.name], sites.plate) for s in sites.locals)
+    return trace[sites.plate]["args"][0], tuple(
+        _local_site(s.name, trace[s.name], sites.plate) for s in sites.locals
+    )
 
 
 def _local_site(name: str, site: dict, plate: str) -> LocalSite:

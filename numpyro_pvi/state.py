@@ -17,18 +17,19 @@ from numpyro_pvi.families.site_families import _name as family_name
 class MadeFor:
     """What a :class:`PVIState` was made for, stamped by :meth:`PVI.init <numpyro_pvi.PVI.init>`.
 
-    A pytree node without leaves (static, hashable): ``jit`` treats it as part of the state's structure;
-    it is the same in every round of a run, so a run's compiled steps are reused as before.
-    ``PVI.update``/``run`` compare it with the set-up they are given and raise a ``ValueError`` naming
-    every difference; checkpoints save and restore it. The empty record ``MadeFor()`` (a state built by
-    hand) checks nothing.
+    A pytree node without leaves (static, hashable): ``jit`` treats it as part of the state's
+    structure; it is the same in every round of a run, so a run's compiled steps are reused as
+    before. ``PVI.update``/``run`` compare it with the set-up they are given and raise a
+    ``ValueError`` naming every difference; checkpoints save and restore it. The empty record
+    ``MadeFor()`` (a state built by hand) checks nothing.
 
     :ivar sites: the global latent sites, ``((name, shape), ...)`` in the model's order.
     :ivar family: the family, e.g. ``"MeanFieldGaussian()"``.
     :ivar server: the server's ``repr``, e.g. ``"Synchronous(damping=0.5)"``.
     :ivar capacity: the number of client slots: the number of clients, or more after
-        :meth:`PVI.add_client <numpyro_pvi.PVI.add_client>` (the number of clients itself is not recorded:
-        adding a client would change the record, and so recompile the round, within the same slots).
+        :meth:`PVI.add_client <numpyro_pvi.PVI.add_client>` (the number of clients itself is not
+        recorded: adding a client would change the record, and so recompile the round, within the
+        same slots).
 
     **Example:** ``inference.init(key, X, y=y).made_for.sites`` is e.g. ``(("w", (3,)),)``.
     """
@@ -41,8 +42,12 @@ class MadeFor:
     @classmethod
     def of(cls, inference: Any, problem: Any) -> MadeFor:
         """The record of a :class:`~numpyro_pvi.PVI` on a :class:`~numpyro_pvi.Problem`."""
-        return cls(tuple((s.name, tuple(int(n) for n in s.shape)) for s in problem.sites.globals),
-                   family_name(inference.family), repr(inference.server), int(problem.capacity))
+        return cls(
+            tuple((s.name, tuple(int(n) for n in s.shape)) for s in problem.sites.globals),
+            family_name(inference.family),
+            repr(inference.server),
+            int(problem.capacity),
+        )
 
     @property
     def known(self) -> bool:
@@ -50,11 +55,14 @@ class MadeFor:
         return self != MadeFor()
 
     def differences(self, current: MadeFor, only: tuple = ()) -> list[str]:
-        """``"field: made for X, now Y"`` for each field (of ``only``, if given) that differs from ``current``
-        (the capacity is labelled ``client slots``)."""
+        """``"field: made for X, now Y"`` for each field (of ``only``, if given) that differs from
+        ``current`` (the capacity is labelled ``client slots``)."""
         made, now = asdict(self), asdict(current)
-        return [f"{_LABELS.get(name, name)}: made for {_show(made[name])}, now {_show(now[name])}"
-                for name in only or made if made[name] != now[name]]
+        return [
+            f"{_LABELS.get(name, name)}: made for {_show(made[name])}, now {_show(now[name])}"
+            for name in only or made
+            if made[name] != now[name]
+        ]
 
 
 _LABELS = {"capacity": "client slots"}
@@ -79,20 +87,25 @@ class PVIState(NamedTuple):
     :ivar q: natural parameters of the global approximation ``q`` (``(D,)`` leaves).
     :ivar factors: client factors ``t_m`` stacked ``(M, ...)``.
     :ivar prior_factor: ``t_0`` for the non-Gaussian prior sites (zeros if the prior is Gaussian).
-    :ivar client_states: each client's persistent local-update state, stacked ``(M, ...)``; never merged.
+    :ivar client_states: each client's persistent local-update state, stacked ``(M, ...)``; never
+        merged.
     :ivar server_state: the server's own bookkeeping (e.g. ``Asynchronous``'s stale copies of q).
     :ivar rng_key: the random key of the next round.
-    :ivar hyper: the hyperparameters (``numpyro.param`` sites) in unconstrained space, ``()`` if none.
+    :ivar hyper: the hyperparameters (``numpyro.param`` sites) in unconstrained space, ``()`` if
+        none.
     :ivar hyper_state: the state of the server's ``hyper_optimizer``.
-    :ivar damping: an adaptive damping's state (:class:`~numpyro_pvi.damping.DampingState`), ``()`` if fixed.
-    :ivar hyper_grads: each client's latest accepted gradient of its local free energy with respect to
-        ``hyper``, stacked ``(M, ...)``; the server steps along their sum, so a client that did not
-        report this round (asynchronous servers) still counts with its latest gradient.
-    :ivar made_for: what the state was made for (:class:`MadeFor`: sites, family, server, client slots; no
-        leaves); resuming it into another set-up is a ``ValueError`` naming the difference.
+    :ivar damping: an adaptive damping's state (:class:`~numpyro_pvi.damping.DampingState`), ``()``
+        if fixed.
+    :ivar hyper_grads: each client's latest accepted gradient of its local free energy with respect
+        to ``hyper``, stacked ``(M, ...)``; the server steps along their sum, so a client that did
+        not report this round (asynchronous servers) still counts with its latest gradient.
+    :ivar made_for: what the state was made for (:class:`MadeFor`: sites, family, server, client
+        slots; no leaves); resuming it into another set-up is a ``ValueError`` naming the
+        difference.
 
-    **Example:** ``state = inference.init(key, X, y=y)``, ``state, info = inference.update(state, X, y=y)``;
-    ``inference.get_posterior(state)`` is ``q``, ``pvi.save(state, "run.npz")`` a checkpoint.
+    **Example:** ``state = inference.init(key, X, y=y)``, ``state, info = inference.update(state, X,
+    y=y)``; ``inference.get_posterior(state)`` is ``q``, ``pvi.save(state, "run.npz")`` a
+    checkpoint.
     """
 
     q: NatParams
@@ -120,36 +133,41 @@ class Rejection(IntEnum):
     INVALID = 3  # every damping tried would have left q or a cavity invalid
     TIMEOUT = 4  # the client did not answer in time, or its actor died (Ray)
     RAISED = 5  # the client's update raised an exception
-    BUDGET = 6  # the client's next release would have exceeded its privacy budget (a zero delta, nothing released)
+    # the client's next release would have exceeded its privacy budget (a zero delta, nothing
+    # released)
+    BUDGET = 6
 
 
 class RoundInfo(NamedTuple):
     """What happened in a round (in ``history`` every field gains a leading round axis).
 
     :ivar elbo: global ELBO estimate of ``q`` after the round.
-    :ivar free_energy: ``(M,)`` each client's local free energy at the end of its last update (NaN if none).
-    :ivar attempts: ``(M,)`` updates each client sent (1 per round except under ``Asynchronous``/``Continual``).
+    :ivar free_energy: ``(M,)`` each client's local free energy at the end of its last update (NaN
+        if none).
+    :ivar attempts: ``(M,)`` updates each client sent (1 per round except under
+        ``Asynchronous``/``Continual``).
     :ivar accepted: ``(M,)`` how many of them were merged (finite, valid, not too stale).
     :ivar damping: ``(M,)`` the damping applied to each client's last update (0 if rejected).
     :ivar clamped: ``(M,)`` corrections each client's local update made to stay valid.
     :ivar time: wall-clock seconds of the round.
-    :ivar rejection: ``(M,)`` why each client's last update this round was rejected (a :class:`Rejection`
-        code, 0 if it was merged or the client did not run).
-    :ivar moved: ``(M,)`` whether each client's last merged update changed its factor (an update whose every
-        step was clamped away changes nothing).
-    :ivar change: how far the round moved ``q``: the largest change of a marginal mean, in posterior sds,
-        or of a marginal log sd (0 when nothing was merged).
-    :ivar bytes_received: ``(M,)`` bytes each client received this round: per update, the natural parameters
-        of ``q`` and of its cavity (and the hyperparameters, if any), counted from the arrays sent.
-    :ivar bytes_sent: ``(M,)`` bytes each client sent this round: per update, its natural-parameter delta and
-        its free energy (and its hyperparameter gradient, if any).
-    :ivar inflation: ``(M,)`` the variance inflation each client's last update found in its tilted distribution
-        beyond what the family can hold (``ClientResult.inflation``; EP and SNEP measure it, 1 otherwise); with a
-        factorised family and several clients a large one ends the run unconverged
-        (``stopped_because == "factorised_correlation"``).
+    :ivar rejection: ``(M,)`` why each client's last update this round was rejected (a
+        :class:`Rejection` code, 0 if it was merged or the client did not run).
+    :ivar moved: ``(M,)`` whether each client's last merged update changed its factor (an update
+        whose every step was clamped away changes nothing).
+    :ivar change: how far the round moved ``q``: the largest change of a marginal mean, in posterior
+        sds, or of a marginal log sd (0 when nothing was merged).
+    :ivar bytes_received: ``(M,)`` bytes each client received this round: per update, the natural
+        parameters of ``q`` and of its cavity (and the hyperparameters, if any), counted from the
+        arrays sent.
+    :ivar bytes_sent: ``(M,)`` bytes each client sent this round: per update, its natural-parameter
+        delta and its free energy (and its hyperparameter gradient, if any).
+    :ivar inflation: ``(M,)`` the variance inflation each client's last update found in its tilted
+        distribution beyond what the family can hold (``ClientResult.inflation``; EP and SNEP
+        measure it, 1 otherwise); with a factorised family and several clients a large one ends the
+        run unconverged (``stopped_because == "factorised_correlation"``).
 
-    **Example:** ``state, info = inference.update(state, X, y=y)``; ``info.elbo``, ``info.num_rejected``;
-    over a run, ``result.history.free_energy`` is ``(rounds, M)``.
+    **Example:** ``state, info = inference.update(state, X, y=y)``; ``info.elbo``,
+    ``info.num_rejected``; over a run, ``result.history.free_energy`` is ``(rounds, M)``.
     """
 
     elbo: Any
@@ -179,10 +197,12 @@ class ClientOutcome(NamedTuple):
     :ivar accepted: whether its delta was merged.
     :ivar damping: the damping applied (0 if rejected).
     :ivar clamped: corrections its local update made to stay valid.
-    :ivar hyper_grad: its gradient of the local free energy w.r.t. the hyperparameters (``()`` if none).
+    :ivar hyper_grad: its gradient of the local free energy w.r.t. the hyperparameters (``()`` if
+        none).
     :ivar rejection: why it was rejected (a :class:`Rejection` code, 0 if merged).
     :ivar moved: whether its delta was non-zero.
-    :ivar inflation: the variance inflation of its tilted distribution beyond the family's form (1 if not measured).
+    :ivar inflation: the variance inflation of its tilted distribution beyond the family's form (1
+        if not measured).
     """
 
     free_energy: jax.Array

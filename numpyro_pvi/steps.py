@@ -1,8 +1,10 @@
-"""The compiled steps of a round: run a group of clients and merge, merge, the prior factor, the ELBO.
+"""The compiled steps of a round: run a group of clients and merge, merge, the prior factor, the
+ELBO.
 
 :func:`compile_steps` builds them from the configuration of :class:`~numpyro_pvi.PVI` and the data's
-*structure* (the model's sites and the arguments' layout); the clients' data are arguments, never closed
-over, so one set of steps serves every data set of the same shapes and dtypes without recompiling.
+*structure* (the model's sites and the arguments' layout); the clients' data are arguments, never
+closed over, so one set of steps serves every data set of the same shapes and dtypes without
+recompiling.
 """
 
 from __future__ import annotations
@@ -20,7 +22,12 @@ from numpyro_pvi.damping import current as current_damping
 from numpyro_pvi.densities import log_prior
 from numpyro_pvi.families import NatParams
 from numpyro_pvi.local_latents import expected_local_elbo
-from numpyro_pvi.local_updates.base import Client, ClientProblem, ClientResult, CountsRejectedUpdates
+from numpyro_pvi.local_updates.base import (
+    Client,
+    ClientProblem,
+    ClientResult,
+    CountsRejectedUpdates,
+)
 from numpyro_pvi.merge import checks_every_cavity, is_valid_state, merge, rejection_codes, screen
 from numpyro_pvi.partition import ArgsLayout
 from numpyro_pvi.prior import PriorFactor
@@ -28,9 +35,10 @@ from numpyro_pvi.state import ClientOutcome, PVIState
 
 
 class Group(NamedTuple):
-    """Clients of one bucket that run together: ``local`` rows of the bucket's stacked ``clients``, whose ids
-    (state slots) are ``ids``; ``allow`` says which may be merged (padding and stale updates may not), ``real``
-    which ran for this round (the others pad the group to a compiled size)."""
+    """Clients of one bucket that run together: ``local`` rows of the bucket's stacked ``clients``,
+    whose ids (state slots) are ``ids``; ``allow`` says which may be merged (padding and stale
+    updates may not), ``real`` which ran for this round (the others pad the group to a compiled
+    size)."""
 
     clients: Client
     local: jax.Array
@@ -42,14 +50,19 @@ class Group(NamedTuple):
 class Steps(NamedTuple):
     """The jitted functions of a problem (see the module docstring).
 
-    :ivar group_step: ``(state, groups, key, pulled) -> (state, ClientOutcome)``: the clients of ``groups`` (one
-        :class:`Group` per bucket) update against ``pulled`` (their copy of ``q``) and their deltas merge into
-        ``state.q`` together; the outcome is stacked over the groups' clients in order.
-    :ivar apply: ``(state, ids, result, allow) -> (state, ClientOutcome)``: merge the clients' results.
-    :ivar runner: the backend's ``run(ids, keys, cavities, q, states, clients, hyper) -> ClientResult``.
-    :ivar prior_init: ``(prior, clients) -> t_0`` fitted to the prior alone, or ``None`` (Gaussian prior).
+    :ivar group_step: ``(state, groups, key, pulled) -> (state, ClientOutcome)``: the clients of
+        ``groups`` (one
+        :class:`Group` per bucket) update against ``pulled`` (their copy of ``q``) and their deltas
+        merge into ``state.q`` together; the outcome is stacked over the groups' clients in order.
+    :ivar apply: ``(state, ids, result, allow) -> (state, ClientOutcome)``: merge the clients'
+        results.
+    :ivar runner: the backend's ``run(ids, keys, cavities, q, states, clients, hyper) ->
+        ClientResult``.
+    :ivar prior_init: ``(prior, clients) -> t_0`` fitted to the prior alone, or ``None`` (Gaussian
+        prior).
     :ivar prior_step: ``(state, clients) -> state``, the damped step of ``t_0``, or ``None``.
-    :ivar elbo: ``(q, key, clients, num_particles, client_states, hyper) -> ELBO`` (``num_particles`` static).
+    :ivar elbo: ``(q, key, clients, num_particles, client_states, hyper) -> ELBO``
+        (``num_particles`` static).
     :ivar hyper_step: ``(state, grad) -> state``, one step of the hyperparameters, or ``None``.
     """
 
@@ -65,41 +78,54 @@ class Steps(NamedTuple):
 def compile_steps(inference: Any, problem: ClientProblem, layout: ArgsLayout, rest: tuple) -> Steps:
     """The steps for ``inference``'s configuration on data of this structure.
 
-    :param rest: the global sites whose prior is not Gaussian in unconstrained space (fitted by ``t_0``).
+    :param rest: the global sites whose prior is not Gaussian in unconstrained space (fitted by
+        ``t_0``).
     """
     runner = inference.backend.prepare(inference.local_update, problem)
     apply = jax.jit(_apply_fn(inference.family, inference.server, inference.local_update))
     family = inference.family
 
-    def run_group(state: PVIState, group: Group, key: jax.Array, pulled: NatParams) -> tuple[ClientResult, jax.Array]:
+    def run_group(
+        state: PVIState, group: Group, key: jax.Array, pulled: NatParams
+    ) -> tuple[ClientResult, jax.Array]:
         """One bucket's clients in one vmapped call, and whether each one's cavity was valid."""
         ids = group.ids
         keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(ids)
         cavities = jax.tree.map(lambda a, f: a[None] - f[ids], pulled, state.factors)
         local = jax.tree.map(lambda s: s[ids], state.client_states)
         result = runner(group.local, keys, cavities, pulled, local, group.clients, state.hyper)
-        # a dense family's merges check only the merging clients' cavities: check the others' on their visit
-        cavity_ok = jnp.ones(ids.shape, bool) if checks_every_cavity(state.factors) \
+        # a dense family's merges check only the merging clients' cavities: check the others' on
+        # their visit
+        cavity_ok = (
+            jnp.ones(ids.shape, bool)
+            if checks_every_cavity(state.factors)
             else jax.vmap(family.is_valid)(cavities)
+        )
         return result, cavity_ok
 
     def merge_groups(state: PVIState, groups: tuple, outs: list) -> tuple[PVIState, ClientOutcome]:
         joined = lambda *xs: jnp.concatenate(xs) if len(xs) > 1 else xs[0]  # noqa: E731
-        ids, allow, real = (joined(*(getattr(g, name) for g in groups)) for name in ("ids", "allow", "real"))
+        ids, allow, real = (
+            joined(*(getattr(g, name) for g in groups)) for name in ("ids", "allow", "real")
+        )
         results, cavity_ok = zip(*outs)
         return apply(state, ids, jax.tree.map(joined, *results), allow, joined(*cavity_ok), real)
 
-    def group_step(state: PVIState, groups: tuple, key: jax.Array, pulled: NatParams) -> tuple[PVIState, ClientOutcome]:
+    def group_step(
+        state: PVIState, groups: tuple, key: jax.Array, pulled: NatParams
+    ) -> tuple[PVIState, ClientOutcome]:
         return merge_groups(state, groups, [run_group(state, g, key, pulled) for g in groups])
 
     if not inference.backend.jit_group:
         return _steps(inference, problem, layout, rest, group_step, apply, runner)
     fused, run_one = jax.jit(group_step), jax.jit(run_group)
 
-    def jitted_group_step(state: PVIState, groups: tuple, key: jax.Array,
-                          pulled: NatParams) -> tuple[PVIState, ClientOutcome]:
-        """One compiled call for one bucket; for several, one per bucket (smaller programs to compile, and
-        each bucket compiled once whichever buckets a sampled round touches), then the merge."""
+    def jitted_group_step(
+        state: PVIState, groups: tuple, key: jax.Array, pulled: NatParams
+    ) -> tuple[PVIState, ClientOutcome]:
+        """One compiled call for one bucket; for several, one per bucket (smaller programs to
+        compile, and each bucket compiled once whichever buckets a sampled round touches), then the
+        merge."""
         if len(groups) == 1:
             return fused(state, groups, key, pulled)
         return merge_groups(state, groups, [run_one(state, g, key, pulled) for g in groups])
@@ -107,47 +133,98 @@ def compile_steps(inference: Any, problem: ClientProblem, layout: ArgsLayout, re
     return _steps(inference, problem, layout, rest, jitted_group_step, apply, runner)
 
 
-def _steps(inference: Any, problem: ClientProblem, layout: ArgsLayout, rest: tuple, group_step: Callable,
-           apply: Callable, runner: Callable) -> Steps:
-    """The :class:`Steps` around ``group_step``: the prior factor's steps, the ELBO and the hyperparameters' step."""
+def _steps(
+    inference: Any,
+    problem: ClientProblem,
+    layout: ArgsLayout,
+    rest: tuple,
+    group_step: Callable,
+    apply: Callable,
+    runner: Callable,
+) -> Steps:
+    """The :class:`Steps` around ``group_step``: the prior factor's steps, the ELBO and the
+    hyperparameters' step."""
     prior_logdensity = _prior_logdensity(inference.model, problem.sites, layout)
     prior_init, prior_step = _prior_steps(inference, problem, prior_logdensity, rest)
     elbo = _elbo_fn(inference.family, problem, prior_logdensity)
-    return Steps(group_step, apply, runner, prior_init, prior_step, elbo,
-                 _hyper_step(inference.hyper_optimizer) if problem.has_hyper else None)
+    return Steps(
+        group_step,
+        apply,
+        runner,
+        prior_init,
+        prior_step,
+        elbo,
+        _hyper_step(inference.hyper_optimizer) if problem.has_hyper else None,
+    )
 
 
 def _apply_fn(family: Any, server: Any, local_update: Any) -> Callable:
-    def apply(state: PVIState, ids: jax.Array, result: ClientResult, allow: jax.Array,
-              cavity_ok: jax.Array | None = None, real: jax.Array | None = None) -> tuple:
-        """Merge the clients' ``result`` (stacked over ``ids``) into the state; ``cavity_ok`` says whose cavity
-        was valid when they started (default: all), the others' updates are rejected as ``INVALID``; ``real``
-        which entries ran for this round (default: all; the others pad the group and never write)."""
+    def apply(
+        state: PVIState,
+        ids: jax.Array,
+        result: ClientResult,
+        allow: jax.Array,
+        cavity_ok: jax.Array | None = None,
+        real: jax.Array | None = None,
+    ) -> tuple:
+        """Merge the clients' ``result`` (stacked over ``ids``) into the state; ``cavity_ok`` says
+        whose cavity was valid when they started (default: all), the others' updates are rejected as
+        ``INVALID``; ``real`` which entries ran for this round (default: all; the others pad the
+        group and never write)."""
         cavity_ok = jnp.ones(ids.shape, bool) if cavity_ok is None else cavity_ok
         real = jnp.ones(ids.shape, bool) if real is None else real
         finite, moved = screen(result.delta, result.free_energy)
-        merged = merge(family, state.q, state.factors, ids, result.delta, finite & allow & cavity_ok,
-                       current_damping(server.damping, state.damping), server.max_backtracks)
+        merged = merge(
+            family,
+            state.q,
+            state.factors,
+            ids,
+            result.delta,
+            finite & allow & cavity_ok,
+            current_damping(server.damping, state.damping),
+            server.max_backtracks,
+        )
         accepted = finite & allow & cavity_ok & merged.valid
         failure = jnp.broadcast_to(result.failure, ids.shape)
         rejection = rejection_codes(failure, finite, merged.valid, allow, cavity_ok)
-        kept, write = _kept_states(local_update, jax.tree.map(lambda s: s[ids], state.client_states), result.state,
-                                   accepted, real & (failure == 0))
-        slots = jnp.where(write, ids, state.factors.eta1.shape[0])  # other entries (and padding) write nowhere
-        client_states = jax.tree.map(lambda s, new: s.at[slots].set(new, mode="drop"), state.client_states, kept)
+        kept, write = _kept_states(
+            local_update,
+            jax.tree.map(lambda s: s[ids], state.client_states),
+            result.state,
+            accepted,
+            real & (failure == 0),
+        )
+        # other entries (and padding) write nowhere
+        slots = jnp.where(write, ids, state.factors.eta1.shape[0])
+        client_states = jax.tree.map(
+            lambda s, new: s.at[slots].set(new, mode="drop"), state.client_states, kept
+        )
         state = state._replace(q=merged.q, factors=merged.factors, client_states=client_states)
         damping = jnp.broadcast_to(merged.damping, ids.shape) * accepted
         clamped = jnp.broadcast_to(result.clamped, ids.shape)
-        inflation = jnp.broadcast_to(jnp.asarray(result.inflation, jnp.result_type(float)), ids.shape)
-        return state, ClientOutcome(result.free_energy, accepted, damping, clamped, result.hyper_grad, rejection,
-                                    moved & accepted, inflation)
+        inflation = jnp.broadcast_to(
+            jnp.asarray(result.inflation, jnp.result_type(float)), ids.shape
+        )
+        return state, ClientOutcome(
+            result.free_energy,
+            accepted,
+            damping,
+            clamped,
+            result.hyper_grad,
+            rejection,
+            moved & accepted,
+            inflation,
+        )
 
     return apply
 
 
-def _kept_states(local_update: Any, old: Any, new: Any, accepted: jax.Array, sent: jax.Array) -> tuple[Any, jax.Array]:
-    """The clients' states to write after a merge, and which to write: the new state of a merged update; for an
-    update that counts rejected updates, its ``rejected_state`` for one the client sent but the server rejected."""
+def _kept_states(
+    local_update: Any, old: Any, new: Any, accepted: jax.Array, sent: jax.Array
+) -> tuple[Any, jax.Array]:
+    """The clients' states to write after a merge, and which to write: the new state of a merged
+    update; for an update that counts rejected updates, its ``rejected_state`` for one the client
+    sent but the server rejected."""
     if not isinstance(local_update, CountsRejectedUpdates):
         return new, accepted
     rejected = jax.vmap(local_update.rejected_state)(old, new)
@@ -157,8 +234,9 @@ def _kept_states(local_update: Any, old: Any, new: Any, accepted: jax.Array, sen
 
 def _prior_logdensity(model: Callable, sites: Any, layout: ArgsLayout) -> Callable:
     def prior_logdensity(zeta: jax.Array, clients: Client | tuple, names: Any = None) -> jax.Array:
-        """The prior's log density in ``zeta``, from the first client's model call (the prior is the same in every
-        call); ``clients`` is a stacked :class:`Client` or a tuple of them (one per bucket)."""
+        """The prior's log density in ``zeta``, from the first client's model call (the prior is the
+        same in every call); ``clients`` is a stacked :class:`Client` or a tuple of them (one per
+        bucket)."""
         first = clients if isinstance(clients, Client) else clients[0]
         c_args, c_kwargs = layout.build([a[0] for a in first.arrays])
         return log_prior(model, sites, zeta, c_args, c_kwargs, names=names)
@@ -166,8 +244,11 @@ def _prior_logdensity(model: Callable, sites: Any, layout: ArgsLayout) -> Callab
     return prior_logdensity
 
 
-def _prior_steps(inference: Any, problem: ClientProblem, prior_logdensity: Callable, rest: tuple) -> tuple:
-    """``(prior_init, prior_step)`` for the prior factor ``t_0`` of the sites ``rest``, or ``(None, None)``."""
+def _prior_steps(
+    inference: Any, problem: ClientProblem, prior_logdensity: Callable, rest: tuple
+) -> tuple:
+    """``(prior_init, prior_step)`` for the prior factor ``t_0`` of the sites ``rest``, or ``(None,
+    None)``."""
     if not rest:
         return None, None
     family, server, slices = inference.family, inference.server, problem.sites.slices()
@@ -187,12 +268,19 @@ def _prior_steps(inference: Any, problem: ClientProblem, prior_logdensity: Calla
 
         def propose(rho: jax.Array) -> tuple:
             q_new = state.q + rho * delta
-            return (q_new, state.prior_factor + rho * delta), is_valid_state(family, q_new, state.factors)
+            return (q_new, state.prior_factor + rho * delta), is_valid_state(
+                family, q_new, state.factors
+            )
 
-        out = backtrack(propose, current_damping(server.damping, state.damping), server.max_backtracks)
+        out = backtrack(
+            propose, current_damping(server.damping, state.damping), server.max_backtracks
+        )
         keep = lambda new, old: jnp.where(out.valid, new, old)  # noqa: E731
         q, t0 = out.value
-        return state._replace(q=jax.tree.map(keep, q, state.q), prior_factor=jax.tree.map(keep, t0, state.prior_factor))
+        return state._replace(
+            q=jax.tree.map(keep, q, state.q),
+            prior_factor=jax.tree.map(keep, t0, state.prior_factor),
+        )
 
     return jax.jit(prior_init), jax.jit(prior_step)
 
@@ -200,20 +288,32 @@ def _prior_steps(inference: Any, problem: ClientProblem, prior_logdensity: Calla
 def _elbo_fn(family: Any, problem: ClientProblem, prior_logdensity: Callable) -> Callable:
     sites = problem.sites
 
-    def elbo(q: NatParams, rng_key: jax.Array, clients: Client | tuple, num_particles: int, client_states: Any = (),
-             hyper: Any = ()) -> jax.Array:
-        """``E_q[log p(y, theta)] + H[q]`` over every client's data (empty client slots count 0); ``clients`` is a
-        stacked :class:`Client` or a tuple of them (one per bucket; local latent sites need a single one)."""
+    def elbo(
+        q: NatParams,
+        rng_key: jax.Array,
+        clients: Client | tuple,
+        num_particles: int,
+        client_states: Any = (),
+        hyper: Any = (),
+    ) -> jax.Array:
+        """``E_q[log p(y, theta)] + H[q]`` over every client's data (empty client slots count 0);
+        ``clients`` is a stacked :class:`Client` or a tuple of them (one per bucket; local latent
+        sites need a single one)."""
         buckets = (clients,) if isinstance(clients, Client) else tuple(clients)
         q_dist = family.to_dist(q)
         zeta_key, local_key = jax.random.split(rng_key)
         zeta = q_dist.sample(zeta_key, (num_particles,))
         logprior = jax.vmap(lambda z: prior_logdensity(z, clients))(zeta)
-        if problem.has_local:  # E_q[log p(y_m, z_m | theta) - log q_m(z_m)] with each client's local guides
-            ensemble = TraceEnum_ELBO(num_particles) if sites.enumerated else Trace_ELBO(num_particles)
+        # E_q[log p(y_m, z_m | theta) - log q_m(z_m)] with each client's local guides
+        if problem.has_local:
+            ensemble = (
+                TraceEnum_ELBO(num_particles) if sites.enumerated else Trace_ELBO(num_particles)
+            )
             expected = expected_local_elbo(ensemble, family, problem.local_model, sites)
             keys = jax.random.split(local_key, buckets[0].mask.shape[0])
-            terms = jax.vmap(lambda k, c, st: expected(k, c, q, st, hyper))(keys, buckets[0], client_states)
+            terms = jax.vmap(lambda k, c, st: expected(k, c, q, st, hyper))(
+                keys, buckets[0], client_states
+            )
             return jnp.sum(terms) + jnp.mean(logprior) + q_dist.entropy()
 
         def client_loglik(client: Client) -> jax.Array:
@@ -227,8 +327,13 @@ def _elbo_fn(family: Any, problem: ClientProblem, prior_logdensity: Callable) ->
 
 def _hyper_step(optimizer: Any) -> Callable:
     def hyper_step(state: PVIState, grad: Any) -> PVIState:
-        """One step of ``hyper_optimizer`` up the summed clients' gradients (it minimises, so their negative)."""
-        updates, opt_state = optimizer.update(jax.tree.map(jnp.negative, grad), state.hyper_state, state.hyper)
-        return state._replace(hyper=optax.apply_updates(state.hyper, updates), hyper_state=opt_state)
+        """One step of ``hyper_optimizer`` up the summed clients' gradients (it minimises, so their
+        negative)."""
+        updates, opt_state = optimizer.update(
+            jax.tree.map(jnp.negative, grad), state.hyper_state, state.hyper
+        )
+        return state._replace(
+            hyper=optax.apply_updates(state.hyper, updates), hyper_state=opt_state
+        )
 
     return jax.jit(hyper_step)

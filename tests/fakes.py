@@ -1,4 +1,5 @@
-"""Fake local updates (closed form, float64 checks of the server algebra and the backends) and shared checks."""
+"""Fake local updates (closed form, float64 checks of the server algebra and the backends) and
+shared checks."""
 
 import time
 
@@ -13,7 +14,8 @@ from models import NOISE
 
 
 def assert_checkpoint_resumes(inference, result, path):
-    """Save ``result``, load it back (identical state) and take one more round from both: identical ``q``."""
+    """Save ``result``, load it back (identical state) and take one more round from both: identical
+    ``q``."""
     pvi.save(result, path)
     loaded = pvi.load(path, inference, result.problem)
     for a, b in zip(jax.tree.leaves(result.state), jax.tree.leaves(loaded)):
@@ -24,12 +26,12 @@ def assert_checkpoint_resumes(inference, result, path):
         np.testing.assert_array_equal(a, b)
 
 
-
 UNEQUAL = [np.arange(0, 40), np.arange(40, 130), np.arange(130, 150), np.arange(150, 300)]
 
 
 class ExactLinearUpdate:
-    """The exact local optimum for `linear_model`: q_new = cavity x the client's Gaussian likelihood."""
+    """The exact local optimum for `linear_model`: q_new = cavity x the client's Gaussian
+    likelihood."""
 
     def init_state(self, problem):
         return ()
@@ -62,7 +64,8 @@ class PoisonedUpdate(ExactLinearUpdate):
 
 
 class FaultyUpdate(ExactLinearUpdate):
-    """The client holding `size` rows raises (mode="raise") or takes `seconds` longer (mode="sleep")."""
+    """The client holding `size` rows raises (mode="raise") or takes `seconds` longer
+    (mode="sleep")."""
 
     def __init__(self, size, mode, seconds=0.0):
         self.size, self.mode, self.seconds = size, mode, seconds

@@ -1,6 +1,8 @@
-"""Shared models of the tests, their data and their exact references (closed form or quadrature, float64).
+"""Shared models of the tests, their data and their exact references (closed form or quadrature,
+float64).
 
-Tests import these directly (``from models import linear_model``); no test imports another test module.
+Tests import these directly (``from models import linear_model``); no test imports another test
+module.
 """
 
 import jax
@@ -19,7 +21,8 @@ NOISE = 0.5  # known noise sd of the linear-regression model
 
 
 def make_linear_data():
-    """300 rows, 3 features, ``y = X (1, -0.5, 0.3) + N(0, NOISE^2)``: the ``linear_data`` fixture."""
+    """300 rows, 3 features, ``y = X (1, -0.5, 0.3) + N(0, NOISE^2)``: the ``linear_data``
+    fixture."""
     X = random.normal(random.PRNGKey(0), (300, 3))
     y = X @ jnp.array([1.0, -0.5, 0.3]) + NOISE * random.normal(random.PRNGKey(1), (300,))
     return X, y
@@ -34,9 +37,14 @@ def make_logistic_data():
 
 
 def make_heavy_tailed_data():
-    """40 rows, 2 features, noise sd 0.1, and the first 10 responses replaced by 30: outliers for ``robust_model``."""
+    """40 rows, 2 features, noise sd 0.1, and the first 10 responses replaced by 30: outliers for
+    ``robust_model``."""
     X = random.normal(random.PRNGKey(0), (40, 2))
-    y = (X @ jnp.array([1.0, -0.5]) + 0.1 * random.normal(random.PRNGKey(1), (40,))).at[:10].set(30.0)
+    y = (
+        (X @ jnp.array([1.0, -0.5]) + 0.1 * random.normal(random.PRNGKey(1), (40,)))
+        .at[:10]
+        .set(30.0)
+    )
     return X, y
 
 
@@ -56,9 +64,11 @@ def logistic_model(X, y=None):
 
 
 def scale_model(X, y=None):
-    """Linear regression with an unknown noise scale: a constrained global site with a non-Gaussian prior.
+    """Linear regression with an unknown noise scale: a constrained global site with a non-Gaussian
+    prior.
 
-    "w" comes before "sigma" in the model, the reverse of sorted order: PVI's flat vector keeps model order.
+    "w" comes before "sigma" in the model, the reverse of sorted order: PVI's flat vector keeps
+    model order.
     """
     w = numpyro.sample("w", dist.Normal(0.0, 1.0).expand([X.shape[1]]).to_event(1))
     sigma = numpyro.sample("sigma", dist.HalfNormal(1.0))
@@ -67,7 +77,8 @@ def scale_model(X, y=None):
 
 
 def normal_gamma_model(X, y=None):
-    """Linear regression with an unknown noise precision: w ~ N(0, 4 I), tau ~ Gamma(2, 1) (conjugate per block)."""
+    """Linear regression with an unknown noise precision: w ~ N(0, 4 I), tau ~ Gamma(2, 1)
+    (conjugate per block)."""
     w = numpyro.sample("w", dist.Normal(0.0, 2.0).expand([2]).to_event(1))
     tau = numpyro.sample("tau", dist.Gamma(2.0, 1.0))
     with pvi.partition_plate("data", X.shape[0]):
@@ -97,8 +108,10 @@ def exact_linear_posterior(X, y):
 
 # ---- more models ----
 
+
 def robust_model(X, y=None):
-    """Cauchy-noise regression: not log-concave, so a full CVI step can make the site precision negative."""
+    """Cauchy-noise regression: not log-concave, so a full CVI step can make the site precision
+    negative."""
     w = numpyro.sample("w", dist.Normal(0.0, 10.0).expand([X.shape[1]]).to_event(1))
     with pvi.partition_plate("data", X.shape[0]):
         numpyro.sample("y", dist.StudentT(1.0, X @ w, 0.1), obs=y)
@@ -113,7 +126,8 @@ def noise_model(X, y=None):
 
 
 def type_ii_ml_sigma(X, y):
-    """The type-II maximum-likelihood noise scale of ``noise_model``, by a bounded scalar search (float64)."""
+    """The type-II maximum-likelihood noise scale of ``noise_model``, by a bounded scalar search
+    (float64)."""
     X, y = (np.asarray(a, np.float64) for a in (X, y))
     n = X.shape[0]
 
@@ -121,7 +135,9 @@ def type_ii_ml_sigma(X, y):
         cov = X @ X.T + np.exp(2 * log_sigma) * np.eye(n)
         return 0.5 * (np.linalg.slogdet(cov)[1] + y @ np.linalg.solve(cov, y))
 
-    return float(np.exp(minimize_scalar(nll, bounds=(-5, 2), method="bounded", options={"xatol": 1e-8}).x))
+    return float(
+        np.exp(minimize_scalar(nll, bounds=(-5, 2), method="bounded", options={"xatol": 1e-8}).x)
+    )
 
 
 # ---- conjugate exponential-family models (Gamma, Beta, Dirichlet factors) ----
@@ -156,7 +172,9 @@ EP_PARTS = np.split(np.arange(EP_N), np.cumsum(EP_SIZES)[:-1])
 
 
 def categorical_data():
-    return random.categorical(random.PRNGKey(0), jnp.log(jnp.array([0.1, 0.2, 0.3, 0.4])), shape=(EP_N,))
+    return random.categorical(
+        random.PRNGKey(0), jnp.log(jnp.array([0.1, 0.2, 0.3, 0.4])), shape=(EP_N,)
+    )
 
 
 def normal_gamma_data():
@@ -165,27 +183,40 @@ def normal_gamma_data():
 
 
 def dirichlet_errors(q, y):
-    """Max over categories of ``|mean error| / sd`` and ``|sd ratio - 1|`` against the exact posterior."""
-    exact = pvi.Dirichlet().marginals(pvi.Dirichlet().from_params(
-        jnp.asarray(CONCENTRATION + np.bincount(np.asarray(y), minlength=4), jnp.float32)))
+    """Max over categories of ``|mean error| / sd`` and ``|sd ratio - 1|`` against the exact
+    posterior."""
+    exact = pvi.Dirichlet().marginals(
+        pvi.Dirichlet().from_params(
+            jnp.asarray(CONCENTRATION + np.bincount(np.asarray(y), minlength=4), jnp.float32)
+        )
+    )
     marginals = pvi.Dirichlet().marginals(q)
     sd = np.sqrt(exact.variance)
-    return (float(np.max(np.abs(marginals.mean - exact.mean) / sd)),
-            float(np.max(np.abs(np.sqrt(marginals.variance) / sd - 1.0))))
+    return (
+        float(np.max(np.abs(marginals.mean - exact.mean) / sd)),
+        float(np.max(np.abs(np.sqrt(marginals.variance) / sd - 1.0))),
+    )
 
 
 def normal_gamma_ep(X, y, grid=20000):
-    """EP's fixed point with one client: the exact posterior's moments of ``w`` and ``E[tau]``, ``E[log tau]``.
+    """EP's fixed point with one client: the exact posterior's moments of ``w`` and ``E[tau]``,
+    ``E[log tau]``.
 
-    ``p(tau | y) ∝ Gamma(tau; 2, 1) N(y; 0, I / tau + 4 X X^T)`` on a grid (float64), and ``w | tau, y`` is Gaussian.
+    ``p(tau | y) ∝ Gamma(tau; 2, 1) N(y; 0, I / tau + 4 X X^T)`` on a grid (float64), and ``w | tau,
+    y`` is Gaussian.
     """
     X, y = np.asarray(X, np.float64), np.asarray(y, np.float64)
     tau = np.linspace(1e-3, 12.0, grid)
-    u, s, _ = np.linalg.svd(X, full_matrices=False)  # X X^T = u diag(s^2) u^T; the rest of C is I / tau
+    # X X^T = u diag(s^2) u^T; the rest of C is I / tau
+    u, s, _ = np.linalg.svd(X, full_matrices=False)
     proj, rest = u.T @ y, y @ y - np.sum((u.T @ y) ** 2)
     var = 1.0 / tau[:, None] + 4.0 * s**2
-    log_post = (np.log(tau) - tau) - 0.5 * (np.sum(np.log(var), 1) + (len(y) - len(s)) * np.log(1.0 / tau)
-                                             + np.sum(proj**2 / var, 1) + tau * rest)
+    log_post = (np.log(tau) - tau) - 0.5 * (
+        np.sum(np.log(var), 1)
+        + (len(y) - len(s)) * np.log(1.0 / tau)
+        + np.sum(proj**2 / var, 1)
+        + tau * rest
+    )
     weights = np.exp(log_post - log_post.max())
     weights /= weights.sum()
     precision = tau[:, None, None] * (X.T @ X) + np.eye(2) / 4.0
@@ -197,37 +228,53 @@ def normal_gamma_ep(X, y, grid=20000):
 
 
 def ng_errors(family, q, reference):
-    """Errors of ``SiteFamilies({"w": FullRankGaussian(), "tau": Gamma()})``'s ``q`` against EP's fixed point:
-    ``w``'s mean (in sds) and sds (relative), and the Gamma's mean and sd (relative to the moment-matched Gamma's)."""
+    """Errors of ``SiteFamilies({"w": FullRankGaussian(), "tau": Gamma()})``'s ``q`` against EP's
+    fixed point: ``w``'s mean (in sds) and sds (relative), and the Gamma's mean and sd (relative to
+    the moment-matched Gamma's)."""
     mean, cov, e_tau, e_log_tau = reference
     w_block, tau_block = family.split(q)
     w_mean, w_cov = pvi.FullRankGaussian().moments(w_block)
     sd = np.sqrt(np.diag(cov))
-    matched = pvi.Gamma().from_mean_params(NatParams(jnp.array([e_log_tau], jnp.float32),
-                                                     jnp.array([e_tau], jnp.float32)), tau_block)
+    matched = pvi.Gamma().from_mean_params(
+        NatParams(jnp.array([e_log_tau], jnp.float32), jnp.array([e_tau], jnp.float32)), tau_block
+    )
     exact, got = pvi.Gamma().marginals(matched), pvi.Gamma().marginals(tau_block)
-    return (float(np.max(np.abs(np.asarray(w_mean) - mean) / sd)),
-            float(np.max(np.abs(np.sqrt(np.diag(np.asarray(w_cov))) / sd - 1.0))),
-            abs(float(got.mean[0] / exact.mean[0]) - 1.0),
-            abs(float(np.sqrt(got.variance[0] / exact.variance[0])) - 1.0))
+    return (
+        float(np.max(np.abs(np.asarray(w_mean) - mean) / sd)),
+        float(np.max(np.abs(np.sqrt(np.diag(np.asarray(w_cov))) / sd - 1.0))),
+        abs(float(got.mean[0] / exact.mean[0]) - 1.0),
+        abs(float(np.sqrt(got.variance[0] / exact.variance[0])) - 1.0),
+    )
 
 
 def categorical_pvi(update=None):
-    return pvi.PVI(categorical_model, pvi.Dirichlet(), partitions=EP_PARTS, server=pvi.Synchronous(1.0),
-                   local_update=update or pvi.SNEPUpdate())
+    return pvi.PVI(
+        categorical_model,
+        pvi.Dirichlet(),
+        partitions=EP_PARTS,
+        server=pvi.Synchronous(1.0),
+        local_update=update or pvi.SNEPUpdate(),
+    )
 
 
 def normal_gamma_pvi(update=None):
     family = pvi.SiteFamilies({"w": pvi.FullRankGaussian(), "tau": pvi.Gamma()})
-    return pvi.PVI(normal_gamma_model, family, partitions=[np.arange(EP_N)], server=pvi.Sequential(),
-                   local_update=update or pvi.SNEPUpdate())
+    return pvi.PVI(
+        normal_gamma_model,
+        family,
+        partitions=[np.arange(EP_N)],
+        server=pvi.Sequential(),
+        local_update=update or pvi.SNEPUpdate(),
+    )
 
 
-INTERCEPT_GROUPS, INTERCEPT_PER_GROUP, INTERCEPT_NOISE = 12, 4, 1.0  # intercept_model's groups, rows each, noise sd
+# intercept_model's groups, rows each, noise sd
+INTERCEPT_GROUPS, INTERCEPT_PER_GROUP, INTERCEPT_NOISE = 12, 4, 1.0
 
 
 def intercept_model(x, y=None):
-    """y[g, i] = b + u[g] + w x[g, i] + noise: the group intercepts u are local to the client holding the group."""
+    """y[g, i] = b + u[g] + w x[g, i] + noise: the group intercepts u are local to the client
+    holding the group."""
     b = numpyro.sample("b", dist.Normal(0.0, 2.0))
     w = numpyro.sample("w", dist.Normal(0.0, 2.0))
     with pvi.partition_plate("groups", x.shape[0]):
@@ -236,9 +283,11 @@ def intercept_model(x, y=None):
 
 
 def make_intercept_data():
-    """``INTERCEPT_GROUPS`` groups of ``INTERCEPT_PER_GROUP`` rows: ``y = 0.5 + u[g] + 1.2 x + noise``,
-    ``u[g] ~ N(0, 1)`` (the ``data`` of test_local_latents)."""
+    """``INTERCEPT_GROUPS`` groups of ``INTERCEPT_PER_GROUP`` rows: ``y = 0.5 + u[g] + 1.2 x +
+    noise``, ``u[g] ~ N(0, 1)`` (the ``data`` of test_local_latents)."""
     x = random.normal(random.PRNGKey(0), (INTERCEPT_GROUPS, INTERCEPT_PER_GROUP))
     u = random.normal(random.PRNGKey(1), (INTERCEPT_GROUPS,))
-    noise = INTERCEPT_NOISE * random.normal(random.PRNGKey(2), (INTERCEPT_GROUPS, INTERCEPT_PER_GROUP))
+    noise = INTERCEPT_NOISE * random.normal(
+        random.PRNGKey(2), (INTERCEPT_GROUPS, INTERCEPT_PER_GROUP)
+    )
     return x, 0.5 + u[:, None] + 1.2 * x + noise

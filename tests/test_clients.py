@@ -1,4 +1,5 @@
-"""From the user's data to the clients' stacked arrays: row leaves, sizes, padding, checks by shape."""
+"""From the user's data to the clients' stacked arrays: row leaves, sizes, padding, checks by
+shape."""
 
 import jax.numpy as jnp
 import numpy as np
@@ -18,29 +19,42 @@ def test_pooled_data_is_sliced_by_leading_axis():
 
 
 def test_stack_pads_rows_with_a_real_row_and_masks():
-    clients = [((jnp.ones((2, 3)),), {"y": jnp.array([1.0, 2.0]), "n": 4}),
-               ((jnp.ones((4, 3)),), {"y": jnp.zeros(4), "n": 4})]
+    clients = [
+        ((jnp.ones((2, 3)),), {"y": jnp.array([1.0, 2.0]), "n": 4}),
+        ((jnp.ones((4, 3)),), {"y": jnp.zeros(4), "n": 4}),
+    ]
     split = split_client_data(clients, 2, "data")
     assert split.layout.static == ((1, 4),)  # kwargs leaves flatten in sorted key order: X, n, y
     stacked = stack(split)
     assert [a.shape for a in stacked.arrays] == [(2, 4, 3), (2, 4)]
     np.testing.assert_array_equal(stacked.mask, [[True, True, False, False], [True] * 4])
-    np.testing.assert_array_equal(stacked.arrays[1][0], [1.0, 2.0, 2.0, 2.0])  # copies of a real row, not zeros
-    wider = stack(split, rows=8, capacity=4)  # room for clients to come: empty slots hold no real row
+    # copies of a real row, not zeros
+    np.testing.assert_array_equal(stacked.arrays[1][0], [1.0, 2.0, 2.0, 2.0])
+    # room for clients to come: empty slots hold no real row
+    wider = stack(split, rows=8, capacity=4)
     assert wider.mask.shape == (4, 8) and int(wider.mask[2:].sum()) == 0
     np.testing.assert_array_equal(wider.size, [2, 4, 0, 0])
 
 
 def test_client_data_is_checked_by_shape_against_client_0():
     with pytest.raises(ValueError, match="client 1's row arguments disagree"):
-        split_client_data([((jnp.ones((2, 3)),), {"y": jnp.ones(2)}), ((jnp.ones((4, 3)),), {"y": jnp.ones(3)})], 2,
-                          "data")
+        split_client_data(
+            [((jnp.ones((2, 3)),), {"y": jnp.ones(2)}), ((jnp.ones((4, 3)),), {"y": jnp.ones(3)})],
+            2,
+            "data",
+        )
     with pytest.raises(ValueError, match="client 1's array argument 1"):
-        split_client_data([((jnp.ones((2, 3)), jnp.ones(5)), {}), ((jnp.ones((4, 3)), jnp.ones(6)), {})], 2, "data")
+        split_client_data(
+            [((jnp.ones((2, 3)), jnp.ones(5)), {}), ((jnp.ones((4, 3)), jnp.ones(6)), {})],
+            2,
+            "data",
+        )
     with pytest.raises(ValueError, match="structure"):
         split_client_data([((jnp.ones((2, 3)),), {}), ((jnp.ones((4, 3)), 1.0), {})], 2, "data")
     with pytest.raises(ValueError, match="leaf 1 differs"):
-        split_client_data([((jnp.ones((2, 3)),), {"n": 1}), ((jnp.ones((4, 3)),), {"n": 2})], 2, "data")
+        split_client_data(
+            [((jnp.ones((2, 3)),), {"n": 1}), ((jnp.ones((4, 3)),), {"n": 2})], 2, "data"
+        )
 
 
 def test_append_client_checks_the_new_client():
@@ -54,12 +68,19 @@ def test_append_client_checks_the_new_client():
 
 
 def test_a_few_hundred_skewed_rows_make_one_bucket_and_a_lopsided_split_two():
-    """A bucket compiles its own client update: the sweep's skewed split (800 rows cut 40/25/15/12/8 %) made three
-    buckets, three compilations of a minute each under load, to save 700 padded rows a round; now one. One client
-    of 9,901 rows and 99 of one row still make two (one bucket would pad 980,000 rows)."""
+    """A bucket compiles its own client update: the sweep's skewed split (800 rows cut 40/25/15/12/8
+    %) made three buckets, three compilations of a minute each under load, to save 700 padded rows a
+    round; now one. One client of 9,901 rows and 99 of one row still make two (one bucket would pad
+    980,000 rows)."""
+
     def sizes_of(sizes):
-        split = split_pooled((jnp.zeros(sum(sizes)),), {}, np.split(np.arange(sum(sizes)), np.cumsum(sizes)[:-1]),
-                             sum(sizes), "data")
+        split = split_pooled(
+            (jnp.zeros(sum(sizes)),),
+            {},
+            np.split(np.arange(sum(sizes)), np.cumsum(sizes)[:-1]),
+            sum(sizes),
+            "data",
+        )
         return [b.clients.mask.shape for b in buckets(split, by_size=True)]
 
     assert sizes_of([320, 200, 120, 96, 64]) == [(5, 320)]

@@ -1,4 +1,5 @@
-"""``to_arviz``: the posterior and history of a fitted run as ArviZ data that ArviZ's tools accept silently."""
+"""``to_arviz``: the posterior and history of a fitted run as ArviZ data that ArviZ's tools accept
+silently."""
 
 import logging
 import warnings
@@ -31,7 +32,8 @@ def multi_output_model(X, Y=None):
 
 @contextmanager
 def arviz_log():
-    """Collect what ArviZ logs: its logger is standalone (no propagation to pytest's caplog) and de-duplicates."""
+    """Collect what ArviZ logs: its logger is standalone (no propagation to pytest's caplog) and
+    de-duplicates."""
     records = []
     handler = logging.Handler(logging.WARNING)
     handler.emit = records.append
@@ -48,9 +50,16 @@ def fitted():
     X = random.normal(random.PRNGKey(0), (200, 3))
     W = jnp.array([[1.0, -1.0], [0.5, 0.0], [0.0, 2.0]])
     Y = X @ W + jnp.array([0.3, -0.2]) + 0.5 * random.normal(random.PRNGKey(1), (200, 2))
-    update = pvi.GradientUpdate(optax.adam(optax.exponential_decay(5e-2, 300, 0.05)), num_steps=300, num_particles=4)
-    inference = pvi.PVI(multi_output_model, pvi.MeanFieldGaussian(), pvi.split_iid(random.PRNGKey(2), 200, 4),
-                        update, pvi.Sequential())
+    update = pvi.GradientUpdate(
+        optax.adam(optax.exponential_decay(5e-2, 300, 0.05)), num_steps=300, num_particles=4
+    )
+    inference = pvi.PVI(
+        multi_output_model,
+        pvi.MeanFieldGaussian(),
+        pvi.split_iid(random.PRNGKey(2), 200, 4),
+        update,
+        pvi.Sequential(),
+    )
     return inference.run(random.PRNGKey(3), 3, X, Y=Y, progress_bar=False)
 
 
@@ -69,10 +78,17 @@ def test_posterior_has_every_global_site_with_named_dims(fitted):
 
 def test_posterior_draws_are_q(fitted):
     idata = to_arviz(fitted, num_samples=4000, rng_key=random.PRNGKey(7))
-    loc, scale = fitted.inference.family.loc_scale(fitted.state.q)  # flat order: W (6), b (2), log sigma (1)
+    # flat order: W (6), b (2), log sigma (1)
+    loc, scale = fitted.inference.family.loc_scale(fitted.state.q)
     loc, scale = np.asarray(loc), np.asarray(scale)
-    draws = np.concatenate([idata.posterior["W"].values.reshape(4000, 6), idata.posterior["b"].values.reshape(4000, 2),
-                            np.log(idata.posterior["sigma"].values.reshape(4000, 1))], axis=1)
+    draws = np.concatenate(
+        [
+            idata.posterior["W"].values.reshape(4000, 6),
+            idata.posterior["b"].values.reshape(4000, 2),
+            np.log(idata.posterior["sigma"].values.reshape(4000, 1)),
+        ],
+        axis=1,
+    )
     # 4000 iid draws: the mean is within 4 standard errors, the sd within 10 %
     assert np.all(np.abs(draws.mean(0) - loc) < 4 * scale / np.sqrt(4000))
     np.testing.assert_allclose(draws.std(0), scale, rtol=0.1)
@@ -97,8 +113,17 @@ def test_summary_runs_without_warnings(fitted):
         warnings.simplefilter("error")
         summary = az.summary(idata)
     assert not records, [r.getMessage() for r in records]
-    assert list(summary.index) == ["W[0, 0]", "W[0, 1]", "W[1, 0]", "W[1, 1]", "W[2, 0]", "W[2, 1]",
-                                   "b[0]", "b[1]", "sigma"]
+    assert list(summary.index) == [
+        "W[0, 0]",
+        "W[0, 1]",
+        "W[1, 0]",
+        "W[1, 1]",
+        "W[2, 0]",
+        "W[2, 1]",
+        "b[0]",
+        "b[1]",
+        "sigma",
+    ]
     # independent draws: r_hat ~ 1 and the effective sample size ~ the number of draws
     assert summary["r_hat"].between(0.98, 1.02).all(), summary["r_hat"]
     assert (summary["ess_bulk"] > 600).all(), summary["ess_bulk"]
@@ -108,10 +133,14 @@ def test_summary_runs_without_warnings(fitted):
 def test_the_method_is_the_function(fitted):
     key = random.PRNGKey(5)
     by_method = fitted.to_arviz(200, key, num_chains=2, dims={"b": ["output"]})
-    by_function = to_arviz(fitted, num_samples=200, rng_key=key, num_chains=2, dims={"b": ["output"]})
+    by_function = to_arviz(
+        fitted, num_samples=200, rng_key=key, num_chains=2, dims={"b": ["output"]}
+    )
     assert by_method.posterior["b"].dims == ("chain", "draw", "output")
     for name in ("W", "b", "sigma"):
-        np.testing.assert_array_equal(by_method.posterior[name].values, by_function.posterior[name].values)
+        np.testing.assert_array_equal(
+            by_method.posterior[name].values, by_function.posterior[name].values
+        )
     np.testing.assert_array_equal(by_method.sample_stats["elbo"].values, fitted.history.elbo)
 
 
@@ -129,7 +158,8 @@ def test_plot_posterior_and_plot_forest(fitted):
 
     idata = to_arviz(fitted, num_samples=400)
     with warnings.catch_warnings():
-        # arviz 0.23 calls a matplotlib API that matplotlib 3.11 deprecates; that is theirs, not ours
+        # arviz 0.23 calls a matplotlib API that matplotlib 3.11 deprecates; that is theirs, not
+        # ours
         warnings.simplefilter("ignore", matplotlib.MatplotlibDeprecationWarning)
         axes = az.plot_posterior(idata, var_names=["b", "sigma"])
         assert np.asarray(axes).size == 3
@@ -139,8 +169,12 @@ def test_plot_posterior_and_plot_forest(fitted):
 
 
 def test_coords_and_dims_can_be_named(fitted):
-    idata = to_arviz(fitted, num_samples=100, coords={"feature": ["x0", "x1", "x2"], "output": ["u", "v"]},
-                     dims={"W": ["feature", "output"], "b": ["output"]})
+    idata = to_arviz(
+        fitted,
+        num_samples=100,
+        coords={"feature": ["x0", "x1", "x2"], "output": ["u", "v"]},
+        dims={"W": ["feature", "output"], "b": ["output"]},
+    )
     assert idata.posterior["W"].dims == ("chain", "draw", "feature", "output")
     assert list(idata.posterior["b"].coords["output"].values) == ["u", "v"]
     assert idata.posterior["W"].sel(feature="x2", output="v").shape == (4, 25)
@@ -161,10 +195,15 @@ def test_a_run_without_rounds_has_no_sample_stats(fitted):
     assert "posterior" in idata.groups()
 
 
-@pytest.mark.parametrize("kwargs, error", [({"num_samples": 10, "num_chains": 4}, ValueError),
-                                           ({"num_samples": 2, "num_chains": 4}, ValueError),
-                                           ({"num_chains": 0}, ValueError),
-                                           ({"num_samples": 100.0}, ValueError)])
+@pytest.mark.parametrize(
+    "kwargs, error",
+    [
+        ({"num_samples": 10, "num_chains": 4}, ValueError),
+        ({"num_samples": 2, "num_chains": 4}, ValueError),
+        ({"num_chains": 0}, ValueError),
+        ({"num_samples": 100.0}, ValueError),
+    ],
+)
 def test_bad_arguments(fitted, kwargs, error):
     with pytest.raises(error, match="to_arviz"):
         to_arviz(fitted, **kwargs)
@@ -176,7 +215,8 @@ def test_not_a_result():
 
 
 def intercept_model(x, y=None):
-    """y[g, i] = b + u[g] + noise: the group intercepts u are local latents of the client holding group g."""
+    """y[g, i] = b + u[g] + noise: the group intercepts u are local latents of the client holding
+    group g."""
     b = numpyro.sample("b", dist.Normal(0.0, 2.0))
     with pvi.partition_plate("groups", x.shape[0]):
         u = numpyro.sample("u", dist.Normal(0.0, 1.0))
@@ -186,19 +226,26 @@ def intercept_model(x, y=None):
 def test_local_latents_are_gathered_in_pooled_row_order():
     x = jnp.zeros((10, 3))
     y = 0.5 + jnp.arange(10.0)[:, None] / 3 + random.normal(random.PRNGKey(0), (10, 3))
-    parts = [np.array([7, 2, 9]), np.array([0, 5, 1, 8]), np.array([3, 4, 6])]  # shuffled, unequal clients
+    # shuffled, unequal clients
+    parts = [np.array([7, 2, 9]), np.array([0, 5, 1, 8]), np.array([3, 4, 6])]
     update = pvi.GradientUpdate(optax.adam(5e-2), num_steps=150, num_particles=4)
     inference = pvi.PVI(intercept_model, pvi.MeanFieldGaussian(), parts, update, pvi.Sequential())
     result = inference.run(random.PRNGKey(1), 2, x, y=y, progress_bar=False)
     idata = to_arviz(result, num_samples=2000)
     u = idata.posterior["u"]
-    assert u.dims == ("chain", "draw", "groups") and list(u.coords["groups"].values) == list(range(10))
+    assert u.dims == ("chain", "draw", "groups") and list(u.coords["groups"].values) == list(
+        range(10)
+    )
     assert list(idata.constant_data["client"].values) == [1, 1, 0, 2, 2, 1, 2, 0, 1, 0]
     loc, scale = result.state.client_states["u"]
-    for m, rows in enumerate(parts):  # each group's draws are its own client's guide (sd / sqrt(2000) MC error)
+    # each group's draws are its own client's guide (sd / sqrt(2000) MC error)
+    for m, rows in enumerate(parts):
         drawn = u.sel(groups=rows).mean(("chain", "draw")).values
-        np.testing.assert_allclose(drawn, loc[m, :len(rows)], atol=4 * float(scale.max()) / np.sqrt(2000))
-    assert float(u.sel(groups=9).mean()) - float(u.sel(groups=0).mean()) > 1.0  # y rises by 3 over the groups
+        np.testing.assert_allclose(
+            drawn, loc[m, : len(rows)], atol=4 * float(scale.max()) / np.sqrt(2000)
+        )
+    # y rises by 3 over the groups
+    assert float(u.sel(groups=9).mean()) - float(u.sel(groups=0).mean()) > 1.0
     with warnings.catch_warnings(), arviz_log() as records:
         warnings.simplefilter("error")
         summary = az.summary(idata)

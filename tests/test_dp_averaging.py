@@ -14,8 +14,11 @@ PARTS = pvi.split_iid(random.PRNGKey(5), 300, 3)  # three clients of 100 rows
 
 
 def _setup(update, X, y):
-    """The client problem, client 0's data and a q (= its cavity: no factor yet) for calling updates directly."""
-    problem = pvi.PVI(linear_model, pvi.MeanFieldGaussian(), PARTS, update, pvi.Sequential()).build(X, y=y)
+    """The client problem, client 0's data and a q (= its cavity: no factor yet) for calling updates
+    directly."""
+    problem = pvi.PVI(linear_model, pvi.MeanFieldGaussian(), PARTS, update, pvi.Sequential()).build(
+        X, y=y
+    )
     family, dim = problem.client_problem.family, problem.client_problem.dim
     q = family.from_loc_scale(jnp.zeros(dim), jnp.ones(dim))
     return problem.client_problem, jax.tree.map(lambda a: a[0], problem.clients), q
@@ -39,7 +42,8 @@ def test_one_shard_without_noise_is_the_wrapped_update(linear_data):
 
 def test_shards_with_scaled_likelihoods_average_to_the_whole_clients_update(linear_data):
     """One coordinate, Gaussian likelihood: each shard's tilted posterior has natural parameters
-    ``cavity + S * stats_s``, so the mean of the shards' deltas is the whole client's (exactly, for exact fits)."""
+    ``cavity + S * stats_s``, so the mean of the shards' deltas is the whole client's (exactly, for
+    exact fits)."""
     X, y = linear_data
     X1 = X[:, :1]
     inner = pvi.GradientUpdate(optax.adam(2e-2), num_steps=400, num_particles=4)
@@ -47,10 +51,13 @@ def test_shards_with_scaled_likelihoods_average_to_the_whole_clients_update(line
     client_problem, client, q = _setup(averaged, X1, y)
     family = client_problem.family
     whole = family.loc_scale(q + _delta(inner, client_problem, client, q, random.PRNGKey(1)))
-    shards = family.loc_scale(q + jax.jit(lambda k: _delta(averaged, client_problem, client, q, k))(random.PRNGKey(2)))
-    # Measured over 6 pairs of keys: the averaged fit's mean 0.01-0.22 of the whole client's posterior sd off,
-    # its sd within 13 % (the shards' Monte Carlo noise, amplified in the factors). Without the S-scaling the
-    # shards' average would carry a quarter of the data (sd ~2x).
+    shards = family.loc_scale(
+        q + jax.jit(lambda k: _delta(averaged, client_problem, client, q, k))(random.PRNGKey(2))
+    )
+    # Measured over 6 pairs of keys: the averaged fit's mean 0.01-0.22 of the whole client's
+    # posterior sd off, its sd within 13 % (the shards' Monte Carlo noise, amplified in the
+    # factors). Without the S-scaling the shards' average would carry a quarter of the data (sd
+    # ~2x).
     assert abs(float(shards[0][0] - whole[0][0])) < 0.4 * float(whole[1][0])
     np.testing.assert_allclose(shards[1], whole[1], rtol=0.25)
 
@@ -65,11 +72,13 @@ def quick(linear_data):
 
 def test_each_shard_is_clipped(quick):
     _, exact, (client_problem, client, q) = quick
-    deltas = jax.jit(jax.vmap(lambda k: jnp.concatenate(_delta(exact, client_problem, client, q, k))))(
-        random.split(random.PRNGKey(3), 8))
+    deltas = jax.jit(
+        jax.vmap(lambda k: jnp.concatenate(_delta(exact, client_problem, client, q, k)))
+    )(random.split(random.PRNGKey(3), 8))
     norms = np.linalg.norm(np.asarray(deltas), axis=1)
     assert np.all(norms <= 0.05 * (1 + 1e-5))  # a mean of vectors of norm <= C
-    assert np.all(norms > 0.5 * 0.05)  # near C: every shard's delta (far longer than C) was clipped, all alike
+    # near C: every shard's delta (far longer than C) was clipped, all alike
+    assert np.all(norms > 0.5 * 0.05)
 
 
 def test_noise_sd_is_noise_multiplier_times_the_sensitivity(quick):
@@ -98,22 +107,25 @@ def test_bad_arguments_are_named():
         pvi.DPLocalAveraging(inner, 2, -1.0, 1.0)
 
 
-# ---------------------------------------------------------------- any family the wrapped update supports
+# ---------------------------------------------------------------- any family the wrapped update
+# supports
 def _cvi(num_particles=16):
     return pvi.NaturalGradientUpdate(step_size=1.0, num_particles=num_particles)
 
 
 def test_conjugate_shards_release_the_whole_clients_delta_and_the_exact_posterior():
-    """Poisson-Gamma with ``pvi.Gamma()`` and CVI (step 1): each shard's site is exactly linear in (log rate, rate)
-    and its likelihood is scaled by S, so the mean of the shards' deltas is the whole client's non-private delta, its
-    conjugate statistics ``(sum y_m, -n_m)`` (empty shards included), and one round gives the exact Gamma posterior
-    (float32 rounding: ~1e-6 relative)."""
+    """Poisson-Gamma with ``pvi.Gamma()`` and CVI (step 1): each shard's site is exactly linear in
+    (log rate, rate) and its likelihood is scaled by S, so the mean of the shards' deltas is the
+    whole client's non-private delta, its conjugate statistics ``(sum y_m, -n_m)`` (empty shards
+    included), and one round gives the exact Gamma posterior (float32 rounding: ~1e-6 relative)."""
     y = random.poisson(random.PRNGKey(0), 3.0, (40,)).astype(jnp.float32)
     averaged = pvi.DPLocalAveraging(_cvi(), num_shards=4, clip_norm=1e9, noise_multiplier=0.0)
     parts = [np.arange(0, 12), np.arange(12, 40)]
     result = pvi.PVI(poisson_model, pvi.Gamma(), parts, averaged, pvi.Synchronous(1.0)).run(
-        random.PRNGKey(3), 1, y=y, progress_bar=False)
-    factors = result.state.factors  # one round from t_m = 0 with damping 1: each factor is the released delta
+        random.PRNGKey(3), 1, y=y, progress_bar=False
+    )
+    # one round from t_m = 0 with damping 1: each factor is the released delta
+    factors = result.state.factors
     np.testing.assert_allclose(factors.eta1[:2, 0], [float(y[p].sum()) for p in parts], rtol=1e-5)
     np.testing.assert_allclose(factors.eta2[:2, 0], [-12.0, -28.0], rtol=1e-5)
     shape, rate = pvi.Gamma().to_params(result.state.q)
@@ -122,25 +134,29 @@ def test_conjugate_shards_release_the_whole_clients_delta_and_the_exact_posterio
 
 
 def test_site_families_clip_every_block_and_checkpoint_resumes_exactly(tmp_path):
-    """Normal-Gamma regression, ``SiteFamilies`` (full-rank w, Gamma tau), one client, one shard clipped to C = 0.5:
-    the first round's factor (the released delta) has norm C over every leaf (eta1 and each block's eta2: the whole
-    client's delta is far longer) with no leaf zeroed; the run resumes exactly from a checkpoint."""
+    """Normal-Gamma regression, ``SiteFamilies`` (full-rank w, Gamma tau), one client, one shard
+    clipped to C = 0.5: the first round's factor (the released delta) has norm C over every leaf
+    (eta1 and each block's eta2: the whole client's delta is far longer) with no leaf zeroed; the
+    run resumes exactly from a checkpoint."""
     X = random.normal(random.PRNGKey(4), (40, 2))
     y = X @ jnp.array([1.0, -0.5]) + 0.7 * random.normal(random.PRNGKey(5), (40,))
     family = pvi.SiteFamilies({"w": pvi.FullRankGaussian(), "tau": pvi.Gamma()})
-    inner = pvi.GradientUpdate(optax.adam(0.05), num_steps=50)  # CVI's steps from the prior are often clamped here
+    # CVI's steps from the prior are often clamped here
+    inner = pvi.GradientUpdate(optax.adam(0.05), num_steps=50)
     update = pvi.DPLocalAveraging(inner, num_shards=1, clip_norm=0.5, noise_multiplier=0.0)
     inference = pvi.PVI(normal_gamma_model, family, [np.arange(40)], update, pvi.Sequential())
     result = inference.run(random.PRNGKey(7), 1, X, y=y, progress_bar=False)
     leaves = [np.asarray(leaf[0], np.float64) for leaf in jax.tree.leaves(result.state.factors)]
-    assert len(leaves) == 3 and all(np.any(leaf != 0) for leaf in leaves)  # eta1, w's eta2 (2 x 2), tau's eta2
+    # eta1, w's eta2 (2 x 2), tau's eta2
+    assert len(leaves) == 3 and all(np.any(leaf != 0) for leaf in leaves)
     np.testing.assert_allclose(np.sqrt(sum(np.sum(leaf**2) for leaf in leaves)), 0.5, rtol=1e-5)
     assert bool(family.is_valid(result.state.q))
     assert_checkpoint_resumes(inference, result, tmp_path / "run.npz")
 
 
 class _GaussianOnlyUpdate:
-    """A local update that declares no support for non-Gaussian families (no ``supports_factor_families``)."""
+    """A local update that declares no support for non-Gaussian families (no
+    ``supports_factor_families``)."""
 
     def init_state(self, problem):
         return ()
@@ -152,7 +168,12 @@ class _GaussianOnlyUpdate:
 def test_factor_family_support_is_the_wrapped_updates():
     assert pvi.DPLocalAveraging(_cvi(), 2, 1.0, 1.0).supports_factor_families
     assert not pvi.DPLocalAveraging(_GaussianOnlyUpdate(), 2, 1.0, 1.0).supports_factor_families
-    inference = pvi.PVI(poisson_model, pvi.Gamma(), [np.arange(4)], pvi.DPLocalAveraging(_GaussianOnlyUpdate(), 2, 1.0,
-                                                                                        1.0), pvi.Synchronous(1.0))
+    inference = pvi.PVI(
+        poisson_model,
+        pvi.Gamma(),
+        [np.arange(4)],
+        pvi.DPLocalAveraging(_GaussianOnlyUpdate(), 2, 1.0, 1.0),
+        pvi.Synchronous(1.0),
+    )
     with pytest.raises(NotImplementedError, match="DPLocalAveraging needs a Gaussian family"):
         inference.build(y=jnp.ones(4))

@@ -22,13 +22,21 @@ PARTS = pvi.split_iid(random.PRNGKey(5), 300, 3)  # three clients of 100 rows
 
 
 def _update(**kwargs):
-    options = dict(optimizer=optax.adam(2e-2), num_steps=500, batch_size=50, clip_norm=1e6, noise_multiplier=0.0,
-                   num_particles=4)
+    options = dict(
+        optimizer=optax.adam(2e-2),
+        num_steps=500,
+        batch_size=50,
+        clip_norm=1e6,
+        noise_multiplier=0.0,
+        num_particles=4,
+    )
     return pvi.DPGradientUpdate(**{**options, **kwargs})
 
 
 def _problem(update, X, y):
-    return pvi.PVI(linear_model, pvi.MeanFieldGaussian(), PARTS, update, pvi.Sequential()).build(X, y=y)
+    return pvi.PVI(linear_model, pvi.MeanFieldGaussian(), PARTS, update, pvi.Sequential()).build(
+        X, y=y
+    )
 
 
 def _first_client(problem):
@@ -46,14 +54,18 @@ def test_noiseless_unclipped_dp_sgd_reaches_the_global_vi_optimum(linear_data, f
     X, y = linear_data
     mean, cov = exact_linear_posterior(X, y)
     full_rank = isinstance(family, pvi.FullRankGaussian)
-    # the full-rank optimum is the exact posterior; the mean-field one has its mean and sds 1/sqrt(diag precision)
+    # the full-rank optimum is the exact posterior; the mean-field one has its mean and sds
+    # 1/sqrt(diag precision)
     sd = np.sqrt(np.diag(cov)) if full_rank else 1 / np.sqrt(np.diag(np.linalg.inv(cov)))
     inference = pvi.PVI(linear_model, family, PARTS, _update(), pvi.Sequential())
-    loc, scale = family.loc_scale(inference.run(random.PRNGKey(0), 3, X, y=y, progress_bar=False).state.q)
+    loc, scale = family.loc_scale(
+        inference.run(random.PRNGKey(0), 3, X, y=y, progress_bar=False).state.q
+    )
     fitted_cov = np.asarray(scale @ scale.T) if full_rank else np.diag(np.asarray(scale) ** 2)
-    # Measured over seeds 0-5 (mean-field) and 0-4 (full rank), batches of 50 of 100 rows, 4 particles: means
-    # 0.004-0.13 posterior sd off, sds within 6.2 %, the full-rank covariance within 12 % of its largest entry.
-    # Dropping the 1 / rate scaling would leave the sds ~41 % too wide.
+    # Measured over seeds 0-5 (mean-field) and 0-4 (full rank), batches of 50 of 100 rows, 4
+    # particles: means 0.004-0.13 posterior sd off, sds within 6.2 %, the full-rank covariance
+    # within 12 % of its largest entry. Dropping the 1 / rate scaling would leave the sds ~41 % too
+    # wide.
     assert np.max(np.abs(np.asarray(loc) - mean) / sd) < 0.3
     np.testing.assert_allclose(np.sqrt(np.diag(fitted_cov)), sd, rtol=0.12)
     if full_rank:
@@ -70,7 +82,8 @@ def outlier_setup(linear_data):
 
 
 def _one_step_change(update, data, outlier, keys):
-    """||phi - phi'|| after one step from the same q and key, with and without the outlier, per key."""
+    """||phi - phi'|| after one step from the same q and key, with and without the outlier, per
+    key."""
     problems = [_problem(update, *d) for d in (data, outlier)]
     family, dim = problems[0].client_problem.family, problems[0].client_problem.dim
     q = family.from_loc_scale(jnp.zeros(dim), jnp.ones(dim))
@@ -81,30 +94,50 @@ def _one_step_change(update, data, outlier, keys):
     def params_after(bound, client, key):
         return _params(family, q + bound(key, client, q, q, state).delta)
 
-    new = [jax.jit(jax.vmap(lambda k, b=b, c=c: params_after(b, c, k)))(keys) for b, c in zip(binds, clients)]
+    new = [
+        jax.jit(jax.vmap(lambda k, b=b, c=c: params_after(b, c, k)))(keys)
+        for b, c in zip(binds, clients)
+    ]
     return np.linalg.norm(np.asarray(new[0] - new[1]), axis=1)
 
 
 def test_clipping_bounds_one_rows_influence(outlier_setup):
-    """One SGD step from phi_0: phi_1 = phi_0 - lr * (grad KL(phi_0) - (sum_i chosen_i clip(g_i) + noise) / rate).
+    """One SGD step from phi_0: phi_1 = phi_0 - lr * (grad KL(phi_0) - (sum_i chosen_i clip(g_i) +
+    noise) / rate).
 
-    With the same key (same Poisson mask, draws and noise) and the same phi_0, the KL term, the noise and
-    every row but the replaced one cancel, so ``phi_1 - phi_1' = lr / rate * (clip(g_j) - clip(g_j'))`` if
-    row j was drawn (0 otherwise): its norm is at most ``2 * lr * clip_norm / rate``.
+    With the same key (same Poisson mask, draws and noise) and the same phi_0, the KL term, the
+    noise and every row but the replaced one cancel, so ``phi_1 - phi_1' = lr / rate * (clip(g_j) -
+    clip(g_j'))`` if row j was drawn (0 otherwise): its norm is at most ``2 * lr * clip_norm /
+    rate``.
     """
     lr, clip_norm, batch_size = 0.01, 1.0, 50  # rate 50 / 100 = 0.5
     bound = 2 * lr * clip_norm / (batch_size / 100)
     keys = random.split(random.PRNGKey(1), 32)
-    clipped = pvi.DPGradientUpdate(optax.sgd(lr), num_steps=1, batch_size=batch_size, clip_norm=clip_norm,
-                                   noise_multiplier=1.0, average_fraction=0.0)
+    clipped = pvi.DPGradientUpdate(
+        optax.sgd(lr),
+        num_steps=1,
+        batch_size=batch_size,
+        clip_norm=clip_norm,
+        noise_multiplier=1.0,
+        average_fraction=0.0,
+    )
     change = _one_step_change(clipped, *outlier_setup, keys)
     assert np.all(change <= bound * (1 + 1e-4))
-    assert np.max(change) > 0.5 * bound  # the bound is nearly reached when the outlier is drawn: clipping did it
+    # the bound is nearly reached when the outlier is drawn: clipping did it
+    assert np.max(change) > 0.5 * bound
     assert np.min(change) < 1e-6  # ... and nothing changes when it is not drawn
-    unclipped = pvi.DPGradientUpdate(optax.sgd(lr), num_steps=1, batch_size=batch_size, clip_norm=1e9,
-                                     noise_multiplier=0.0, average_fraction=0.0)
-    free = _one_step_change(unclipped, *outlier_setup, keys)  # the test can fail: unclipped, the outlier's step
-    assert np.any(np.isnan(free)) or np.nanmax(free) > 100 * bound  # is > 100x the bound (or overflows to NaN)
+    unclipped = pvi.DPGradientUpdate(
+        optax.sgd(lr),
+        num_steps=1,
+        batch_size=batch_size,
+        clip_norm=1e9,
+        noise_multiplier=0.0,
+        average_fraction=0.0,
+    )
+    # the test can fail: unclipped, the outlier's step
+    free = _one_step_change(unclipped, *outlier_setup, keys)
+    # is > 100x the bound (or overflows to NaN)
+    assert np.any(np.isnan(free)) or np.nanmax(free) > 100 * bound
 
 
 def test_noise_has_sd_noise_multiplier_times_clip_norm_over_rate(linear_data):
@@ -132,21 +165,29 @@ def test_randomness_comes_from_the_key(linear_data):
     problem = _problem(update, X, y)
     family, dim = problem.client_problem.family, problem.client_problem.dim
     q = family.from_loc_scale(jnp.zeros(dim), jnp.ones(dim))
-    run = jax.jit(lambda key: update.bind(problem.client_problem)(key, _first_client(problem), q, q,
-                                                                   update.init_state(None)).delta)
+    run = jax.jit(
+        lambda key: (
+            update.bind(problem.client_problem)(
+                key, _first_client(problem), q, q, update.init_state(None)
+            ).delta
+        )
+    )
     a, b, c = run(random.PRNGKey(3)), run(random.PRNGKey(3)), run(random.PRNGKey(4))
     assert all(np.array_equal(x, z) for x, z in zip(a, b))
     assert not np.allclose(a[0], c[0])
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(clip_norm=0.0), "clip_norm"),
-    (dict(noise_multiplier=-1.0), "noise_multiplier"),
-    (dict(batch_size=0), "batch_size"),
-    (dict(num_steps=0), "num_steps"),
-    (dict(privacy_budget=(1.0, 2.0)), "delta"),
-    (dict(privacy_budget=(1.0, 1e-5)), "noise_multiplier > 0"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(clip_norm=0.0), "clip_norm"),
+        (dict(noise_multiplier=-1.0), "noise_multiplier"),
+        (dict(batch_size=0), "batch_size"),
+        (dict(num_steps=0), "num_steps"),
+        (dict(privacy_budget=(1.0, 2.0)), "delta"),
+        (dict(privacy_budget=(1.0, 1e-5)), "noise_multiplier > 0"),
+    ],
+)
 def test_bad_arguments_are_named(kwargs, match):
     with pytest.raises(ValueError, match=match):
         _update(**kwargs)
@@ -169,29 +210,35 @@ def _local_latent_model(X, y=None):
         numpyro.sample("y", dist.Normal(X @ w + z, 0.5), obs=y)
 
 
-@pytest.mark.parametrize("update", [_update(), pvi.DPLocalAveraging(pvi.GradientUpdate(optax.adam(1e-2), 10), 2,
-                                                                    1.0, 1.0)])
+@pytest.mark.parametrize(
+    "update",
+    [_update(), pvi.DPLocalAveraging(pvi.GradientUpdate(optax.adam(1e-2), 10), 2, 1.0, 1.0)],
+)
 def test_models_with_local_latents_are_refused(linear_data, update):
     X, y = linear_data
     with pytest.raises(NotImplementedError, match="does not support local latent"):
-        pvi.PVI(_local_latent_model, pvi.MeanFieldGaussian(), PARTS, update, pvi.Sequential()).build(X, y=y)
+        pvi.PVI(
+            _local_latent_model, pvi.MeanFieldGaussian(), PARTS, update, pvi.Sequential()
+        ).build(X, y=y)
 
 
-# ---------------------------------------------------------------- any FactorFamily (the generic path)
+# ---------------------------------------------------------------- any FactorFamily (the generic
+# path)
 NG_ROWS = 48
 
 
 @pytest.fixture(scope="module")
 def normal_gamma():
-    """Normal-Gamma regression (``normal_gamma_model``: w ~ N(0, 4 I), tau ~ Gamma(2, 1)): data, VB fixed point."""
+    """Normal-Gamma regression (``normal_gamma_model``: w ~ N(0, 4 I), tau ~ Gamma(2, 1)): data, VB
+    fixed point."""
     X = random.normal(random.PRNGKey(4), (NG_ROWS, 2))
     y = X @ jnp.array([1.0, -0.5]) + 0.7 * random.normal(random.PRNGKey(5), (NG_ROWS,))
     return X, y, normal_gamma_vb(X, y)
 
 
 def one_visit(model, family, update, *args, **kwargs):
-    """``key -> q_new``: one client of every row (``kwargs["y"]``) visited once from the prior (cavity = q = prior),
-    as in the first round of PVI with one client."""
+    """``key -> q_new``: one client of every row (``kwargs["y"]``) visited once from the prior
+    (cavity = q = prior), as in the first round of PVI with one client."""
     rows = np.arange(kwargs["y"].shape[0])
     problem = pvi.PVI(model, family, [rows], update, pvi.Sequential()).build(*args, **kwargs)
     cp, client, q = problem.client_problem, _first_client(problem), problem.prior
@@ -199,18 +246,27 @@ def one_visit(model, family, update, *args, **kwargs):
     return lambda key: q + bound(key, client, q, q, update.init_state(cp)).delta
 
 
-def test_noiseless_unclipped_dp_sgd_with_site_families_reaches_the_normal_gamma_vb_fixed_point(normal_gamma):
-    """``SiteFamilies({"w": FullRankGaussian(), "tau": Gamma()})``, one client of every row, one visit, no noise and a
-    clip norm no row reaches: the visit maximises the ELBO over the block-diagonal family, whose optimum is the
-    closed-form mean-field VB fixed point (coordinate ascent). Measured over 32 seeds (``python
-    benchmarks/dp_generic.py``: this visit, Adam(0.05, b2=0.99), 4000 steps, 4 particles): |E[tau] error| <= 1.1 %
-    (sd 0.2 %), |shape error| <= 4.6 % (sd 1.3 %), w's mean within 0.025 sd, w's sds within 2.3 %; asserted at about
-    twice that. Adam's default b2 = 0.999 stalls the Gamma's shape (its large early gradients): 11-31 % short over
-    8 seeds."""
+def test_noiseless_unclipped_dp_sgd_with_site_families_reaches_the_normal_gamma_vb_fixed_point(
+    normal_gamma,
+):
+    """``SiteFamilies({"w": FullRankGaussian(), "tau": Gamma()})``, one client of every row, one
+    visit, no noise and a clip norm no row reaches: the visit maximises the ELBO over the
+    block-diagonal family, whose optimum is the closed-form mean-field VB fixed point (coordinate
+    ascent). Measured over 32 seeds (``python benchmarks/dp_generic.py``: this visit, Adam(0.05,
+    b2=0.99), 4000 steps, 4 particles): |E[tau] error| <= 1.1 % (sd 0.2 %), |shape error| <= 4.6 %
+    (sd 1.3 %), w's mean within 0.025 sd, w's sds within 2.3 %; asserted at about twice that. Adam's
+    default b2 = 0.999 stalls the Gamma's shape (its large early gradients): 11-31 % short over 8
+    seeds."""
     X, y, (mean, cov, a, b) = normal_gamma
     family = pvi.SiteFamilies({"w": pvi.FullRankGaussian(), "tau": pvi.Gamma()})
-    update = pvi.DPGradientUpdate(optax.adam(0.05, b2=0.99), num_steps=4000, batch_size=NG_ROWS, clip_norm=1e6,
-                                  noise_multiplier=0.0, num_particles=4)
+    update = pvi.DPGradientUpdate(
+        optax.adam(0.05, b2=0.99),
+        num_steps=4000,
+        batch_size=NG_ROWS,
+        clip_norm=1e6,
+        noise_multiplier=0.0,
+        num_particles=4,
+    )
     q = jax.jit(one_visit(normal_gamma_model, family, update, X, y=y))(random.PRNGKey(0))
     w_block, tau_block = family.split(q)
     shape, rate = (float(p[0]) for p in pvi.Gamma().to_params(tau_block))
@@ -224,57 +280,83 @@ def test_noiseless_unclipped_dp_sgd_with_site_families_reaches_the_normal_gamma_
 
 @pytest.mark.parametrize("family", [pvi.Beta(), pvi.Dirichlet()])
 def test_noiseless_unclipped_dp_sgd_reaches_the_conjugate_posterior(family):
-    """Beta-Bernoulli and Dirichlet-categorical (30 rows, one visit): the exact posterior is in the family, so it is
-    the optimum. Measured over 16 seeds (``python benchmarks/dp_generic.py --conjugate``: this visit, Adam(0.05,
-    b2=0.99), 3000 steps, 4 particles): every parameter within 3.8 % (Beta) and 2.8 % (Dirichlet); asserted at 8 %."""
+    """Beta-Bernoulli and Dirichlet-categorical (30 rows, one visit): the exact posterior is in the
+    family, so it is the optimum. Measured over 16 seeds (``python benchmarks/dp_generic.py
+    --conjugate``: this visit, Adam(0.05, b2=0.99), 3000 steps, 4 particles): every parameter within
+    3.8 % (Beta) and 2.8 % (Dirichlet); asserted at 8 %."""
     if isinstance(family, pvi.Beta):
-        model, y = bernoulli_model, random.bernoulli(random.PRNGKey(0), 0.3, (30,)).astype(jnp.float32)
+        model, y = (
+            bernoulli_model,
+            random.bernoulli(random.PRNGKey(0), 0.3, (30,)).astype(jnp.float32),
+        )
         exact = [2.0 + float(y.sum()), 3.0 + 30 - float(y.sum())]
     else:
-        model, y = categorical_model, random.categorical(random.PRNGKey(1), jnp.log(jnp.arange(1.0, 5.0)), shape=(30,))
+        model, y = (
+            categorical_model,
+            random.categorical(random.PRNGKey(1), jnp.log(jnp.arange(1.0, 5.0)), shape=(30,)),
+        )
         exact = np.array([1.0, 2.0, 0.5, 3.0]) + np.bincount(np.asarray(y), minlength=4)
     q = jax.jit(one_visit(model, family, conjugate_update(), y=y))(random.PRNGKey(2))
-    np.testing.assert_allclose(np.concatenate([np.asarray(p) for p in family.to_params(q)]), exact, rtol=0.08)
+    np.testing.assert_allclose(
+        np.concatenate([np.asarray(p) for p in family.to_params(q)]), exact, rtol=0.08
+    )
 
 
 def conjugate_update():
-    """DP-SGD without noise or clipping for the conjugate tests (and their spread, benchmarks/dp_generic.py)."""
-    return pvi.DPGradientUpdate(optax.adam(0.05, b2=0.99), num_steps=3000, batch_size=30, clip_norm=1e6,
-                                noise_multiplier=0.0, num_particles=4)
+    """DP-SGD without noise or clipping for the conjugate tests (and their spread,
+    benchmarks/dp_generic.py)."""
+    return pvi.DPGradientUpdate(
+        optax.adam(0.05, b2=0.99),
+        num_steps=3000,
+        batch_size=30,
+        clip_norm=1e6,
+        noise_multiplier=0.0,
+        num_particles=4,
+    )
 
 
 def test_a_non_gaussian_family_spends_the_same_epsilon(normal_gamma):
-    """The accounting sees the sampling rate, the noise multiplier and the steps only: with noise, SiteFamilies on the
-    Normal-Gamma model and a mean-field Gaussian on linear regression over the same clients spend the same epsilon;
-    the noisy SiteFamilies fit stays a valid q."""
+    """The accounting sees the sampling rate, the noise multiplier and the steps only: with noise,
+    SiteFamilies on the Normal-Gamma model and a mean-field Gaussian on linear regression over the
+    same clients spend the same epsilon; the noisy SiteFamilies fit stays a valid q."""
     X, y, _ = normal_gamma
     parts = [np.arange(0, 20), np.arange(20, NG_ROWS)]
     spent = []
-    for model, family in ((normal_gamma_model, pvi.SiteFamilies({"w": pvi.FullRankGaussian(), "tau": pvi.Gamma()})),
-                          (linear_model, pvi.MeanFieldGaussian())):
+    for model, family in (
+        (normal_gamma_model, pvi.SiteFamilies({"w": pvi.FullRankGaussian(), "tau": pvi.Gamma()})),
+        (linear_model, pvi.MeanFieldGaussian()),
+    ):
         update = _update(num_steps=5, batch_size=5, clip_norm=1.0, noise_multiplier=1.0)
-        result = pvi.PVI(model, family, parts, update, pvi.Synchronous(0.5)).run(random.PRNGKey(1), 2, X, y=y,
-                                                                                 progress_bar=False)
+        result = pvi.PVI(model, family, parts, update, pvi.Synchronous(0.5)).run(
+            random.PRNGKey(1), 2, X, y=y, progress_bar=False
+        )
         assert bool(family.is_valid(result.state.q))
         spent.append(result.privacy_spent(1e-5))
     np.testing.assert_array_equal(pvi.privacy.releases(result), [2, 2])
     np.testing.assert_allclose(spent[0], spent[1], rtol=1e-12)
-    assert np.all(spent[0] > 0) and spent[0][0] > spent[0][1]  # the smaller client samples at a higher rate
+    # the smaller client samples at a higher rate
+    assert np.all(spent[0] > 0) and spent[0][0] > spent[0][1]
 
 
 class _TransformedGuideGamma(pvi.Gamma):
-    """A guide that registers a transformed initial value: the generic parameterisation cannot read it."""
+    """A guide that registers a transformed initial value: the generic parameterisation cannot read
+    it."""
 
     def guide(self, prefix, params):
         import numpyro
         from numpyro.distributions import constraints
 
-        values = [numpyro.param(prefix + n, 2.0 * v, constraint=constraints.positive)
-                  for n, v in zip(self.param_names, params)]
+        values = [
+            numpyro.param(prefix + n, 2.0 * v, constraint=constraints.positive)
+            for n, v in zip(self.param_names, params)
+        ]
         return self.base(*values)
 
 
 def test_a_guide_that_does_not_follow_its_guide_params_is_refused():
     with pytest.raises(NotImplementedError, match="one param site per leaf"):
         dp_params.GuideParameters(_TransformedGuideGamma(), 1)
-    assert dp_params.GuideParameters(pvi.Gamma(), 1).names == ("_pvi_dp_concentration", "_pvi_dp_rate")
+    assert dp_params.GuideParameters(pvi.Gamma(), 1).names == (
+        "_pvi_dp_concentration",
+        "_pvi_dp_rate",
+    )

@@ -1,4 +1,5 @@
-"""Discrete local latents summed out by TraceEnum_ELBO (funsor) in the client step: a Gaussian mixture."""
+"""Discrete local latents summed out by TraceEnum_ELBO (funsor) in the client step: a Gaussian
+mixture."""
 
 import jax.numpy as jnp
 import numpy as np
@@ -19,7 +20,8 @@ N = 200
 
 @config_enumerate
 def mixture(y=None):
-    """Two unit-variance components with weights 0.4 / 0.6; prior means -1 / 1 break the label symmetry."""
+    """Two unit-variance components with weights 0.4 / 0.6; prior means -1 / 1 break the label
+    symmetry."""
     mu = numpyro.sample("mu", dist.Normal(jnp.array([-1.0, 1.0]), 3.0).to_event(1))
     with pvi.partition_plate("data", y.shape[0]):
         z = numpyro.sample("z", dist.Categorical(probs=jnp.array([0.4, 0.6])))
@@ -35,19 +37,29 @@ def y():
 def test_mixture_over_four_clients_recovers_svi_component_means(y):
     guide = AutoNormal(handlers.block(mixture, expose=["mu"]))
     optim = optax.adam(optax.exponential_decay(2e-2, 4000, 0.02))
-    params = SVI(mixture, guide, optim, TraceEnum_ELBO(num_particles=8)).run(random.PRNGKey(0), 4000, y=y,
-                                                                              progress_bar=False).params
+    params = (
+        SVI(mixture, guide, optim, TraceEnum_ELBO(num_particles=8))
+        .run(random.PRNGKey(0), 4000, y=y, progress_bar=False)
+        .params
+    )
     ref_loc, ref_scale = np.asarray(params["mu_auto_loc"]), np.asarray(params["mu_auto_scale"])
 
-    update = pvi.GradientUpdate(optax.adam(optax.exponential_decay(2e-2, 300, 0.05)), num_steps=300, num_particles=8)
-    inference = pvi.PVI(mixture, pvi.MeanFieldGaussian(), pvi.split_iid(random.PRNGKey(2), N, 4), update,
-                        pvi.Synchronous(0.5))
+    update = pvi.GradientUpdate(
+        optax.adam(optax.exponential_decay(2e-2, 300, 0.05)), num_steps=300, num_particles=8
+    )
+    inference = pvi.PVI(
+        mixture,
+        pvi.MeanFieldGaussian(),
+        pvi.split_iid(random.PRNGKey(2), N, 4),
+        update,
+        pvi.Synchronous(0.5),
+    )
     result = inference.run(random.PRNGKey(0), 6, y=y, progress_bar=False)
     assert result.history.num_rejected.sum() == 0 and np.isfinite(result.history.elbo).all()
     assert inference.sites(y=y).enumerated == ("z",) and result.state.client_states == {}
     loc, scale = (np.asarray(a) for a in inference.family.loc_scale(result.state.q))
-    # SVI seeds 1-3 vs seed 0: means within 0.056 sd, scales within 2 %; PVI (seeds 0-3) vs SVI (seed 0): means
-    # within 0.061 sd, scales 2-7.4 % larger (300 noisy steps per visit)
+    # SVI seeds 1-3 vs seed 0: means within 0.056 sd, scales within 2 %; PVI (seeds 0-3) vs SVI
+    # (seed 0): means within 0.061 sd, scales 2-7.4 % larger (300 noisy steps per visit)
     assert np.max(np.abs(loc - ref_loc) / ref_scale) < 0.2
     np.testing.assert_allclose(scale, ref_scale, rtol=0.15)
     # after TraceEnum_ELBO (which patches numpyro.plate), partition_plate is still a partition plate

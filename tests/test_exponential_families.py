@@ -1,8 +1,8 @@
 """Gamma, Beta and Dirichlet factors: exact conjugate posteriors in one synchronous CVI round.
 
 Each model has a conjugate prior and likelihood, so every client's natural-gradient site is exactly
-linear in the family's sufficient statistics and the least-squares site recovers it to float precision
-(float32: relative error ~1e-6 measured; asserted at 1e-5 relative).
+linear in the family's sufficient statistics and the least-squares site recovers it to float
+precision (float32: relative error ~1e-6 measured; asserted at 1e-5 relative).
 """
 
 import jax.numpy as jnp
@@ -26,8 +26,13 @@ PARTS = np.split(np.arange(N), np.cumsum(SIZES)[:-1])
 
 
 def one_round(model, family, **data):
-    inference = pvi.PVI(model, family, partitions=PARTS, server=pvi.Synchronous(1.0),
-                        local_update=pvi.NaturalGradientUpdate(step_size=1.0, num_particles=16))
+    inference = pvi.PVI(
+        model,
+        family,
+        partitions=PARTS,
+        server=pvi.Synchronous(1.0),
+        local_update=pvi.NaturalGradientUpdate(step_size=1.0, num_particles=16),
+    )
     return inference.run(random.PRNGKey(1), 1, progress_bar=False, **data)
 
 
@@ -41,12 +46,18 @@ def test_poisson_gamma_exact_in_one_round():
 
 
 def test_poisson_gamma_exact_after_one_continual_pass():
-    # each client's conjugate site is exact whatever q it starts from, so a streaming pass is exact too (the
-    # other servers: Synchronous above, Sequential/Synchronous/Asynchronous in test_site_families.py)
+    # each client's conjugate site is exact whatever q it starts from, so a streaming pass is exact
+    # too (the other servers: Synchronous above, Sequential/Synchronous/Asynchronous in
+    # test_site_families.py)
     server = pvi.Continual()
     y = random.poisson(random.PRNGKey(0), 3.0, (N,)).astype(jnp.float32)
-    inference = pvi.PVI(poisson_model, pvi.Gamma(), partitions=PARTS, server=server,
-                        local_update=pvi.NaturalGradientUpdate(step_size=1.0, num_particles=16))
+    inference = pvi.PVI(
+        poisson_model,
+        pvi.Gamma(),
+        partitions=PARTS,
+        server=server,
+        local_update=pvi.NaturalGradientUpdate(step_size=1.0, num_particles=16),
+    )
     result = inference.run(random.PRNGKey(1), 1, y=y, progress_bar=False)
     shape, rate = pvi.Gamma().to_params(result.state.q)
     np.testing.assert_allclose(shape, [2.0 + float(y.sum())], rtol=1e-5)
@@ -70,12 +81,17 @@ def test_dirichlet_categorical_exact_in_one_round():
 
 
 def test_gradient_update_fits_the_gamma_posterior():
-    """GradientUpdate (NumPyro's reparameterised Gamma) reaches the exact posterior within Monte Carlo error:
-    the last-iterate noise of 4-particle ELBO gradients, measured over seeds at ~2 % of the mean and ~15 % of
-    the variance, asserted at 5 % and 40 %."""
+    """GradientUpdate (NumPyro's reparameterised Gamma) reaches the exact posterior within Monte
+    Carlo error: the last-iterate noise of 4-particle ELBO gradients, measured over seeds at ~2 % of
+    the mean and ~15 % of the variance, asserted at 5 % and 40 %."""
     y = random.poisson(random.PRNGKey(0), 3.0, (N,)).astype(jnp.float32)
-    inference = pvi.PVI(poisson_model, pvi.Gamma(), partitions=PARTS, server=pvi.Sequential(),
-                        local_update=pvi.GradientUpdate(optax.adam(0.05), num_steps=400, num_particles=4))
+    inference = pvi.PVI(
+        poisson_model,
+        pvi.Gamma(),
+        partitions=PARTS,
+        server=pvi.Sequential(),
+        local_update=pvi.GradientUpdate(optax.adam(0.05), num_steps=400, num_particles=4),
+    )
     result = inference.run(random.PRNGKey(2), 2, y=y, progress_bar=False)
     marg = pvi.Gamma().marginals(result.state.q)
     shape, rate = 2.0 + float(y.sum()), 0.5 + N
@@ -84,17 +100,21 @@ def test_gradient_update_fits_the_gamma_posterior():
 
 
 def test_invalid_cavity_is_rejected_like_a_gaussian_one():
-    """A merge that would leave a cavity with Gamma shape <= 0 backtracks, and is rejected if no halving helps."""
+    """A merge that would leave a cavity with Gamma shape <= 0 backtracks, and is rejected if no
+    halving helps."""
     family = pvi.Gamma()
     q = family.from_params(jnp.array([3.0]), jnp.array([2.0]))
     factors = NatParams(jnp.zeros((2, 1)), jnp.zeros((2, 1)))
-    delta = NatParams(jnp.array([[1.0]]), jnp.array([[-1.0]]))  # more shape and rate: valid at rho = 1
+    # more shape and rate: valid at rho = 1
+    delta = NatParams(jnp.array([[1.0]]), jnp.array([[-1.0]]))
     merged = merge(family, q, factors, jnp.array([0]), delta, jnp.array([True]), 1.0, 3)
     assert bool(merged.valid) and float(merged.damping) == 1.0
-    bad = NatParams(jnp.array([[-5.0]]), jnp.array([[0.0]]))  # q (and client 1's cavity) get shape 3 - 5 rho
+    # q (and client 1's cavity) get shape 3 - 5 rho
+    bad = NatParams(jnp.array([[-5.0]]), jnp.array([[0.0]]))
     merged = merge(family, q, factors, jnp.array([0]), bad, jnp.array([True]), 1.0, 5)
     assert bool(merged.valid) and float(merged.damping) == 0.5
-    worse = NatParams(jnp.array([[-1e4]]), jnp.array([[0.0]]))  # valid only below rho = 3e-4: rejected
+    # valid only below rho = 3e-4: rejected
+    worse = NatParams(jnp.array([[-1e4]]), jnp.array([[0.0]]))
     merged = merge(family, q, factors, jnp.array([0]), worse, jnp.array([True]), 1.0, 3)
     assert not bool(merged.valid)
     np.testing.assert_array_equal(merged.q.eta1, q.eta1)
@@ -107,18 +127,22 @@ def test_marginals_and_validity(family, params):
     marg = family.marginals(nat)
     np.testing.assert_allclose(marg.mean, d.mean, rtol=1e-6)
     np.testing.assert_allclose(marg.variance, d.variance, rtol=1e-6)
-    improper = family.from_params(jnp.array([0.0]), jnp.array([1.0]))  # a zero shape / concentration
+    # a zero shape / concentration
+    improper = family.from_params(jnp.array([0.0]), jnp.array([1.0]))
     assert bool(family.is_valid(nat)) and not bool(family.is_valid(improper))
     assert np.isnan(family.marginals(improper).mean).all()
 
 
 def test_regression_site_is_the_natural_gradient_of_a_linear_function():
-    """For f linear in the sufficient statistics the least-squares site is f's coefficients, whatever q is."""
+    """For f linear in the sufficient statistics the least-squares site is f's coefficients,
+    whatever q is."""
     family = pvi.Gamma()
     q = family.from_params(jnp.array([4.0, 1.5]), jnp.array([2.0, 0.5]))
     theta = family.draw(q, random.PRNGKey(0), 16)
     values = jnp.sum(3.0 * jnp.log(theta) - 2.0 * theta, axis=1) + 7.0
-    np.testing.assert_allclose(regression_site(family.stats(theta), values), [3.0, 3.0, -2.0, -2.0], rtol=1e-4)
+    np.testing.assert_allclose(
+        regression_site(family.stats(theta), values), [3.0, 3.0, -2.0, -2.0], rtol=1e-4
+    )
 
 
 def test_prior_of_another_family_and_wrong_support_are_refused():
@@ -128,47 +152,73 @@ def test_prior_of_another_family_and_wrong_support_are_refused():
             numpyro.sample("y", dist.Poisson(rate), obs=y)
 
     y = jnp.ones(N)
-    inference = pvi.PVI(lognormal_prior, pvi.Gamma(), partitions=PARTS, local_update=pvi.NaturalGradientUpdate())
+    inference = pvi.PVI(
+        lognormal_prior, pvi.Gamma(), partitions=PARTS, local_update=pvi.NaturalGradientUpdate()
+    )
     with pytest.raises(ValueError, match="not a Gamma distribution"):
         inference.build(y=y)
-    inference = pvi.PVI(bernoulli_model, pvi.Gamma(), partitions=PARTS, local_update=pvi.NaturalGradientUpdate())
+    inference = pvi.PVI(
+        bernoulli_model, pvi.Gamma(), partitions=PARTS, local_update=pvi.NaturalGradientUpdate()
+    )
     with pytest.raises(ValueError, match="has a prior on another support"):
         inference.build(y=y)
     # SNEP runs with Gamma (tests/test_snep_blocks.py), but not with its Gaussian site clamp
-    inference = pvi.PVI(poisson_model, pvi.Gamma(), partitions=PARTS,
-                        local_update=pvi.SNEPUpdate(site_variance=(0.1, 1.0)))
+    inference = pvi.PVI(
+        poisson_model,
+        pvi.Gamma(),
+        partitions=PARTS,
+        local_update=pvi.SNEPUpdate(site_variance=(0.1, 1.0)),
+    )
     with pytest.raises(ValueError, match="site_variance"):
         inference.init(random.PRNGKey(0), inference.build(y=y))
 
 
-@pytest.mark.parametrize("model, family", [(poisson_model, pvi.Gamma()), (categorical_model, pvi.Dirichlet())])
+@pytest.mark.parametrize(
+    "model, family", [(poisson_model, pvi.Gamma()), (categorical_model, pvi.Dirichlet())]
+)
 def test_moment_matching_is_exact_for_a_conjugate_likelihood(model, family):
-    """EP matches the expected sufficient statistics; its proposal (cavity times the regression site) is the tilted
-    distribution itself, so the weights are uniform and the control variate makes the match exact up to the Newton
-    solve in float32 (measured 2e-5 relative; asserted at 1e-4)."""
+    """EP matches the expected sufficient statistics; its proposal (cavity times the regression
+    site) is the tilted distribution itself, so the weights are uniform and the control variate
+    makes the match exact up to the Newton solve in float32 (measured 2e-5 relative; asserted at
+    1e-4)."""
     if family.param_names == ("concentration",):
-        y = random.categorical(random.PRNGKey(0), jnp.log(jnp.array([0.1, 0.2, 0.3, 0.4])), shape=(N,))
+        y = random.categorical(
+            random.PRNGKey(0), jnp.log(jnp.array([0.1, 0.2, 0.3, 0.4])), shape=(N,)
+        )
         expected = np.array([1.0, 2.0, 0.5, 3.0]) + np.bincount(np.asarray(y), minlength=4)
     else:
         y = random.poisson(random.PRNGKey(0), 3.0, (N,)).astype(jnp.float32)
         expected = np.array([2.0 + float(y.sum()), 0.5 + N])
-    inference = pvi.PVI(model, family, partitions=PARTS, server=pvi.Synchronous(1.0),
-                        local_update=pvi.MomentMatchingUpdate(num_samples=64))
+    inference = pvi.PVI(
+        model,
+        family,
+        partitions=PARTS,
+        server=pvi.Synchronous(1.0),
+        local_update=pvi.MomentMatchingUpdate(num_samples=64),
+    )
     result = inference.run(random.PRNGKey(1), 1, y=y, progress_bar=False)
-    np.testing.assert_allclose(np.concatenate(family.to_params(result.state.q)), expected, rtol=1e-4)
+    np.testing.assert_allclose(
+        np.concatenate(family.to_params(result.state.q)), expected, rtol=1e-4
+    )
 
 
 def test_refusals_name_the_site_the_family_and_the_alternative():
-    """An exponential-family block has no prior factor: a LogNormal prior in a Gamma block is refused naming the site,
-    the family and the Gaussian alternative; a batch of simplices in one Dirichlet and EP with NUTS are refused too."""
+    """An exponential-family block has no prior factor: a LogNormal prior in a Gamma block is
+    refused naming the site, the family and the Gaussian alternative; a batch of simplices in one
+    Dirichlet and EP with NUTS are refused too."""
+
     def lognormal_rate(y=None):
         rate = numpyro.sample("rate", dist.LogNormal(0.0, 1.0))
         with pvi.partition_plate("data", y.shape[0]):
             numpyro.sample("y", dist.Poisson(rate), obs=y)
 
     y = jnp.ones(N)
-    inference = pvi.PVI(lognormal_rate, pvi.SiteFamilies({"rate": pvi.Gamma()}), partitions=PARTS,
-                        local_update=pvi.NaturalGradientUpdate())
+    inference = pvi.PVI(
+        lognormal_rate,
+        pvi.SiteFamilies({"rate": pvi.Gamma()}),
+        partitions=PARTS,
+        local_update=pvi.NaturalGradientUpdate(),
+    )
     with pytest.raises(ValueError, match=r"\['rate'\].*Gamma\(\).*Gaussian family"):
         inference.build(y=y)
     family = pvi.Dirichlet()
@@ -178,15 +228,20 @@ def test_refusals_name_the_site_the_family_and_the_alternative():
 
 
 def test_moment_matching_with_the_cavity_proposal():
-    """proposal="cavity" is honoured (importance sampling from the cavity, not the regression site): no longer exact
-    for a conjugate likelihood (the weights are not uniform), but close with 4096 draws for 5 clients' Poisson counts.
-    Measured over seeds 1-8 after 2 sequential rounds: E[rate] within 0.35 % of the exact posterior's, its shape
-    within 9.2 % (the shape rests on E[log rate], which the importance weights estimate less well); asserted at
-    1 % and 20 %."""
+    """proposal="cavity" is honoured (importance sampling from the cavity, not the regression site):
+    no longer exact for a conjugate likelihood (the weights are not uniform), but close with 4096
+    draws for 5 clients' Poisson counts. Measured over seeds 1-8 after 2 sequential rounds: E[rate]
+    within 0.35 % of the exact posterior's, its shape within 9.2 % (the shape rests on E[log rate],
+    which the importance weights estimate less well); asserted at 1 % and 20 %."""
     y = random.poisson(random.PRNGKey(0), 3.0, (N,)).astype(jnp.float32)
     exact = np.array([2.0 + float(y.sum()), 0.5 + N])
-    inference = pvi.PVI(poisson_model, pvi.Gamma(), partitions=PARTS, server=pvi.Sequential(),
-                        local_update=pvi.MomentMatchingUpdate(num_samples=4096, proposal="cavity"))
+    inference = pvi.PVI(
+        poisson_model,
+        pvi.Gamma(),
+        partitions=PARTS,
+        server=pvi.Sequential(),
+        local_update=pvi.MomentMatchingUpdate(num_samples=4096, proposal="cavity"),
+    )
     result = inference.run(random.PRNGKey(1), 2, y=y, progress_bar=False)
     shape, rate = pvi.Gamma().to_params(result.state.q)
     np.testing.assert_allclose(float(shape[0] / rate[0]), exact[0] / exact[1], rtol=0.01)
@@ -194,14 +249,17 @@ def test_moment_matching_with_the_cavity_proposal():
 
 
 def batched_categorical_model(group, y=None):
-    probs = numpyro.sample("probs", dist.Dirichlet(jnp.array([[1.0, 2.0, 0.5], [3.0, 1.0, 1.0]])).to_event(1))
+    probs = numpyro.sample(
+        "probs", dist.Dirichlet(jnp.array([[1.0, 2.0, 0.5], [3.0, 1.0, 1.0]])).to_event(1)
+    )
     with pvi.partition_plate("data", y.shape[0]):
         numpyro.sample("y", dist.Categorical(probs[group]), obs=y)
 
 
 def test_batched_dirichlet_is_exact_in_one_round():
-    """A (2, 3) batch of simplices (one per group) with categorical counts: each row's posterior is its prior's
-    concentrations plus its group's counts, after one synchronous CVI round (float32 precision, as above)."""
+    """A (2, 3) batch of simplices (one per group) with categorical counts: each row's posterior is
+    its prior's concentrations plus its group's counts, after one synchronous CVI round (float32
+    precision, as above)."""
     group = (jnp.arange(N) % 2).astype(jnp.int32)
     y = random.categorical(random.PRNGKey(0), jnp.log(jnp.array([0.2, 0.3, 0.5])), shape=(N,))
     counts = np.zeros((2, 3))
@@ -211,9 +269,14 @@ def test_batched_dirichlet_is_exact_in_one_round():
     expected = np.array([[1.0, 2.0, 0.5], [3.0, 1.0, 1.0]]) + counts
     np.testing.assert_allclose(family.to_params(result.state.q)[0], expected.reshape(-1), rtol=1e-5)
     marg = family.marginals(result.state.q)
-    np.testing.assert_allclose(marg.mean.reshape(2, 3), expected / expected.sum(1, keepdims=True), rtol=1e-5)
+    np.testing.assert_allclose(
+        marg.mean.reshape(2, 3), expected / expected.sum(1, keepdims=True), rtol=1e-5
+    )
     samples = result.sample_posterior(random.PRNGKey(3), 100)["probs"]
     assert samples.shape == (100, 2, 3)
     np.testing.assert_allclose(samples.sum(-1), 1.0, rtol=1e-5)
-    start = family.initial_q(jnp.array([0.2, 0.3, 0.5, 1.0, 1.0, 2.0]), 0.1)  # per-row means, alpha_0 = 99
-    np.testing.assert_allclose(start.eta1 + 1.0, 99.0 * np.array([0.2, 0.3, 0.5, 0.25, 0.25, 0.5]), rtol=1e-5)
+    # per-row means, alpha_0 = 99
+    start = family.initial_q(jnp.array([0.2, 0.3, 0.5, 1.0, 1.0, 2.0]), 0.1)
+    np.testing.assert_allclose(
+        start.eta1 + 1.0, 99.0 * np.array([0.2, 0.3, 0.5, 0.25, 0.25, 0.5]), rtol=1e-5
+    )

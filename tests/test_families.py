@@ -1,5 +1,6 @@
-"""The ``Family`` protocol: both families implement it, as siblings; its maps are consistent with each other and with
-NumPyro's distributions; on a diagonal Gaussian the mean-field family agrees with the full-rank one."""
+"""The ``Family`` protocol: both families implement it, as siblings; its maps are consistent with
+each other and with NumPyro's distributions; on a diagonal Gaussian the mean-field family agrees
+with the full-rank one."""
 
 import jax
 import jax.numpy as jnp
@@ -34,7 +35,9 @@ def random_loc_scale(family, key):
 
 def test_both_families_implement_the_protocol_as_siblings():
     assert isinstance(MEAN_FIELD, Family) and isinstance(FULL_RANK, Family)
-    assert not isinstance(FULL_RANK, pvi.MeanFieldGaussian) and not isinstance(MEAN_FIELD, pvi.FullRankGaussian)
+    assert not isinstance(FULL_RANK, pvi.MeanFieldGaussian) and not isinstance(
+        MEAN_FIELD, pvi.FullRankGaussian
+    )
     assert not issubclass(pvi.FullRankGaussian, pvi.MeanFieldGaussian)
     assert not issubclass(pvi.MeanFieldGaussian, pvi.FullRankGaussian)
     assert not isinstance(object(), Family)
@@ -54,7 +57,8 @@ def test_natural_parameters_round_trip(family):
 
 @pytest.mark.parametrize("family", FAMILIES, ids=type)
 def test_natural_moments_and_loc_scale_round_trip(family):
-    """natural -> moments -> natural, moments -> loc/scale -> moments, and the moments are the distribution's."""
+    """natural -> moments -> natural, moments -> loc/scale -> moments, and the moments are the
+    distribution's."""
     with enable_x64(True):
         nat = random_nat(family, jax.random.PRNGKey(1))
         mean, cov = family.moments(nat)
@@ -62,12 +66,19 @@ def test_natural_moments_and_loc_scale_round_trip(family):
         np.testing.assert_allclose(again.eta1, nat.eta1, rtol=1e-10, atol=1e-12)
         np.testing.assert_allclose(again.eta2, nat.eta2, rtol=1e-10, atol=1e-12)
         loc, scale = family.loc_scale(nat)
-        np.testing.assert_allclose(family.moments(family.from_loc_scale(loc, scale))[1], cov, rtol=1e-10)
+        np.testing.assert_allclose(
+            family.moments(family.from_loc_scale(loc, scale))[1], cov, rtol=1e-10
+        )
         d = family.to_dist(nat)
         np.testing.assert_allclose(d.mean, mean, rtol=1e-10)
-        np.testing.assert_allclose(family.to_dense(cov), d.covariance_matrix if cov.ndim == 2 else jnp.diag(d.variance),
-                                   rtol=1e-10)
-        np.testing.assert_allclose(family.dense_precision(nat), jnp.linalg.inv(family.to_dense(cov)), rtol=1e-8)
+        np.testing.assert_allclose(
+            family.to_dense(cov),
+            d.covariance_matrix if cov.ndim == 2 else jnp.diag(d.variance),
+            rtol=1e-10,
+        )
+        np.testing.assert_allclose(
+            family.dense_precision(nat), jnp.linalg.inv(family.to_dense(cov)), rtol=1e-8
+        )
         # the precision in the family's form, and back
         again = family.from_mean_precision(mean, family.precision(nat))
         np.testing.assert_allclose(again.eta1, nat.eta1, rtol=1e-10, atol=1e-12)
@@ -82,7 +93,9 @@ def test_marginals_agree_with_the_distribution(family):
         assert all(isinstance(x, np.ndarray) and x.dtype == np.float64 for x in marginals)
         np.testing.assert_allclose(marginals.mean, d.mean, rtol=1e-10)
         np.testing.assert_allclose(marginals.variance, d.variance, rtol=1e-10)
-        np.testing.assert_allclose(marginals.precision, np.diagonal(family.dense_precision(nat)), rtol=1e-12)
+        np.testing.assert_allclose(
+            marginals.precision, np.diagonal(family.dense_precision(nat)), rtol=1e-12
+        )
         improper = family.marginals(nat - 2.0 * nat)  # negative definite precision
         assert np.isnan(improper.mean).all() and np.isnan(improper.variance).all()
         np.testing.assert_allclose(improper.precision, -marginals.precision, rtol=1e-12)
@@ -93,7 +106,9 @@ def test_quadratic_is_the_log_density_up_to_a_constant(family):
     with enable_x64(True):
         nat = random_nat(family, jax.random.PRNGKey(3))
         zeta = jax.random.normal(jax.random.PRNGKey(4), (6, DIM))
-        gap = jax.vmap(family.to_dist(nat).log_prob)(zeta) - jax.vmap(lambda z: family.quadratic(nat, z))(zeta)
+        gap = jax.vmap(family.to_dist(nat).log_prob)(zeta) - jax.vmap(
+            lambda z: family.quadratic(nat, z)
+        )(zeta)
         np.testing.assert_allclose(gap, gap[0], rtol=1e-10)
         # improper natural parameters are fine: the quadratic is linear in them
         both = family.quadratic(nat - 2.0 * nat, zeta[0])
@@ -122,12 +137,20 @@ def test_whitening_round_trips(family):
 def test_mixture_moments(family):
     """The moments of (1 - w) N(a) + w N(b), checked against draws from the mixture."""
     with enable_x64(True):
-        (ma, ca), (mb, cb) = (family.moments(random_nat(family, jax.random.PRNGKey(k))) for k in (8, 9))
+        (ma, ca), (mb, cb) = (
+            family.moments(random_nat(family, jax.random.PRNGKey(k))) for k in (8, 9)
+        )
         mean, cov = family.mix_moments(ma, ca, mb, cb, 0.25)
         np.testing.assert_allclose(mean, 0.75 * ma + 0.25 * mb, rtol=1e-12)
-        second = 0.75 * (family.to_dense(ca) + jnp.outer(ma, ma)) + 0.25 * (family.to_dense(cb) + jnp.outer(mb, mb))
-        np.testing.assert_allclose(family.to_dense(cov), family.to_dense(family.from_dense(
-            second - jnp.outer(mean, mean))), rtol=1e-10, atol=1e-12)
+        second = 0.75 * (family.to_dense(ca) + jnp.outer(ma, ma)) + 0.25 * (
+            family.to_dense(cb) + jnp.outer(mb, mb)
+        )
+        np.testing.assert_allclose(
+            family.to_dense(cov),
+            family.to_dense(family.from_dense(second - jnp.outer(mean, mean))),
+            rtol=1e-10,
+            atol=1e-12,
+        )
         assert float(family.min_eig(cov)) > 0
 
 
@@ -162,15 +185,20 @@ def test_site_update_of_a_gaussian_log_density_is_that_gaussian(family):
         loc, scale = random_loc_scale(family, jax.random.PRNGKey(5))
         half = jax.random.normal(jax.random.PRNGKey(6), (20000, DIM))
         eps = jnp.concatenate([half, -half])
-        grads = jax.vmap(jax.grad(family.to_dist(target).log_prob))(family.unwhiten(loc, scale, eps))
+        grads = jax.vmap(jax.grad(family.to_dist(target).log_prob))(
+            family.unwhiten(loc, scale, eps)
+        )
         hess = family.stein_hessian(grads, eps, scale)
         got = family.site_update(grads.mean(0), hess, loc)
-        np.testing.assert_allclose(got.eta2, target.eta2, atol=0.05 * np.abs(target.eta2).max())  # MC: ~1/sqrt(4e4)
+        # MC: ~1/sqrt(4e4)
+        np.testing.assert_allclose(got.eta2, target.eta2, atol=0.05 * np.abs(target.eta2).max())
         np.testing.assert_allclose(got.eta1, target.eta1, atol=0.05 * np.abs(target.eta1).max())
         # with the Hessian itself, antithetic pairs make it exact
         q = family.from_loc_scale(loc, scale)
         log_prob = family.to_dist(target).log_prob
-        exact = expected_site(family, q, eps[::1000], jax.vmap(jax.grad(log_prob)), jax.vmap(jax.hessian(log_prob)))
+        exact = expected_site(
+            family, q, eps[::1000], jax.vmap(jax.grad(log_prob)), jax.vmap(jax.hessian(log_prob))
+        )
         np.testing.assert_allclose(exact.eta2, target.eta2, rtol=1e-8, atol=1e-12)
         np.testing.assert_allclose(exact.eta1, target.eta1, rtol=1e-8, atol=1e-10)
 
@@ -190,7 +218,8 @@ def test_clamp_precision_clips_eigenvalues(family):
 
 
 def test_mean_field_agrees_with_full_rank_on_a_diagonal_gaussian():
-    """Every map of the mean-field family is the full-rank family's, restricted to diagonal matrices."""
+    """Every map of the mean-field family is the full-rank family's, restricted to diagonal
+    matrices."""
     with enable_x64(True):
         mean, var = jnp.array([0.5, -1.0, 2.0, 0.0]), jnp.array([0.5, 2.0, 1.5, 3.0])
         mf, fr = MEAN_FIELD.from_moments(mean, var), FULL_RANK.from_moments(mean, jnp.diag(var))
@@ -210,11 +239,16 @@ def test_mean_field_agrees_with_full_rank_on_a_diagonal_gaussian():
         u = jax.random.normal(jax.random.PRNGKey(0), (3, DIM))
         close(MEAN_FIELD.unwhiten(loc, sd, u), FULL_RANK.unwhiten(loc, tril, u))
         close(MEAN_FIELD.whiten(loc, sd, zeta), FULL_RANK.whiten(loc, tril, zeta))
-        white_mf, white_fr = MEAN_FIELD.nat_to_whitened(loc, sd, mf), FULL_RANK.nat_to_whitened(loc, tril, fr)
+        white_mf, white_fr = (
+            MEAN_FIELD.nat_to_whitened(loc, sd, mf),
+            FULL_RANK.nat_to_whitened(loc, tril, fr),
+        )
         close(white_mf[0], white_fr[0])
         close(dense(white_mf[1]), white_fr[1])
-        close(MEAN_FIELD.whitened_to_nat(loc, sd, u[0], var).eta2,
-              jnp.diagonal(FULL_RANK.whitened_to_nat(loc, tril, u[0], jnp.diag(var)).eta2))
+        close(
+            MEAN_FIELD.whitened_to_nat(loc, sd, u[0], var).eta2,
+            jnp.diagonal(FULL_RANK.whitened_to_nat(loc, tril, u[0], jnp.diag(var)).eta2),
+        )
         # a diagonal dense precision projects to itself
         close(MEAN_FIELD.from_dense_precision(mean, jnp.diag(1.0 / var)).eta2, mf.eta2)
         close(FULL_RANK.from_dense_precision(mean, jnp.diag(1.0 / var)).eta2, fr.eta2)
@@ -228,11 +262,15 @@ def test_mean_field_agrees_with_full_rank_on_a_diagonal_gaussian():
         close(dense(MEAN_FIELD.sym(var)), FULL_RANK.sym(jnp.diag(var)))
         # sites: Stein's Hessian of a diagonal quadratic, the CVI site, the clamp
         grads = -(u - mean) / var
-        close(dense(MEAN_FIELD.stein_hessian(grads, u, sd)), FULL_RANK.stein_hessian(grads, u, tril) *
-              jnp.eye(DIM))
+        close(
+            dense(MEAN_FIELD.stein_hessian(grads, u, sd)),
+            FULL_RANK.stein_hessian(grads, u, tril) * jnp.eye(DIM),
+        )
         hess = -1.0 / var
-        close(MEAN_FIELD.site_update(grads.mean(0), hess, loc).eta1,
-              FULL_RANK.site_update(grads.mean(0), jnp.diag(hess), loc).eta1)
+        close(
+            MEAN_FIELD.site_update(grads.mean(0), hess, loc).eta1,
+            FULL_RANK.site_update(grads.mean(0), jnp.diag(hess), loc).eta1,
+        )
         clamped_mf, acted_mf = MEAN_FIELD.clamp_precision(mf, 0.4, 1.0)
         clamped_fr, acted_fr = FULL_RANK.clamp_precision(fr, 0.4, 1.0)
         assert bool(acted_mf) and bool(acted_fr)
@@ -242,7 +280,8 @@ def test_mean_field_agrees_with_full_rank_on_a_diagonal_gaussian():
 def test_with_block_embeds_prior_blocks():
     diag = MEAN_FIELD.with_block(jnp.zeros(4), slice(1, 3), jnp.array([2.0, 3.0]))
     np.testing.assert_allclose(diag, [0.0, 2.0, 3.0, 0.0])
-    assert MEAN_FIELD.with_block(jnp.zeros(4), slice(1, 3), jnp.eye(2)) is None  # a full block is not mean-field
+    # a full block is not mean-field
+    assert MEAN_FIELD.with_block(jnp.zeros(4), slice(1, 3), jnp.eye(2)) is None
     full = FULL_RANK.with_block(jnp.zeros((4, 4)), slice(1, 3), jnp.array([2.0, 3.0]))
     np.testing.assert_allclose(full, jnp.diag(diag))
     block = jnp.array([[2.0, 0.5], [0.5, 1.0]])
@@ -266,23 +305,35 @@ def test_zeros_is_the_flat_factor():
 @pytest.mark.parametrize("family", FAMILIES, ids=["mean_field", "full_rank"])
 def test_guide_round_trip_and_antithetic_draws(family):
     nat = random_nat(family, jax.random.PRNGKey(11))
-    values = {"_p_loc": family.guide_params(nat)[0], "_p_" + family.scale_name: family.guide_params(nat)[1]}
+    values = {
+        "_p_loc": family.guide_params(nat)[0],
+        "_p_" + family.scale_name: family.guide_params(nat)[1],
+    }
     for a, b in zip(jax.tree.leaves(family.from_guide("_p_", values)), jax.tree.leaves(nat)):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
     zeta = family.draw(nat, jax.random.PRNGKey(1), 8)
-    np.testing.assert_allclose(zeta.mean(0), family.loc_scale(nat)[0], rtol=1e-5, atol=1e-5)  # pairs z, 2 mu - z
+    # pairs z, 2 mu - z
+    np.testing.assert_allclose(zeta.mean(0), family.loc_scale(nat)[0], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("family", FAMILIES, ids=["mean_field", "full_rank"])
 def test_site_from_draws_is_expected_site_and_match_moments_control_variate(family):
-    """site_from_draws is the Bonnet / Price site at the family's own draws; match_moments with uniform weights
-    returns the proposal itself, and with weights it is the weighted moments (checked in float64)."""
+    """site_from_draws is the Bonnet / Price site at the family's own draws; match_moments with
+    uniform weights returns the proposal itself, and with weights it is the weighted moments
+    (checked in float64)."""
     with enable_x64():
-        nat = jax.tree.map(lambda x: x.astype(jnp.float64), random_nat(family, jax.random.PRNGKey(12)))
+        nat = jax.tree.map(
+            lambda x: x.astype(jnp.float64), random_nat(family, jax.random.PRNGKey(12))
+        )
         f = lambda z: -0.5 * jnp.sum((z - 1.0) ** 2 / jnp.arange(1.0, DIM + 1))  # noqa: E731
         zeta = family.draw(nat, jax.random.PRNGKey(2), 16)
-        site = family.site_from_draws(nat, zeta, jax.vmap(f)(zeta), jax.vmap(jax.grad(f))(zeta),
-                                      jax.vmap(jax.hessian(f))(zeta))
+        site = family.site_from_draws(
+            nat,
+            zeta,
+            jax.vmap(f)(zeta),
+            jax.vmap(jax.grad(f))(zeta),
+            jax.vmap(jax.hessian(f))(zeta),
+        )
         np.testing.assert_allclose(site.eta1, 1.0 / jnp.arange(1.0, DIM + 1), rtol=1e-8)
         same = family.match_moments(nat, zeta, jnp.full(zeta.shape[0], 1.0 / zeta.shape[0]))
         for a, b in zip(jax.tree.leaves(same), jax.tree.leaves(nat)):
@@ -296,8 +347,9 @@ def test_site_from_draws_is_expected_site_and_match_moments_control_variate(fami
 
 
 def test_site_families_lay_out_blocks_and_map_over_them():
-    """Blocks in order of first appearance (default block for the rest), identity transforms for an exponential
-    family's sites; the product distribution's log density and KL are the blocks' sums."""
+    """Blocks in order of first appearance (default block for the rest), identity transforms for an
+    exponential family's sites; the product distribution's log density and KL are the blocks'
+    sums."""
     import numpyro
     import numpyro.distributions as dist
 
@@ -315,22 +367,44 @@ def test_site_families_lay_out_blocks_and_map_over_them():
     sites = family.prepare_sites(read_model(model, (), {"y": jnp.zeros(3)}))
     assert [s.name for s in sites.globals] == ["a", "w", "tau"] and sites.dim == 4
     assert [(a, b) for _, a, b, _ in family.blocks] == [(0, 1), (1, 3), (3, 4)]
-    assert float(sites.unflatten(jnp.array([0.0, 0.0, 0.0, 2.5]))["tau"]) == 2.5  # its own value, no exp
-    q = family.join([MEAN_FIELD.from_loc_scale(jnp.zeros(1), jnp.ones(1)),
-                     FULL_RANK.from_loc_scale(jnp.ones(2), jnp.eye(2)),
-                     pvi.Gamma().from_params(jnp.array([3.0]), jnp.array([2.0]))])
-    p = q * 0.5 + family.join([MEAN_FIELD.zeros(1), FULL_RANK.zeros(2), pvi.Gamma().from_params(
-        jnp.array([1.0]), jnp.array([0.5]))]) * 0.5
+    # its own value, no exp
+    assert float(sites.unflatten(jnp.array([0.0, 0.0, 0.0, 2.5]))["tau"]) == 2.5
+    q = family.join(
+        [
+            MEAN_FIELD.from_loc_scale(jnp.zeros(1), jnp.ones(1)),
+            FULL_RANK.from_loc_scale(jnp.ones(2), jnp.eye(2)),
+            pvi.Gamma().from_params(jnp.array([3.0]), jnp.array([2.0])),
+        ]
+    )
+    p = (
+        q * 0.5
+        + family.join(
+            [
+                MEAN_FIELD.zeros(1),
+                FULL_RANK.zeros(2),
+                pvi.Gamma().from_params(jnp.array([1.0]), jnp.array([0.5])),
+            ]
+        )
+        * 0.5
+    )
     assert bool(family.is_valid(q)) and not bool(family.is_valid(q - q))
     value = jnp.array([0.3, 1.0, 2.0, 1.5])
-    parts = [MEAN_FIELD.to_dist(family.split(q)[0]), FULL_RANK.to_dist(family.split(q)[1]),
-             pvi.Gamma().to_dist(family.split(q)[2])]
+    parts = [
+        MEAN_FIELD.to_dist(family.split(q)[0]),
+        FULL_RANK.to_dist(family.split(q)[1]),
+        pvi.Gamma().to_dist(family.split(q)[2]),
+    ]
     expected = sum(d.log_prob(v) for d, v in zip(parts, [value[:1], value[1:3], value[3:]]))
     np.testing.assert_allclose(family.to_dist(q).log_prob(value), expected, rtol=1e-6)
     kl = dist.kl_divergence(family.to_dist(q), family.to_dist(p))
-    parts_p = [MEAN_FIELD.to_dist(family.split(p)[0]), FULL_RANK.to_dist(family.split(p)[1]),
-               pvi.Gamma().to_dist(family.split(p)[2])]
-    np.testing.assert_allclose(kl, sum(dist.kl_divergence(a, b) for a, b in zip(parts, parts_p)), rtol=1e-6)
+    parts_p = [
+        MEAN_FIELD.to_dist(family.split(p)[0]),
+        FULL_RANK.to_dist(family.split(p)[1]),
+        pvi.Gamma().to_dist(family.split(p)[2]),
+    ]
+    np.testing.assert_allclose(
+        kl, sum(dist.kl_divergence(a, b) for a, b in zip(parts, parts_p)), rtol=1e-6
+    )
     assert isinstance(family.to_dist(q), BlockDistribution) and family.to_dist(q).has_rsample
     marg = family.marginals(q)
     np.testing.assert_allclose(marg.mean, [0.0, 1.0, 1.0, 1.5], rtol=1e-6)

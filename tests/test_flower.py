@@ -1,8 +1,8 @@
 """PVI on Flower's simulation engine gives the in-process run's q (same seeds, same data split).
 
-The model has local latents (group intercepts), so a site's private state (its groups' guides, kept in
-Flower's ``context.state`` and committed when the server merged the update) carries from round to round:
-q after three rounds depends on it.
+The model has local latents (group intercepts), so a site's private state (its groups' guides, kept
+in Flower's ``context.state`` and committed when the server merged the update) carries from round to
+round: q after three rounds depends on it.
 """
 
 import gc
@@ -24,22 +24,31 @@ import numpyro_pvi as pvi
 flwr = pytest.importorskip("flwr")
 pytest.importorskip("ray")
 
-# on the xdist worker of the Ray tests (`pytest -n 2 --dist loadgroup`): the simulation runs once, on one worker
+# on the xdist worker of the Ray tests (`pytest -n 2 --dist loadgroup`): the simulation runs once,
+# on one worker
 pytestmark = pytest.mark.xdist_group("ray")
 
 from flwr.serverapp import ServerApp  # noqa: E402
 
-from numpyro_pvi.flower import PVIStrategy, client_app, run_simulation, tree_from_record, tree_to_record  # noqa: E402
+from numpyro_pvi.flower import (  # noqa: E402
+    PVIStrategy,
+    client_app,
+    run_simulation,
+    tree_from_record,
+    tree_to_record,
+)
 
 from conftest import normal_gamma_model  # noqa: E402
 
 NUM_CLIENTS, GROUPS, NUM_ROUNDS, DAMPING = 4, 3, 3, 0.5
-SAMPLED = dict(clients_per_round=2, client_weights=[1.0, 2.0, 3.0, 4.0])  # 2 of the 4 sites per round, weighted
+# 2 of the 4 sites per round, weighted
+SAMPLED = dict(clients_per_round=2, client_weights=[1.0, 2.0, 3.0, 4.0])
 LOCAL = pvi.GradientUpdate(optax.adam(0.05), num_steps=30, num_particles=2)
 
 
 def intercept_model(x, y=None):
-    """Groups with their own intercepts ``u`` (local latents: each site keeps its groups' guides) and a shared slope."""
+    """Groups with their own intercepts ``u`` (local latents: each site keeps its groups' guides)
+    and a shared slope."""
     b = numpyro.sample("b", dist.Normal(0.0, 2.0))
     w = numpyro.sample("w", dist.Normal(0.0, 2.0))
     with pvi.partition_plate("groups", x.shape[0]):
@@ -57,31 +66,33 @@ def _data():
 
 @pytest.fixture(scope="module")
 def by_value():
-    """The sites run in Ray workers, which cannot import the test modules: ship their models by value (and run
-    the workers at the tests' priority)."""
+    """The sites run in Ray workers, which cannot import the test modules: ship their models by
+    value (and run the workers at the tests' priority)."""
     import ray.cloudpickle
 
     modules = [sys.modules[__name__], sys.modules["conftest"]]
     for module in modules:
         ray.cloudpickle.register_pickle_by_value(module)
     with pytest.MonkeyPatch.context() as env:
-        # the simulation's Ray starts its workers at nice 15: beside a busy process (CI's other xdist worker)
-        # the sites get about 3 % of a core (the kernel's weights of nice 15 and 0: 36 and 1024); at 0 they share
-        # the cores evenly
+        # the simulation's Ray starts its workers at nice 15: beside a busy process (CI's other
+        # xdist worker) the sites get about 3 % of a core (the kernel's weights of nice 15 and 0: 36
+        # and 1024); at 0 they share the cores evenly
         env.setenv("RAY_worker_niceness", "0")
         yield
     for module in modules:
         ray.cloudpickle.unregister_pickle_by_value(module)
 
 
-ALARMS = r"os\.fork\(\) was called|unclosed file|subprocess \d+ is still running"  # what Ray's start and stop raise
+# what Ray's start and stop raise
+ALARMS = r"os\.fork\(\) was called|unclosed file|subprocess \d+ is still running"
 
 
 @pytest.fixture(scope="module")
 def flower_run(by_value):
-    """The simulation's strategies, and the alarms (fork, ResourceWarning) it raised: every warning is recorded, the
-    others are raised again."""
-    gc.collect()  # earlier tests' garbage (e.g. the Ray session of test_ray_backend.py) warns here, not below
+    """The simulation's strategies, and the alarms (fork, ResourceWarning) it raised: every warning
+    is recorded, the others are raised again."""
+    # earlier tests' garbage (e.g. the Ray session of test_ray_backend.py) warns here, not below
+    gc.collect()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         strategies = run_flower()
@@ -94,16 +105,18 @@ def flower_run(by_value):
 
 
 def test_a_flower_run_raises_no_fork_or_resource_warning(flower_run):
-    """Before: Flower's engine started Ray beside JAX's threads (JAX's fork hook: "os.fork() was called ... will
-    likely lead to a deadlock", 5 times) and left Ray's /dev/null handles and daemons to the garbage collector
-    (ResourceWarnings); pyproject.toml filtered them out of the tests. run_simulation starts Ray first (start_ray)."""
+    """Before: Flower's engine started Ray beside JAX's threads (JAX's fork hook: "os.fork() was
+    called ... will likely lead to a deadlock", 5 times) and left Ray's /dev/null handles and
+    daemons to the garbage collector (ResourceWarnings); pyproject.toml filtered them out of the
+    tests. run_simulation starts Ray first (start_ray)."""
     _, alarms = flower_run
     assert not alarms, [f"{w.category.__name__}: {w.message}" for w in alarms]
 
 
 def run_flower():
-    """One Flower simulation: 4 virtual sites, each loading only its own groups (Ray actors on this machine);
-    the ServerApp runs a synchronous strategy, a sequential one and a sampling one, on the same sites."""
+    """One Flower simulation: 4 virtual sites, each loading only its own groups (Ray actors on this
+    machine); the ServerApp runs a synchronous strategy, a sequential one and a sampling one, on the
+    same sites."""
     X, y, parts = _data()
     site_data = [(np.asarray(X[p]), np.asarray(y[p])) for p in parts]
 
@@ -111,11 +124,20 @@ def run_flower():
         Xm, ym = site_data[int(context.node_config["partition-id"])]
         return (Xm,), {"y": ym}
 
-    strategies = {"sync": PVIStrategy(pvi.MeanFieldGaussian(), NUM_CLIENTS, random.PRNGKey(2),
-                                      pvi.Synchronous(DAMPING)),
-                  "seq": PVIStrategy(pvi.MeanFieldGaussian(), NUM_CLIENTS, random.PRNGKey(4), pvi.Sequential()),
-                  "sampled": PVIStrategy(pvi.MeanFieldGaussian(), NUM_CLIENTS, random.PRNGKey(6),
-                                         pvi.Synchronous(DAMPING, **SAMPLED))}
+    strategies = {
+        "sync": PVIStrategy(
+            pvi.MeanFieldGaussian(), NUM_CLIENTS, random.PRNGKey(2), pvi.Synchronous(DAMPING)
+        ),
+        "seq": PVIStrategy(
+            pvi.MeanFieldGaussian(), NUM_CLIENTS, random.PRNGKey(4), pvi.Sequential()
+        ),
+        "sampled": PVIStrategy(
+            pvi.MeanFieldGaussian(),
+            NUM_CLIENTS,
+            random.PRNGKey(6),
+            pvi.Synchronous(DAMPING, **SAMPLED),
+        ),
+    }
     app = ServerApp()
 
     @app.main()
@@ -123,9 +145,12 @@ def run_flower():
         for strategy in strategies.values():
             strategy.start(grid, num_rounds=NUM_ROUNDS, timeout=600)
 
-    run_simulation(app, client_app(intercept_model, pvi.MeanFieldGaussian(), LOCAL, load_data),
-                   num_supernodes=NUM_CLIENTS,
-                   backend_config={"init_args": {"num_cpus": 1}, "client_resources": {"num_cpus": 1}})
+    run_simulation(
+        app,
+        client_app(intercept_model, pvi.MeanFieldGaussian(), LOCAL, load_data),
+        num_supernodes=NUM_CLIENTS,
+        backend_config={"init_args": {"num_cpus": 1}, "client_resources": {"num_cpus": 1}},
+    )
     return strategies
 
 
@@ -133,27 +158,38 @@ def _in_process(*seeds, server=None):
     """The in-process vmap runs with these seeds (one PVI: the compiled round is shared)."""
     X, y, parts = _data()
     server = pvi.Synchronous(DAMPING) if server is None else server
-    inference = pvi.PVI(intercept_model, pvi.MeanFieldGaussian(), parts, LOCAL, server, backend="vmap")
-    with warnings.catch_warnings():  # three rounds, far from converged on purpose (PVIWarning "far")
+    inference = pvi.PVI(
+        intercept_model, pvi.MeanFieldGaussian(), parts, LOCAL, server, backend="vmap"
+    )
+    # three rounds, far from converged on purpose (PVIWarning "far")
+    with warnings.catch_warnings():
         warnings.simplefilter("ignore", pvi.PVIWarning)
-        return [inference.run(random.PRNGKey(seed), NUM_ROUNDS, X, y=y, progress_bar=False) for seed in seeds]
+        return [
+            inference.run(random.PRNGKey(seed), NUM_ROUNDS, X, y=y, progress_bar=False)
+            for seed in seeds
+        ]
 
 
 def test_flower_matches_in_process_vmap_run(flower_run):
-    """Same seeds: the q (and every factor) of Flower's run equals the vmap run's to float32 rounding.
+    """Same seeds: the q (and every factor) of Flower's run equals the vmap run's to float32
+    rounding.
 
-    The sites run ``client_update`` unbatched (jitted) on their own rows, the vmap backend batched over the
-    stacked clients, so XLA may round differently; measured on this machine (jax 0.10, CPU) the two runs are
-    bitwise identical. A run with another seed differs by 2-6 (largest entry of each leaf), and so does a
-    Flower run whose sites never commit their local state (measured: 2.1), so the tolerance (1e-4 relative)
-    separates "the same computation" from a different one by four orders of magnitude.
+    The sites run ``client_update`` unbatched (jitted) on their own rows, the vmap backend batched
+    over the stacked clients, so XLA may round differently; measured on this machine (jax 0.10, CPU)
+    the two runs are bitwise identical. A run with another seed differs by 2-6 (largest entry of
+    each leaf), and so does a Flower run whose sites never commit their local state (measured: 2.1),
+    so the tolerance (1e-4 relative) separates "the same computation" from a different one by four
+    orders of magnitude.
     """
     state, (reference, other) = flower_run[0]["sync"].state, _in_process(2, 3)
-    for got, want, off in zip(jax.tree.leaves((state.q, state.factors)),
-                              jax.tree.leaves((reference.state.q, reference.state.factors)),
-                              jax.tree.leaves((other.state.q, other.state.factors))):
+    for got, want, off in zip(
+        jax.tree.leaves((state.q, state.factors)),
+        jax.tree.leaves((reference.state.q, reference.state.factors)),
+        jax.tree.leaves((other.state.q, other.state.factors)),
+    ):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
-        assert np.max(np.abs(np.asarray(off) - np.asarray(want))) > 1e-2  # the seed matters: the test can fail
+        # the seed matters: the test can fail
+        assert np.max(np.abs(np.asarray(off) - np.asarray(want))) > 1e-2
     history = flower_run[0]["sync"].history
     assert history.accepted.shape == (NUM_ROUNDS, NUM_CLIENTS) and np.all(history.accepted == 1)
     np.testing.assert_allclose(history.free_energy, reference.history.free_energy, rtol=1e-4)
@@ -161,31 +197,42 @@ def test_flower_matches_in_process_vmap_run(flower_run):
 
 
 def test_flower_sequential_matches_in_process_sequential(flower_run):
-    """The sequential schedule (each site against the q its predecessor left) equals PVI(server=Sequential())
-    in process, with the same tolerance as above (measured: bitwise equal here too)."""
+    """The sequential schedule (each site against the q its predecessor left) equals
+    PVI(server=Sequential()) in process, with the same tolerance as above (measured: bitwise equal
+    here too)."""
     strategy, (reference,) = flower_run[0]["seq"], _in_process(4, server=pvi.Sequential())
-    for got, want in zip(jax.tree.leaves((strategy.state.q, strategy.state.factors)),
-                         jax.tree.leaves((reference.state.q, reference.state.factors))):
+    for got, want in zip(
+        jax.tree.leaves((strategy.state.q, strategy.state.factors)),
+        jax.tree.leaves((reference.state.q, reference.state.factors)),
+    ):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
-    np.testing.assert_allclose(strategy.history.free_energy, reference.history.free_energy, rtol=1e-4)
+    np.testing.assert_allclose(
+        strategy.history.free_energy, reference.history.free_energy, rtol=1e-4
+    )
 
 
 def test_flower_client_sampling_matches_in_process_sampling(flower_run):
-    """K = 2 of 4 sites per round, weighted: the strategy draws the in-process run's sites from the same key,
-    only they get a message (``attempts``), and q and every factor equal the vmap run's (tolerance as above)."""
+    """K = 2 of 4 sites per round, weighted: the strategy draws the in-process run's sites from the
+    same key, only they get a message (``attempts``), and q and every factor equal the vmap run's
+    (tolerance as above)."""
     strategy = flower_run[0]["sampled"]
     reference, other = _in_process(6, 7, server=pvi.Synchronous(DAMPING, **SAMPLED))
     np.testing.assert_array_equal(strategy.history.attempts, reference.history.attempts)
     np.testing.assert_array_equal(strategy.history.attempts.sum(1), 2)
-    for got, want, off in zip(jax.tree.leaves((strategy.state.q, strategy.state.factors)),
-                              jax.tree.leaves((reference.state.q, reference.state.factors)),
-                              jax.tree.leaves((other.state.q, other.state.factors))):
+    for got, want, off in zip(
+        jax.tree.leaves((strategy.state.q, strategy.state.factors)),
+        jax.tree.leaves((reference.state.q, reference.state.factors)),
+        jax.tree.leaves((other.state.q, other.state.factors)),
+    ):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
-        assert np.max(np.abs(np.asarray(off) - np.asarray(want))) > 1e-2  # the seed matters: the test can fail
+        # the seed matters: the test can fail
+        assert np.max(np.abs(np.asarray(off) - np.asarray(want))) > 1e-2
     unsampled = strategy.history.attempts.sum(0) == 0  # a site never drawn keeps a flat factor
     for leaf in jax.tree.leaves(strategy.state.factors):
         np.testing.assert_array_equal(np.asarray(leaf)[unsampled], 0.0)
-    np.testing.assert_allclose(strategy.history.free_energy, reference.history.free_energy, rtol=1e-4)
+    np.testing.assert_allclose(
+        strategy.history.free_energy, reference.history.free_energy, rtol=1e-4
+    )
     # the sites sent and received only in the rounds they were drawn: 2 updates' traffic per round
     assert all(down > 0 and up > 0 for down, up in strategy.traffic)
 
@@ -209,14 +256,21 @@ def test_strategy_refuses_what_it_cannot_run():
     with pytest.raises(ValueError, match="num_clients"):
         PVIStrategy(pvi.MeanFieldGaussian(), 0, random.PRNGKey(0), pvi.Synchronous(0.5))
     with pytest.raises(ValueError, match="only 4 clients"):
-        PVIStrategy(pvi.MeanFieldGaussian(), 4, random.PRNGKey(0), pvi.Synchronous(0.5, clients_per_round=5))
+        PVIStrategy(
+            pvi.MeanFieldGaussian(), 4, random.PRNGKey(0), pvi.Synchronous(0.5, clients_per_round=5)
+        )
     with pytest.raises(ValueError, match="3 client_weights"):
-        PVIStrategy(pvi.MeanFieldGaussian(), 4, random.PRNGKey(0),
-                    pvi.Synchronous(0.5, clients_per_round=2, client_weights=[1, 1, 1]))
+        PVIStrategy(
+            pvi.MeanFieldGaussian(),
+            4,
+            random.PRNGKey(0),
+            pvi.Synchronous(0.5, clients_per_round=2, client_weights=[1, 1, 1]),
+        )
 
 
 def _replies(messages, deltas):
-    """Replies to ``messages`` (one per node): a delta and free energy, an error (``"error"``), or none (``None``)."""
+    """Replies to ``messages`` (one per node): a delta and free energy, an error (``"error"``), or
+    none (``None``)."""
     from flwr.app import Error, Message, MetricRecord, RecordDict
 
     out = []
@@ -228,16 +282,22 @@ def _replies(messages, deltas):
             out.append(Message(Error(code=0, reason="site failed"), reply_to=message))
             continue
         metrics = MetricRecord({"free-energy": 1.0, "clamped": 0, "failure": 0})
-        out.append(Message(RecordDict({"delta": tree_to_record(deltas[m]), "pvi": metrics}), reply_to=message))
+        out.append(
+            Message(
+                RecordDict({"delta": tree_to_record(deltas[m]), "pvi": metrics}), reply_to=message
+            )
+        )
     return out
 
 
 def test_server_merges_good_deltas_and_rejects_the_rest(monkeypatch):
-    """Without Ray: the strategy's round on hand-made replies. A finite delta is merged at the damping; a NaN
-    delta, a site's error and a silent site are rejected (NON_FINITE, RAISED, TIMEOUT) and leave their factors."""
+    """Without Ray: the strategy's round on hand-made replies. A finite delta is merged at the
+    damping; a NaN delta, a site's error and a silent site are rejected (NON_FINITE, RAISED,
+    TIMEOUT) and leave their factors."""
     from flwr.supercore.task_identity import TaskIdentity
 
-    for name in ("_run_id", "_task_id", "_node_id"):  # Flower's messages need a run; set (and restored) for the test
+    # Flower's messages need a run; set (and restored) for the test
+    for name in ("_run_id", "_task_id", "_node_id"):
         monkeypatch.setattr(TaskIdentity, name, 1)
     family, rho = pvi.MeanFieldGaussian(), 0.5
     strategy = PVIStrategy(family, 4, random.PRNGKey(0), pvi.Synchronous(rho))
@@ -245,13 +305,19 @@ def test_server_merges_good_deltas_and_rejects_the_rest(monkeypatch):
     factors = jax.tree.map(lambda x: jnp.zeros((4,) + x.shape), prior)
     strategy.state = pvi.PVIState(prior, factors, family.zeros(2), (), None, random.PRNGKey(0))
     strategy.nodes = {10 + m: m for m in range(4)}
-    good = family.from_mean_precision(jnp.array([1.0, -1.0]), jnp.full(2, 3.0)) - prior  # a valid q_new - q
+    # a valid q_new - q
+    good = family.from_mean_precision(jnp.array([1.0, -1.0]), jnp.full(2, 3.0)) - prior
     nan = jax.tree.map(lambda x: jnp.full_like(x, jnp.nan), good)
     messages = strategy.configure_train(1, None, flwr.app.ConfigRecord(), None)
     arrays, metrics = strategy.aggregate_train(1, _replies(messages, [good, nan, "error", None]))
     info = strategy.history
     np.testing.assert_array_equal(info.accepted[0], [1, 0, 0, 0])
-    assert [pvi.Rejection(int(r)).name for r in info.rejection[0]] == ["NONE", "NON_FINITE", "RAISED", "TIMEOUT"]
+    assert [pvi.Rejection(int(r)).name for r in info.rejection[0]] == [
+        "NONE",
+        "NON_FINITE",
+        "RAISED",
+        "TIMEOUT",
+    ]
     np.testing.assert_allclose(info.damping[0], [rho, 0, 0, 0])
     want_q = prior + rho * good
     for got, want in zip(jax.tree.leaves(strategy.state.q), jax.tree.leaves(want_q)):
@@ -260,9 +326,14 @@ def test_server_merges_good_deltas_and_rejects_the_rest(monkeypatch):
         np.testing.assert_allclose(got[0], rho * want, rtol=1e-6)
         np.testing.assert_array_equal(got[1:], 0.0)
     assert int(metrics["accepted"]) == 1 and int(metrics["bytes-up"]) > 0
-    # the next round tells client 0 its update was merged (it commits its local state), the others not
-    sent = {int(m.content.config_records["pvi"]["client"]): int(m.content.config_records["pvi"]["accepted"])
-            for m in strategy.configure_train(2, None, flwr.app.ConfigRecord(), None)}
+    # the next round tells client 0 its update was merged (it commits its local state), the others
+    # not
+    sent = {
+        int(m.content.config_records["pvi"]["client"]): int(
+            m.content.config_records["pvi"]["accepted"]
+        )
+        for m in strategy.configure_train(2, None, flwr.app.ConfigRecord(), None)
+    }
     assert sent == {0: 1, 1: 0, 2: 0, 3: 0}
 
 
@@ -271,14 +342,14 @@ def site_families():
 
 
 def test_flower_site_families_match_in_process(by_value):
-    """SiteFamilies over Flower: the server's copy of the family is laid out from the sites' report (it has no
-    data), q's leaves (one eta2 per block) equal the in-process vmap run's (same tolerance as above), and a site
-    whose layout differs is refused by name."""
+    """SiteFamilies over Flower: the server's copy of the family is laid out from the sites' report
+    (it has no data), q's leaves (one eta2 per block) equal the in-process vmap run's (same
+    tolerance as above), and a site whose layout differs is refused by name."""
     X = random.normal(random.PRNGKey(4), (24, 2))
     y = X @ jnp.array([1.0, -0.5]) + 0.7 * random.normal(random.PRNGKey(5), (24,))
     parts = pvi.split_iid(random.PRNGKey(1), 24, 2)
-    # any update shows the layout at work; Adam's compiles in a third of CVI's time on this family (measured:
-    # 30 s against 88 s for the first in-process round, on this machine under load)
+    # any update shows the layout at work; Adam's compiles in a third of CVI's time on this family
+    # (measured: 30 s against 88 s for the first in-process round, on this machine under load)
     update = pvi.GradientUpdate(optax.adam(0.05), num_steps=10, num_particles=2)
     strategy = PVIStrategy(site_families(), 2, random.PRNGKey(2), pvi.Synchronous(DAMPING))
     app = ServerApp()
@@ -291,14 +362,23 @@ def test_flower_site_families_match_in_process(by_value):
         p = parts[int(context.node_config["partition-id"])]
         return (np.asarray(X[p]),), {"y": np.asarray(y[p])}
 
-    run_simulation(app, client_app(normal_gamma_model, site_families(), update, load_data), num_supernodes=2,
-                   backend_config={"init_args": {"num_cpus": 1}, "client_resources": {"num_cpus": 1}})
-    inference = pvi.PVI(normal_gamma_model, site_families(), parts, update, pvi.Synchronous(DAMPING))
+    run_simulation(
+        app,
+        client_app(normal_gamma_model, site_families(), update, load_data),
+        num_supernodes=2,
+        backend_config={"init_args": {"num_cpus": 1}, "client_resources": {"num_cpus": 1}},
+    )
+    inference = pvi.PVI(
+        normal_gamma_model, site_families(), parts, update, pvi.Synchronous(DAMPING)
+    )
     reference = inference.run(random.PRNGKey(2), 2, X, y=y, progress_bar=False)
     assert len(strategy.state.q.eta2) == 2
-    for got, want in zip(jax.tree.leaves((strategy.state.q, strategy.state.factors)),
-                         jax.tree.leaves((reference.state.q, reference.state.factors))):
+    for got, want in zip(
+        jax.tree.leaves((strategy.state.q, strategy.state.factors)),
+        jax.tree.leaves((reference.state.q, reference.state.factors)),
+    ):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
     np.testing.assert_array_equal(strategy.history.rejection, reference.history.rejection)
     with pytest.raises(ValueError, match="same SiteFamilies"):
-        site_families().adopt_layout([[["w", "tau"], 3]], {"w": (2,), "tau": ()})  # w and tau in one block
+        # w and tau in one block
+        site_families().adopt_layout([[["w", "tau"], 3]], {"w": (2,), "tau": ()})

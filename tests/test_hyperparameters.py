@@ -1,4 +1,5 @@
-"""Hyperparameters (numpyro.param outside the partition plate): clients' gradients, the server's optimiser."""
+"""Hyperparameters (numpyro.param outside the partition plate): clients' gradients, the server's
+optimiser."""
 
 import jax
 import jax.numpy as jnp
@@ -38,11 +39,20 @@ PARTS = pvi.split_iid(random.PRNGKey(2), N, 3)
 
 
 def test_clients_gradients_sum_to_the_evidence_gradient(data):
-    """Bui et al. 2018, eq. 5: at the exact posterior, sum_m E_q[d log p(y_m | w, s) / d s] = d log p(y | s) / d s."""
+    """Bui et al. 2018, eq. 5: at the exact posterior, sum_m E_q[d log p(y_m | w, s) / d s] = d log
+    p(y | s) / d s."""
     X, y = data
-    update = pvi.NaturalGradientUpdate(step_size=1.0, num_particles=512)  # exact in one step on this model
-    inference = pvi.PVI(noise_model, pvi.FullRankGaussian(), PARTS, update, pvi.Sequential(),
-                        hyper_optimizer=optax.sgd(0.0))  # sigma stays at 1, q is its exact posterior
+    # exact in one step on this model
+    update = pvi.NaturalGradientUpdate(step_size=1.0, num_particles=512)
+    inference = pvi.PVI(
+        noise_model,
+        pvi.FullRankGaussian(),
+        PARTS,
+        update,
+        pvi.Sequential(),
+        # sigma stays at 1, q is its exact posterior
+        hyper_optimizer=optax.sgd(0.0),
+    )
     state = inference.run(random.PRNGKey(0), 1, X, y=y, progress_bar=False).state
     problem = inference.build(X, y=y)
     client_update = jax.jit(update.bind(problem.client_problem))
@@ -53,7 +63,8 @@ def test_clients_gradients_sum_to_the_evidence_gradient(data):
         result = client_update(random.PRNGKey(m), client, cavity, state.q, (), state.hyper)
         total = total + result.hyper_grad["sigma"]
     expected = jax.grad(lambda s: log_evidence(X, y, s))(state.hyper["sigma"])
-    # at sigma = 1 the gradient is -40.2; with 512 antithetic draws the sum was within 0.5 % of it over seeds 0-3
+    # at sigma = 1 the gradient is -40.2; with 512 antithetic draws the sum was within 0.5 % of it
+    # over seeds 0-3
     assert float(total) == pytest.approx(float(expected), rel=0.02)
 
 
@@ -61,21 +72,33 @@ def test_clients_gradients_sum_to_the_evidence_gradient(data):
 def test_noise_scale_reaches_type_ii_maximum_likelihood(data, type_ii_sigma, kind):
     X, y = data
     if kind == "natural_gradient":
-        update, server, rounds, lr = pvi.NaturalGradientUpdate(step_size=1.0, num_particles=32), pvi.Synchronous(1.0), \
-            200, 0.05
+        update, server, rounds, lr = (
+            pvi.NaturalGradientUpdate(step_size=1.0, num_particles=32),
+            pvi.Synchronous(1.0),
+            200,
+            0.05,
+        )
     else:
-        update = pvi.GradientUpdate(optax.adam(optax.exponential_decay(2e-2, 200, 0.05)), num_steps=200,
-                                    num_particles=8)
+        update = pvi.GradientUpdate(
+            optax.adam(optax.exponential_decay(2e-2, 200, 0.05)), num_steps=200, num_particles=8
+        )
         server, rounds, lr = pvi.Synchronous(0.5), 100, 0.05
-    inference = pvi.PVI(noise_model, pvi.FullRankGaussian(), PARTS, update, server,
-                        hyper_optimizer=optax.adam(optax.exponential_decay(lr, rounds, 0.05)))
+    inference = pvi.PVI(
+        noise_model,
+        pvi.FullRankGaussian(),
+        PARTS,
+        update,
+        server,
+        hyper_optimizer=optax.adam(optax.exponential_decay(lr, rounds, 0.05)),
+    )
     result = inference.run(random.PRNGKey(0), rounds, X, y=y, progress_bar=False)
     assert result.history.num_rejected.sum() == 0
     sigma = float(result.hyperparameters["sigma"])
-    # type-II ML sigma = 0.5431 (from 1.0); over seeds 0-3 natural-gradient PVI ended within 0.07 % of it, and
-    # gradient PVI (MC-noisy q and gradients) within 0.43 %
+    # type-II ML sigma = 0.5431 (from 1.0); over seeds 0-3 natural-gradient PVI ended within 0.07 %
+    # of it, and gradient PVI (MC-noisy q and gradients) within 0.43 %
     assert sigma == pytest.approx(type_ii_sigma, rel=0.005 if kind == "natural_gradient" else 0.02)
-    assert float(jnp.exp(result.state.hyper["sigma"])) == pytest.approx(sigma)  # learned in log space: positive
+    # learned in log space: positive
+    assert float(jnp.exp(result.state.hyper["sigma"])) == pytest.approx(sigma)
 
 
 @pytest.fixture(scope="module")
@@ -88,24 +111,29 @@ def item_7_data():
 
 @pytest.mark.parametrize("kind", ["natural_gradient", "gradient"])
 def test_defaults_reach_type_ii_maximum_likelihood_in_40_rounds(item_7_data, kind):
-    """Item 7 with the default hyper_optimizer (pvi.rprop) and num_hyper_particles: within 1 % after 40 rounds.
+    """Item 7 with the default hyper_optimizer (pvi.rprop) and num_hyper_particles: within 1 % after
+    40 rounds.
 
-    Measured (this run with keys 0-3, sigma read every round): the gradient update ended
-    0.15-0.95 % away (key 1: -0.52 %), the natural-gradient one 0.03-0.32 % (key 1: -0.03 %). On the previous
-    defaults (optax.rprop(0.1), whose update is the previous round's step, and the step's 8 / 16 draws for the
-    hyperparameters' gradient) key 1 ended -1.11 % and +1.20 % away (this test fails there), keys 0-3 up to 1.7 %
-    and 2.1 %.
+    Measured (this run with keys 0-3, sigma read every round): the gradient update ended 0.15-0.95 %
+    away (key 1: -0.52 %), the natural-gradient one 0.03-0.32 % (key 1: -0.03 %). On the previous
+    defaults (optax.rprop(0.1), whose update is the previous round's step, and the step's 8 / 16
+    draws for the hyperparameters' gradient) key 1 ended -1.11 % and +1.20 % away (this test fails
+    there), keys 0-3 up to 1.7 % and 2.1 %.
     """
     X, y, parts = item_7_data
-    update = pvi.NaturalGradientUpdate() if kind == "natural_gradient" else \
-        pvi.GradientUpdate(optax.adam(1e-2), num_steps=200, num_particles=8)
+    update = (
+        pvi.NaturalGradientUpdate()
+        if kind == "natural_gradient"
+        else pvi.GradientUpdate(optax.adam(1e-2), num_steps=200, num_particles=8)
+    )
     inference = pvi.PVI(noise_model, pvi.FullRankGaussian(), parts, update, pvi.Synchronous(0.5))
     result = inference.run(random.PRNGKey(1), 40, X, y=y, progress_bar=False)
     assert float(result.hyperparameters["sigma"]) == pytest.approx(type_ii_ml_sigma(X, y), rel=0.01)
 
 
 def test_default_hyper_optimizer_steps_on_the_rounds_own_gradient():
-    """pvi.rprop is optax.rprop's rule without its delay: optax's update k + 1 is pvi.rprop's update k."""
+    """pvi.rprop is optax.rprop's rule without its delay: optax's update k + 1 is pvi.rprop's update
+    k."""
     grads = jnp.array([3.0, 2.0, 1.0, -1.0, -2.0, 0.5, 0.7, 0.2])
     ours, theirs = pvi.rprop(0.1), optax.rprop(0.1)
     state, optax_state, x = ours.init(jnp.zeros(())), theirs.init(jnp.zeros(())), jnp.zeros(())
@@ -129,11 +157,19 @@ def test_num_hyper_particles_is_checked(update):
 
 def test_hyperparameters_reach_predictive_and_checkpoints(data, tmp_path):
     X, y = data
-    inference = pvi.PVI(noise_model, pvi.MeanFieldGaussian(), PARTS, pvi.NaturalGradientUpdate(), pvi.Synchronous(1.0),
-                        hyper_optimizer=optax.sgd(1e-3))
+    inference = pvi.PVI(
+        noise_model,
+        pvi.MeanFieldGaussian(),
+        PARTS,
+        pvi.NaturalGradientUpdate(),
+        pvi.Synchronous(1.0),
+        hyper_optimizer=optax.sgd(1e-3),
+    )
     result = inference.run(random.PRNGKey(0), 3, X, y=y, progress_bar=False)
-    assert float(result.hyperparameters["sigma"]) < 1.0  # the data pull the noise down from its initial 1
-    # SVI.get_params' counterpart: constrained values by site (the state holds log sigma, constraints.positive)
+    # the data pull the noise down from its initial 1
+    assert float(result.hyperparameters["sigma"]) < 1.0
+    # SVI.get_params' counterpart: constrained values by site (the state holds log sigma,
+    # constraints.positive)
     params = inference.get_params(result.state)
     assert list(params) == ["sigma"]
     np.testing.assert_allclose(params["sigma"], jnp.exp(result.state.hyper["sigma"]), rtol=1e-6)
@@ -142,11 +178,17 @@ def test_hyperparameters_reach_predictive_and_checkpoints(data, tmp_path):
     pvi.save(result.state, tmp_path / "state.npz")
     loaded = pvi.load(tmp_path / "state.npz")
     np.testing.assert_allclose(loaded.hyper["sigma"], result.state.hyper["sigma"])
-    predictive = numpyro.infer.Predictive(noise_model, guide=result.guide(), params=result.hyperparameters,
-                                          num_samples=2000, return_sites=["y"])
+    predictive = numpyro.infer.Predictive(
+        noise_model,
+        guide=result.guide(),
+        params=result.hyperparameters,
+        num_samples=2000,
+        return_sites=["y"],
+    )
     draws = predictive(random.PRNGKey(1), X[:3])["y"]
     sd = float(jnp.std(draws[:, 0] - draws[:, 0].mean()))
-    assert sd == pytest.approx(float(result.hyperparameters["sigma"]), rel=0.15)  # noise dominates the spread
+    # noise dominates the spread
+    assert sd == pytest.approx(float(result.hyperparameters["sigma"]), rel=0.15)
 
 
 def test_param_inside_the_partition_plate_is_refused(data):
@@ -157,5 +199,7 @@ def test_param_inside_the_partition_plate_is_refused(data):
             numpyro.sample("y", dist.Normal(X @ w + offset, 1.0), obs=y)
 
     inference = pvi.PVI(model, pvi.MeanFieldGaussian(), PARTS, pvi.NaturalGradientUpdate())
-    with pytest.raises(ValueError, match="numpyro.param site 'offset' is inside partition plate 'data'"):
+    with pytest.raises(
+        ValueError, match="numpyro.param site 'offset' is inside partition plate 'data'"
+    ):
         inference.init(random.PRNGKey(0), *data[:1], y=data[1])

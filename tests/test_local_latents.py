@@ -1,4 +1,5 @@
-"""Client-private local latents: random-intercept regression with the groups inside the partition plate."""
+"""Client-private local latents: random-intercept regression with the groups inside the partition
+plate."""
 
 import jax
 import jax.numpy as jnp
@@ -10,11 +11,18 @@ from numpyro.infer import Predictive
 
 import numpyro_pvi as pvi
 
-from models import INTERCEPT_GROUPS, INTERCEPT_NOISE, INTERCEPT_PER_GROUP, intercept_model, make_intercept_data
+from models import (
+    INTERCEPT_GROUPS,
+    INTERCEPT_NOISE,
+    INTERCEPT_PER_GROUP,
+    intercept_model,
+    make_intercept_data,
+)
 from references import INTERCEPT_SVI_AUTONORMAL
 
 NUM_GROUPS, PER_GROUP, NOISE = INTERCEPT_GROUPS, INTERCEPT_PER_GROUP, INTERCEPT_NOISE
-PARTS = [np.arange(0, 3), np.arange(3, 8), np.arange(8, 12)]  # groups per client (unequal: padding is exercised)
+# groups per client (unequal: padding is exercised)
+PARTS = [np.arange(0, 3), np.arange(3, 8), np.arange(8, 12)]
 
 
 @pytest.fixture(scope="module")
@@ -22,39 +30,54 @@ def data():
     return make_intercept_data()
 
 
-# NumPyro SVI's optimum (AutoNormal, 6,000 steps, key 0) from tests/references.py: the tolerances below were measured
-# against this very run
+# NumPyro SVI's optimum (AutoNormal, 6,000 steps, key 0) from tests/references.py: the tolerances
+# below were measured against this very run
 SVI_PARAMS = INTERCEPT_SVI_AUTONORMAL
 
 
 def update(num_steps=300):
-    return pvi.GradientUpdate(optax.adam(optax.exponential_decay(2e-2, num_steps, 0.05)), num_steps=num_steps,
-                              num_particles=8)
+    return pvi.GradientUpdate(
+        optax.adam(optax.exponential_decay(2e-2, num_steps, 0.05)),
+        num_steps=num_steps,
+        num_particles=8,
+    )
 
 
 def run_pvi(data, seed, server, rounds=10, backend="vmap", num_steps=300):
-    inference = pvi.PVI(intercept_model, pvi.MeanFieldGaussian(), PARTS, update(num_steps), server, backend=backend)
-    return inference, inference.run(random.PRNGKey(seed), rounds, data[0], y=data[1], progress_bar=False)
+    inference = pvi.PVI(
+        intercept_model, pvi.MeanFieldGaussian(), PARTS, update(num_steps), server, backend=backend
+    )
+    return inference, inference.run(
+        random.PRNGKey(seed), rounds, data[0], y=data[1], progress_bar=False
+    )
 
 
 def local_guides(state):
-    """Every group's (loc, scale) from its client's private guide, in pooled group order (padding dropped)."""
+    """Every group's (loc, scale) from its client's private guide, in pooled group order (padding
+    dropped)."""
     loc, scale = state.client_states["u"]
-    return (np.concatenate([np.asarray(loc[m, :len(p)]) for m, p in enumerate(PARTS)]),
-            np.concatenate([np.asarray(scale[m, :len(p)]) for m, p in enumerate(PARTS)]))
+    return (
+        np.concatenate([np.asarray(loc[m, : len(p)]) for m, p in enumerate(PARTS)]),
+        np.concatenate([np.asarray(scale[m, : len(p)]) for m, p in enumerate(PARTS)]),
+    )
 
 
-@pytest.mark.parametrize("server, rounds", [(pvi.Sequential(), 10), (pvi.Synchronous(0.5), 16)], ids=str)
+@pytest.mark.parametrize(
+    "server, rounds", [(pvi.Sequential(), 10), (pvi.Synchronous(0.5), 16)], ids=str
+)
 def test_random_intercepts_match_global_vi(data, server, rounds):
     inference, result = run_pvi(data, 1, server, rounds)
     assert result.history.accepted.all()
     p = SVI_PARAMS
     loc, scale = inference.family.loc_scale(result.state.q)
-    ref_loc, ref_scale = np.array([p["b_auto_loc"], p["w_auto_loc"]]), np.array([p["b_auto_scale"], p["w_auto_scale"]])
-    # SVI vs SVI (seeds 1-3 vs 0): globals within 0.06 sd and 3.1 %, group intercepts within 0.03 sd and 2.8 %.
-    # PVI (seeds 0-3) vs SVI seed 0: Sequential globals within 0.065 sd and 2.4 %, intercepts 0.074 sd and 5.1 %;
-    # Synchronous(0.5) globals within 0.06 sd and 3.5 %, intercepts 0.067 sd and 4.3 % (after 10 rounds it lagged
-    # at up to 0.145 sd: hence 16)
+    ref_loc, ref_scale = (
+        np.array([p["b_auto_loc"], p["w_auto_loc"]]),
+        np.array([p["b_auto_scale"], p["w_auto_scale"]]),
+    )
+    # SVI vs SVI (seeds 1-3 vs 0): globals within 0.06 sd and 3.1 %, group intercepts within 0.03 sd
+    # and 2.8 %. PVI (seeds 0-3) vs SVI seed 0: Sequential globals within 0.065 sd and 2.4 %,
+    # intercepts 0.074 sd and 5.1 %; Synchronous(0.5) globals within 0.06 sd and 3.5 %, intercepts
+    # 0.067 sd and 4.3 % (after 10 rounds it lagged at up to 0.145 sd: hence 16)
     assert np.max(np.abs(np.asarray(loc) - ref_loc) / ref_scale) < 0.2
     np.testing.assert_allclose(np.asarray(scale), ref_scale, rtol=0.1)
     u_loc, u_scale = local_guides(result.state)
@@ -64,7 +87,9 @@ def test_random_intercepts_match_global_vi(data, server, rounds):
 
 def test_local_guides_stay_on_the_client(data):
     x, y = data
-    inference = pvi.PVI(intercept_model, pvi.MeanFieldGaussian(), PARTS, update(20), pvi.Synchronous(0.5))
+    inference = pvi.PVI(
+        intercept_model, pvi.MeanFieldGaussian(), PARTS, update(20), pvi.Synchronous(0.5)
+    )
     state = inference.init(random.PRNGKey(0), x, y=y)
     problem = inference.build(x, y=y)
     client_update = jax.jit(inference.local_update.bind(problem.client_problem))
@@ -72,7 +97,8 @@ def test_local_guides_stay_on_the_client(data):
     cavity = jax.tree.map(lambda a, f: a - f[1], state.q, state.factors)
     local = jax.tree.map(lambda s: s[1], state.client_states)
     result = client_update(random.PRNGKey(1), client, cavity, state.q, local)
-    # what the client sends: natural parameters over the D = 2 global coordinates (b, w), nothing of u
+    # what the client sends: natural parameters over the D = 2 global coordinates (b, w), nothing of
+    # u
     assert [leaf.shape for leaf in jax.tree.leaves(result.delta)] == [(2,), (2,)]
     assert result.hyper_grad == ()
     # what it keeps: its 5 groups' guide, (loc, scale) for u, changed by the update
@@ -85,31 +111,49 @@ def test_posterior_samples_and_predictive_per_client(data):
     x, y = data
     inference, result = run_pvi(data, 0, pvi.Synchronous(0.5), rounds=3, num_steps=200)
     samples = result.sample_posterior(random.PRNGKey(0), 500, client=0)
-    assert samples["b"].shape == (500,) and samples["u"].shape == (500, 3)  # client 0 holds 3 groups
+    # client 0 holds 3 groups
+    assert samples["b"].shape == (500,) and samples["u"].shape == (500, 3)
     loc, scale = result.state.client_states["u"]
-    np.testing.assert_allclose(samples["u"].mean(0), loc[0, :3], atol=4 * float(scale.max()) / np.sqrt(500))
+    np.testing.assert_allclose(
+        samples["u"].mean(0), loc[0, :3], atol=4 * float(scale.max()) / np.sqrt(500)
+    )
     assert "u" not in result.sample_posterior(random.PRNGKey(0), 5)
     rows = PARTS[2]
-    predictive = Predictive(intercept_model, guide=result.guide(client=2), num_samples=300, return_sites=["u", "y"])
+    predictive = Predictive(
+        intercept_model, guide=result.guide(client=2), num_samples=300, return_sites=["u", "y"]
+    )
     draws = predictive(random.PRNGKey(1), x[rows])
     assert draws["u"].shape == (300, 4) and draws["y"].shape == (300, 4, PER_GROUP)
     np.testing.assert_allclose(draws["u"].mean(0), loc[2, :4], atol=0.05)
-    # the predictive mean of each group follows its observations (residual sd NOISE / sqrt(PER_GROUP) per group)
+    # the predictive mean of each group follows its observations (residual sd NOISE /
+    # sqrt(PER_GROUP) per group)
     assert np.abs(draws["y"].mean((0, 2)) - y[rows].mean(1)).max() < 3 * NOISE / np.sqrt(PER_GROUP)
     assert np.isfinite(result.history.elbo).all()
 
 
 def test_loop_backend_agrees_with_vmap(data):
-    states = [run_pvi(data, 3, pvi.Synchronous(0.5), rounds=2, backend=b, num_steps=50)[1].state
-              for b in ("vmap", "loop")]
+    states = [
+        run_pvi(data, 3, pvi.Synchronous(0.5), rounds=2, backend=b, num_steps=50)[1].state
+        for b in ("vmap", "loop")
+    ]
     np.testing.assert_allclose(states[0].q.eta1, states[1].q.eta1, rtol=1e-4, atol=1e-4)
-    np.testing.assert_allclose(states[0].client_states["u"][0], states[1].client_states["u"][0], atol=1e-4)
+    np.testing.assert_allclose(
+        states[0].client_states["u"][0], states[1].client_states["u"][0], atol=1e-4
+    )
 
 
 def test_updates_without_local_latent_support_refuse_the_model(data):
-    inference = pvi.PVI(intercept_model, pvi.MeanFieldGaussian(), PARTS, pvi.NaturalGradientUpdate())
-    with pytest.raises(NotImplementedError, match=r"NaturalGradientUpdate does not support local latent.*\['u'\]"):
+    inference = pvi.PVI(
+        intercept_model, pvi.MeanFieldGaussian(), PARTS, pvi.NaturalGradientUpdate()
+    )
+    with pytest.raises(
+        NotImplementedError,
+        match=r"NaturalGradientUpdate does not support local "
+        r"latent.*\['u'\]",
+    ):
         inference.init(random.PRNGKey(0), *data[:1], y=data[1])
     batched = pvi.GradientUpdate(optax.adam(1e-2), num_steps=5, batch_size=2)
     with pytest.raises(NotImplementedError, match="batch_size"):
-        pvi.PVI(intercept_model, pvi.MeanFieldGaussian(), PARTS, batched).init(random.PRNGKey(0), data[0], y=data[1])
+        pvi.PVI(intercept_model, pvi.MeanFieldGaussian(), PARTS, batched).init(
+            random.PRNGKey(0), data[0], y=data[1]
+        )

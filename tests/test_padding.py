@@ -1,5 +1,6 @@
-"""Padding is invisible: clients are padded (to their bucket's largest client) with copies of a real row (masked),
-so a row argument the model uses as a scale never reaches it as 0; uneven clients give exactly the answer."""
+"""Padding is invisible: clients are padded (to their bucket's largest client) with copies of a real
+row (masked), so a row argument the model uses as a scale never reaches it as 0; uneven clients give
+exactly the answer."""
 
 import jax.numpy as jnp
 import numpy as np
@@ -32,13 +33,19 @@ def exact_posterior():
 def test_uneven_clients_with_a_row_scale_give_the_exact_posterior(sizes):
     with enable_x64(True):
         cuts = np.cumsum(sizes)[:-1]
-        clients = pvi.ClientData([((jnp.asarray(s),), {"y": jnp.asarray(y)})
-                                  for s, y in zip(np.split(SIGMA, cuts), np.split(Y, cuts))])
-        update = pvi.NaturalGradientUpdate(step_size=1.0, num_particles=8)  # exact in one step: Gaussian likelihood
+        clients = pvi.ClientData(
+            [
+                ((jnp.asarray(s),), {"y": jnp.asarray(y)})
+                for s, y in zip(np.split(SIGMA, cuts), np.split(Y, cuts))
+            ]
+        )
+        # exact in one step: Gaussian likelihood
+        update = pvi.NaturalGradientUpdate(step_size=1.0, num_particles=8)
         inference = pvi.PVI(schools, pvi.MeanFieldGaussian(), clients, update, pvi.Sequential())
         problem = inference.build()
         small = int(np.argmin(sizes))
-        padded = np.asarray(problem.clients.arrays[0][small])  # sigma of the small client, padded to 3 rows
+        # sigma of the small client, padded to 3 rows
+        padded = np.asarray(problem.clients.arrays[0][small])
         assert padded.shape == (3,) and np.all(padded > 0)  # copies of a real row, not zeros
         result = inference.run(random.PRNGKey(0), 1, problem, progress_bar=False)
         assert result.history.num_rejected.sum() == 0
@@ -47,12 +54,13 @@ def test_uneven_clients_with_a_row_scale_give_the_exact_posterior(sizes):
         np.testing.assert_allclose([float(loc[0]), float(scale[0])], [mean, sd], rtol=1e-6)
 
 
-@pytest.mark.filterwarnings("ignore:The run ended far from converged")  # 2 rounds: enough to compare backends
+# 2 rounds: enough to compare backends
+@pytest.mark.filterwarnings("ignore:The run ended far from converged")
 def test_a_skewed_split_is_bucketed_by_size_and_gives_the_loop_backends_q(linear_data):
-    """One client of 200 rows and 20 of one row: the vmap backend stacks them in two buckets (200 rows, 1 row)
-    instead of 21 clients of 200 rows; the loop backend runs each client alone on the old padding to the largest.
-    Both hand every client the same key, so q agrees to float64 round-off (the only difference is the order of
-    the masked sums over padded rows)."""
+    """One client of 200 rows and 20 of one row: the vmap backend stacks them in two buckets (200
+    rows, 1 row) instead of 21 clients of 200 rows; the loop backend runs each client alone on the
+    old padding to the largest. Both hand every client the same key, so q agrees to float64
+    round-off (the only difference is the order of the masked sums over padded rows)."""
     from models import linear_model
 
     with enable_x64(True):
@@ -61,7 +69,9 @@ def test_a_skewed_split_is_bucketed_by_size_and_gives_the_loop_backends_q(linear
         update = pvi.GradientUpdate(optax.adam(0.05), num_steps=30, num_particles=2)
         qs = []
         for backend in ("vmap", "loop"):
-            inference = pvi.PVI(linear_model, pvi.MeanFieldGaussian(), parts, update, pvi.Synchronous(0.5), backend)
+            inference = pvi.PVI(
+                linear_model, pvi.MeanFieldGaussian(), parts, update, pvi.Synchronous(0.5), backend
+            )
             problem = inference.build(X, y=y)
             if backend == "vmap":
                 assert [b.clients.mask.shape for b in problem.buckets] == [(20, 1), (1, 200)]

@@ -66,11 +66,13 @@ def test_split_by_label_skews_labels():
 
 @pytest.mark.parametrize(
     "parts, match",
-    [([np.array([0, 1, 2]), np.array([2, 3, 4])], "overlap"),
-     ([np.array([0, 1]), np.array([3, 4])], "miss"),
-     ([np.array([0, 1, 2]), np.array([3, 4, 5])], "outside"),
-     ([np.array([0.0, 1.0]), np.array([2, 3, 4])], "integer"),
-     ([], "empty")],
+    [
+        ([np.array([0, 1, 2]), np.array([2, 3, 4])], "overlap"),
+        ([np.array([0, 1]), np.array([3, 4])], "miss"),
+        ([np.array([0, 1, 2]), np.array([3, 4, 5])], "outside"),
+        ([np.array([0.0, 1.0]), np.array([2, 3, 4])], "integer"),
+        ([], "empty"),
+    ],
 )
 def test_bad_partitions_are_named(parts, match):
     with pytest.raises(ValueError, match=match):

@@ -34,15 +34,23 @@ def scale_model(X, y=None):
 
 
 def update(num_steps=300):
-    return pvi.GradientUpdate(optax.adam(optax.exponential_decay(5e-2, num_steps, 0.05)), num_steps=num_steps,
-                              num_particles=4)
+    return pvi.GradientUpdate(
+        optax.adam(optax.exponential_decay(5e-2, num_steps, 0.05)),
+        num_steps=num_steps,
+        num_particles=4,
+    )
 
 
 @pytest.fixture(scope="module")
 def fitted(logistic_data):
     X, y = logistic_data
-    inference = pvi.PVI(logistic_model, pvi.MeanFieldGaussian(), pvi.split_iid(random.PRNGKey(0), X.shape[0], 5),
-                        update(), pvi.Synchronous(0.5))
+    inference = pvi.PVI(
+        logistic_model,
+        pvi.MeanFieldGaussian(),
+        pvi.split_iid(random.PRNGKey(0), X.shape[0], 5),
+        update(),
+        pvi.Synchronous(0.5),
+    )
     return inference.run(random.PRNGKey(1), 4, X, y=y, progress_bar=False)
 
 
@@ -52,9 +60,15 @@ def synthetic_history(num_rounds=4, num_clients=3):
     accepted[2, 1] = 0  # client 1's update of round 3 was rejected
     free_energy = -np.arange(num_rounds * num_clients, dtype=float).reshape(shape)
     free_energy[0, 2] = np.nan  # client 2 not visited in round 1
-    return pvi.RoundInfo(elbo=np.linspace(-50.0, -10.0, num_rounds), free_energy=free_energy,
-                         attempts=np.ones(shape, int), accepted=accepted, damping=accepted * 0.5,
-                         clamped=np.zeros(shape, int), time=np.ones(num_rounds))
+    return pvi.RoundInfo(
+        elbo=np.linspace(-50.0, -10.0, num_rounds),
+        free_energy=free_energy,
+        attempts=np.ones(shape, int),
+        accepted=accepted,
+        damping=accepted * 0.5,
+        clamped=np.zeros(shape, int),
+        time=np.ones(num_rounds),
+    )
 
 
 # ----------------------------------------------------------------------------- plot_history
@@ -83,8 +97,12 @@ def test_plot_history_marks_rejected_updates_and_accepts_a_history():
     fig = plot_history(history, clients=[1, 2])
     ax_local = fig.axes[1]  # a history without RoundInfo.change: no change panel
     labels = [line.get_label() for line in ax_local.lines]
-    assert labels.count("client 1") == 1 and labels.count("client 2") == 1 and "client 0" not in labels
-    crosses = [line for line in ax_local.lines if line.get_marker() == "x" and len(line.get_xdata())]
+    assert (
+        labels.count("client 1") == 1 and labels.count("client 2") == 1 and "client 0" not in labels
+    )
+    crosses = [
+        line for line in ax_local.lines if line.get_marker() == "x" and len(line.get_xdata())
+    ]
     assert len(crosses) == 1
     np.testing.assert_array_equal(crosses[0].get_xdata(), [3])
     assert "rejected update" in [t.get_text() for t in ax_local.get_legend().get_texts()]
@@ -101,10 +119,14 @@ def test_plot_history_needs_a_history(fitted):
 def test_plot_compare_accepts_results_dicts_and_inference_data(fitted):
     rng = np.random.default_rng(0)
     reference = {"w": rng.normal(0.0, 0.1, (800, 3)), "b": rng.normal(-0.3, 0.1, 800)}
-    fig = plot_compare({"PVI": fitted, "ArviZ": to_arviz(fitted, num_samples=400), "reference": reference})
+    fig = plot_compare(
+        {"PVI": fitted, "ArviZ": to_arviz(fitted, num_samples=400), "reference": reference}
+    )
     visible = [ax for ax in fig.axes if ax.get_visible()]
     assert [ax.get_title() for ax in visible] == ["w[0]", "w[1]", "w[2]", "b"]
-    densities = [line for line in visible[3].lines if line.get_label() in ("PVI", "ArviZ", "reference")]
+    densities = [
+        line for line in visible[3].lines if line.get_label() in ("PVI", "ArviZ", "reference")
+    ]
     assert [line.get_label() for line in densities] == ["PVI", "ArviZ", "reference"]
     for line in densities:  # each curve is a density: it integrates to about 1
         x, y = line.get_xdata(), line.get_ydata()
@@ -140,8 +162,11 @@ def test_plot_clients_shows_q_and_every_cavity(fitted):
     for i, ax in enumerate(top):
         q_line = [line for line in ax.lines if line.get_label() == "q"][0]
         x, y = q_line.get_xdata(), q_line.get_ydata()
-        assert x[np.argmax(y)] == pytest.approx(loc[i], abs=3 * (x[1] - x[0]))  # q's mode is its mean
-        assert len([line for line in ax.lines if line.get_label().startswith("without client")]) == 5
+        # q's mode is its mean
+        assert x[np.argmax(y)] == pytest.approx(loc[i], abs=3 * (x[1] - x[0]))
+        assert (
+            len([line for line in ax.lines if line.get_label().startswith("without client")]) == 5
+        )
 
 
 def test_plot_clients_precision_shares_sum_to_one(fitted):
@@ -157,12 +182,23 @@ def test_plot_clients_precision_shares_sum_to_one(fitted):
 
 def test_plot_clients_full_rank_and_a_constrained_site(linear_data):
     X, y = linear_data
-    inference = pvi.PVI(scale_model, pvi.FullRankGaussian(), [np.arange(100), np.arange(100, 300)],
-                        update(100), pvi.Sequential())
+    inference = pvi.PVI(
+        scale_model,
+        pvi.FullRankGaussian(),
+        [np.arange(100), np.arange(100, 300)],
+        update(100),
+        pvi.Sequential(),
+    )
     result = inference.run(random.PRNGKey(0), 1, X, y=y, progress_bar=False)
     fig = plot_clients(result, max_coords=10)
-    assert [ax.get_title() for ax in fig.axes[:4]] == ["w[0]", "w[1]", "w[2]", "sigma (unconstrained)"]
-    heights = np.array([b.get_height() for b in fig.axes[4 + 3].patches])  # sigma's precision shares
+    assert [ax.get_title() for ax in fig.axes[:4]] == [
+        "w[0]",
+        "w[1]",
+        "w[2]",
+        "sigma (unconstrained)",
+    ]
+    # sigma's precision shares
+    heights = np.array([b.get_height() for b in fig.axes[4 + 3].patches])
     assert heights.sum() == pytest.approx(1.0, abs=1e-4)
 
 
@@ -172,7 +208,8 @@ def test_plot_clients_rejects_unknown_sites(fitted):
 
 
 def test_plots_do_not_need_a_pyplot_show(fitted, monkeypatch):
-    """Every plot returns the Figure it drew, open in pyplot for the caller to show or save, and never shows it."""
+    """Every plot returns the Figure it drew, open in pyplot for the caller to show or save, and
+    never shows it."""
 
     def show(*args, **kwargs):
         raise AssertionError("a plot called plt.show()")
@@ -180,9 +217,11 @@ def test_plots_do_not_need_a_pyplot_show(fitted, monkeypatch):
     monkeypatch.setattr(plt, "show", show)
     figs = [plot_history(fitted), plot_compare({"PVI": fitted}), plot_clients(fitted)]
     assert all(isinstance(f, Figure) for f in figs)
-    assert sorted(plt.get_fignums()) == sorted(f.number for f in figs)  # each is pyplot's, and nothing else is
-    # and each holds the run's numbers, as with explicit arguments above: the ELBO per round, a density per global
-    # coordinate (titled, integrating to about 1), q's mean at each coordinate's mode
+    # each is pyplot's, and nothing else is
+    assert sorted(plt.get_fignums()) == sorted(f.number for f in figs)
+    # and each holds the run's numbers, as with explicit arguments above: the ELBO per round, a
+    # density per global coordinate (titled, integrating to about 1), q's mean at each coordinate's
+    # mode
     np.testing.assert_allclose(figs[0].axes[0].lines[0].get_ydata(), fitted.history.elbo)
     titles = ["w[0]", "w[1]", "w[2]", "b"]
     visible = [ax for ax in figs[1].axes if ax.get_visible()]

@@ -29,7 +29,8 @@ def prior_factor():
 
 
 def test_prior_factor_target_matches_closed_form(prior_factor):
-    """For z = log sigma, log p_z = -exp(2z)/2 + z: E[g] = 1 - e^{2m+2s^2}, E[H] = -2 e^{2m+2s^2}."""
+    """For z = log sigma, log p_z = -exp(2z)/2 + z: E[g] = 1 - e^{2m+2s^2}, E[H] = -2
+    e^{2m+2s^2}."""
     _, factor = prior_factor
     family = pvi.MeanFieldGaussian()
     m, s = -0.4, 0.3
@@ -37,7 +38,8 @@ def test_prior_factor_target_matches_closed_form(prior_factor):
     got = factor.target(q)
     e2 = np.exp(2 * m + 2 * s**2)
     expected_eta2, expected_eta1 = -e2, (1 - e2) + 2 * e2 * m
-    # 1024 scrambled-Sobol points; over Sobol seeds 0-3 the errors were < 0.01 % (eta2) and < 0.001 (eta1)
+    # 1024 scrambled-Sobol points; over Sobol seeds 0-3 the errors were < 0.01 % (eta2) and < 0.001
+    # (eta1)
     assert float(got.eta2[1]) == pytest.approx(expected_eta2, rel=0.005)
     assert float(got.eta1[1]) == pytest.approx(expected_eta1, abs=0.003)
     assert float(got.eta1[0]) == 0.0 and float(got.eta2[0]) == 0.0  # mu's prior is not in t_0
@@ -53,7 +55,8 @@ def test_initial_prior_factor_is_a_fixed_point(prior_factor):
     np.testing.assert_allclose(again.eta1, t0.eta1, atol=1e-3)
     # Gaussian VI of HalfNormal(1) in log-space: stationarity gives e^{2m+2s^2} = 1 and s^2 = 1/2
     loc, scale = pvi.MeanFieldGaussian().loc_scale(q)
-    # over Sobol seeds 0-3: scale within 2e-5, loc within 0.008 of the exact optimum (q is wide: sd 0.71)
+    # over Sobol seeds 0-3: scale within 2e-5, loc within 0.008 of the exact optimum (q is wide: sd
+    # 0.71)
     assert float(scale[1]) == pytest.approx(np.sqrt(0.5), rel=1e-3)
     assert float(loc[1]) == pytest.approx(-0.5, abs=0.03)
     assert jax.numpy.isfinite(loc).all()

@@ -1,4 +1,5 @@
-"""Priors on global sites: Gaussian in unconstrained space is used exactly; any other prior gets a factor t_0."""
+"""Priors on global sites: Gaussian in unconstrained space is used exactly; any other prior gets a
+factor t_0."""
 
 import jax.numpy as jnp
 import numpy as np
@@ -14,7 +15,8 @@ import numpyro_pvi as pvi
 
 
 def gamma_model(x, y=None):
-    """A Gamma prior on a positive scale: not Gaussian in log-space, so PVI fits a prior factor t_0 for it."""
+    """A Gamma prior on a positive scale: not Gaussian in log-space, so PVI fits a prior factor t_0
+    for it."""
     mu = numpyro.sample("mu", dist.Normal(0.0, 1.0))
     sigma = numpyro.sample("sigma", dist.Gamma(2.0, 2.0))
     with pvi.partition_plate("data", x.shape[0]):
@@ -35,16 +37,19 @@ def test_gamma_prior_one_partition_equals_svi_with_autonormal(gamma_data):
     ref_loc = np.array([p["mu_auto_loc"], p["sigma_auto_loc"]])
     ref_scale = np.array([p["mu_auto_scale"], p["sigma_auto_scale"]])
 
-    update = pvi.GradientUpdate(optax.adam(optax.exponential_decay(2e-2, 1000, 0.05)), num_steps=1000,
-                                num_particles=8)
+    update = pvi.GradientUpdate(
+        optax.adam(optax.exponential_decay(2e-2, 1000, 0.05)), num_steps=1000, num_particles=8
+    )
     inference = pvi.PVI(gamma_model, pvi.MeanFieldGaussian(), None, update, pvi.Sequential())
-    # t_0 is refitted to the current q at the start of every round: a few rounds reach the joint fixed point
+    # t_0 is refitted to the current q at the start of every round: a few rounds reach the joint
+    # fixed point
     result = inference.run(random.PRNGKey(0), 5, x, y=y, progress_bar=False)
-    assert float(jnp.abs(result.state.prior_factor.eta2[1])) > 0.1  # sigma's prior is carried by t_0
+    # sigma's prior is carried by t_0
+    assert float(jnp.abs(result.state.prior_factor.eta2[1])) > 0.1
     assert float(result.state.prior_factor.eta2[0]) == 0.0  # mu's Normal prior is exact, not in t_0
     loc, scale = inference.family.loc_scale(result.state.q)
-    # SVI vs SVI over seeds 0-3 differs by up to 0.045 sd (means) and 5.5 % (scales); PVI (seeds 0-5) vs SVI
-    # (seed 0) by up to 0.052 sd and 2.7 %
+    # SVI vs SVI over seeds 0-3 differs by up to 0.045 sd (means) and 5.5 % (scales); PVI (seeds
+    # 0-5) vs SVI (seed 0) by up to 0.052 sd and 2.7 %
     assert np.max(np.abs(np.asarray(loc) - ref_loc) / ref_scale) < 0.15
     np.testing.assert_allclose(np.asarray(scale), ref_scale, rtol=0.1)
     assert bool(jnp.all(result.sample_posterior(random.PRNGKey(1), 100)["sigma"] > 0))
@@ -52,7 +57,10 @@ def test_gamma_prior_one_partition_equals_svi_with_autonormal(gamma_data):
 
 def test_gaussian_prior_in_unconstrained_space_is_used_exactly():
     def model(X, y=None):
-        w = numpyro.sample("w", dist.MultivariateNormal(jnp.array([1.0, -1.0]), jnp.array([[2.0, 0.5], [0.5, 1.0]])))
+        w = numpyro.sample(
+            "w",
+            dist.MultivariateNormal(jnp.array([1.0, -1.0]), jnp.array([[2.0, 0.5], [0.5, 1.0]])),
+        )
         s = numpyro.sample("s", dist.LogNormal(0.3, 0.5))  # Normal(0.3, 0.5) on log s
         b = numpyro.sample("b", dist.Normal(2.0, 3.0))
         with pvi.partition_plate("data", X.shape[0]):
@@ -75,15 +83,19 @@ def test_gaussian_prior_in_unconstrained_space_is_used_exactly():
 
 def test_hierarchical_prior_is_not_exact():
     """A prior whose parameters are other global sites is not a fixed Gaussian: it goes into t_0."""
+
     def model(y=None):
         tau = numpyro.sample("tau", dist.LogNormal(0.0, 1.0))
         mu = numpyro.sample("mu", dist.Normal(0.0, tau))
         with pvi.partition_plate("data", y.shape[0]):
             numpyro.sample("y", dist.Normal(mu, 1.0), obs=y)
 
-    inference = pvi.PVI(model, pvi.MeanFieldGaussian(), None, pvi.GradientUpdate(optax.adam(1e-2), num_steps=5))
+    inference = pvi.PVI(
+        model, pvi.MeanFieldGaussian(), None, pvi.GradientUpdate(optax.adam(1e-2), num_steps=5)
+    )
     state = inference.init(random.PRNGKey(0), y=jnp.zeros(5))
     assert inference.build(y=jnp.zeros(5)).rest != ()
-    # p(mu | tau) is a factor over both coordinates, so t_0 touches both; tau's own LogNormal prior stays exact
+    # p(mu | tau) is a factor over both coordinates, so t_0 touches both; tau's own LogNormal prior
+    # stays exact
     assert float(state.prior_factor.eta2[1]) < 0.0
     assert bool(inference.family.is_valid(state.q))

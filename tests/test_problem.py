@@ -1,7 +1,8 @@
-"""The problem: built once from the data, immutable, its compiled steps reused for data of the same structure.
+"""The problem: built once from the data, immutable, its compiled steps reused for data of the same
+structure.
 
-Compilations are counted with ``jax.monitoring`` (every XLA compilation, eager operations included) and, for
-the round's own step, with JAX's compilation log.
+Compilations are counted with ``jax.monitoring`` (every XLA compilation, eager operations included)
+and, for the round's own step, with JAX's compilation log.
 """
 
 import logging
@@ -56,9 +57,15 @@ def compilations():
 def logistic(logistic_data):
     X, y = logistic_data
     update = pvi.GradientUpdate(optax.adam(1e-2), num_steps=20, num_particles=2, batch_size=50)
-    inference = pvi.PVI(logistic_model, pvi.MeanFieldGaussian(), pvi.split_iid(random.PRNGKey(0), 400, 4), update,
-                        pvi.Synchronous(0.5))
-    state, _ = inference.update(inference.init(random.PRNGKey(1), X, y=y), X, y=y)  # round 1 compiles
+    inference = pvi.PVI(
+        logistic_model,
+        pvi.MeanFieldGaussian(),
+        pvi.split_iid(random.PRNGKey(0), 400, 4),
+        update,
+        pvi.Synchronous(0.5),
+    )
+    # round 1 compiles
+    state, _ = inference.update(inference.init(random.PRNGKey(1), X, y=y), X, y=y)
     return inference, state, X, y
 
 
@@ -81,8 +88,11 @@ def test_equal_new_arrays_reuse_the_compiled_steps(logistic):
         state, _ = inference.update(state, X2, y=y2)
     assert compiled == []
     assert problem is not first and problem.steps is first.steps
-    other = inference.build(X + 1.0, y=y)  # other values of the same shapes: other data, the same steps
-    assert other.steps is first.steps and not np.allclose(other.clients.arrays[0], first.clients.arrays[0])
+    # other values of the same shapes: other data, the same steps
+    other = inference.build(X + 1.0, y=y)
+    assert other.steps is first.steps and not np.allclose(
+        other.clients.arrays[0], first.clients.arrays[0]
+    )
 
 
 def test_a_problem_is_immutable_and_states_match_their_problem(logistic):
@@ -91,21 +101,38 @@ def test_a_problem_is_immutable_and_states_match_their_problem(logistic):
     with pytest.raises(AttributeError):
         problem.sites = None
     assert problem.num_clients == problem.capacity == 4 and list(problem.sizes) == [100] * 4
-    too_few = pvi.PVI(logistic_model, pvi.MeanFieldGaussian(), pvi.split_iid(random.PRNGKey(0), 400, 2),
-                      inference.local_update)
+    too_few = pvi.PVI(
+        logistic_model,
+        pvi.MeanFieldGaussian(),
+        pvi.split_iid(random.PRNGKey(0), 400, 2),
+        inference.local_update,
+    )
     with pytest.raises(ValueError, match="client slots"):
         too_few.update(state, X, y=y)
 
 
 def test_a_problem_is_used_only_by_the_pvi_that_built_it(logistic):
-    # a problem's compiled steps hold its builder's server and local update: another PVI (here adaptive damping
-    # instead of 0.5) given it would silently run the builder's configuration
+    # a problem's compiled steps hold its builder's server and local update: another PVI (here
+    # adaptive damping instead of 0.5) given it would silently run the builder's configuration
     inference, state, X, y = logistic
-    other = pvi.PVI(logistic_model, inference.family, inference.partitions, inference.local_update, pvi.Synchronous())
+    other = pvi.PVI(
+        logistic_model,
+        inference.family,
+        inference.partitions,
+        inference.local_update,
+        pvi.Synchronous(),
+    )
     with pytest.raises(ValueError, match="built by another PVI: its server"):
         other.update(state, inference.build(X, y=y))
-    same = pvi.PVI(inference.model, inference.family, inference.partitions, inference.local_update, inference.server,
-                   backend=inference.backend, hyper_optimizer=inference.hyper_optimizer)
+    same = pvi.PVI(
+        inference.model,
+        inference.family,
+        inference.partitions,
+        inference.local_update,
+        inference.server,
+        backend=inference.backend,
+        hyper_optimizer=inference.hyper_optimizer,
+    )
     assert same.build(X, y=y) is not None and inference.build(X, y=y).mismatch(same) == []
 
 
@@ -113,7 +140,9 @@ def test_adding_ten_clients_compiles_the_round_about_log2_times(linear_data):
     X, y = linear_data
     parts = np.array_split(np.arange(300), 11)
     tasks = pvi.ClientData([((X[parts[0]],), {"y": y[parts[0]]})])
-    inference = pvi.PVI(linear_model, pvi.FullRankGaussian(), tasks, ExactLinearUpdate(), pvi.Continual())
+    inference = pvi.PVI(
+        linear_model, pvi.FullRankGaussian(), tasks, ExactLinearUpdate(), pvi.Continual()
+    )
     problem = inference.build()
     state, _ = inference.update(inference.init(random.PRNGKey(0), problem), problem)
     with compilations() as compiled:
@@ -126,7 +155,9 @@ def test_adding_ten_clients_compiles_the_round_about_log2_times(linear_data):
     rounds = [name for name in compiled if "group_step" in name]
     # capacity 1 -> 2 -> 4 -> 8 -> 16: one compilation of the round per growth, ceil(log2(11)) = 4
     assert len(rounds) <= 4, rounds
-    assert problem.num_clients == 11 and problem.capacity == 16 and state.factors.eta1.shape[0] == 16
+    assert (
+        problem.num_clients == 11 and problem.capacity == 16 and state.factors.eta1.shape[0] == 16
+    )
     from models import exact_linear_posterior
 
     loc = inference.family.loc_scale(state.q)[0]
@@ -137,6 +168,7 @@ def test_inference_holds_configuration_only(logistic):
     inference, state, X, y = logistic
     before = dict(vars(inference))
     result = inference.run(random.PRNGKey(3), 1, X, y=y, progress_bar=False)
-    assert {k: v for k, v in vars(inference).items() if k != "_memo"} == \
-        {k: v for k, v in before.items() if k != "_memo"}
+    assert {k: v for k, v in vars(inference).items() if k != "_memo"} == {
+        k: v for k, v in before.items() if k != "_memo"
+    }
     assert result.problem is inference.build(X, y=y) and result.num_clients == 4

@@ -1,4 +1,5 @@
-"""PVI end to end: exact posteriors, agreement with NumPyro SVI, backends, the posterior API, bad input."""
+"""PVI end to end: exact posteriors, agreement with NumPyro SVI, backends, the posterior API, bad
+input."""
 
 import inspect
 import pydoc
@@ -28,12 +29,15 @@ from references import (
     SVI_LOGISTIC_MEAN_FIELD_MEAN,
 )
 
-PARTS = [np.arange(0, 60), np.arange(60, 180), np.arange(180, 300)]  # unequal partitions of 300 rows
+# unequal partitions of 300 rows
+PARTS = [np.arange(0, 60), np.arange(60, 180), np.arange(180, 300)]
 
 
 def gradient_update(num_steps=400, lr=2e-2, num_particles=8, **kwargs):
     schedule = optax.exponential_decay(lr, num_steps, 0.05)
-    return pvi.GradientUpdate(optax.adam(schedule), num_steps=num_steps, num_particles=num_particles, **kwargs)
+    return pvi.GradientUpdate(
+        optax.adam(schedule), num_steps=num_steps, num_particles=num_particles, **kwargs
+    )
 
 
 def q_moments(inference, state):
@@ -44,97 +48,136 @@ def q_moments(inference, state):
 
 
 def assert_close_to(mean, cov, ref_mean, ref_cov, mean_tol, cov_tol):
-    """Mean error in reference posterior sds; covariance error relative to the reference variances."""
+    """Mean error in reference posterior sds; covariance error relative to the reference
+    variances."""
     sd = np.sqrt(np.diag(ref_cov))
     assert np.max(np.abs(mean - ref_mean) / sd) < mean_tol, (mean, ref_mean, sd)
     assert np.max(np.abs(cov - ref_cov) / np.outer(sd, sd)) < cov_tol, (cov, ref_cov)
 
 
-# ----------------------------------------------------------------------------- conjugate: the exact posterior
+# ----------------------------------------------------------------------------- conjugate: the exact
+# posterior
 
 
-@pytest.mark.parametrize("server, rounds", [(pvi.Sequential(), 3), (pvi.Sequential(damping=0.5), 8),
-                                             (pvi.Synchronous(1.0), 3), (pvi.Synchronous(damping=0.5), 8)], ids=str)
+@pytest.mark.parametrize(
+    "server, rounds",
+    [
+        (pvi.Sequential(), 3),
+        (pvi.Sequential(damping=0.5), 8),
+        (pvi.Synchronous(1.0), 3),
+        (pvi.Synchronous(damping=0.5), 8),
+    ],
+    ids=str,
+)
 def test_gradient_pvi_reaches_the_exact_conjugate_posterior(linear_data, server, rounds):
     mean, cov = exact_linear_posterior(*linear_data)
     inference = pvi.PVI(linear_model, pvi.FullRankGaussian(), PARTS, gradient_update(), server)
-    result = inference.run(random.PRNGKey(0), rounds, linear_data[0], y=linear_data[1], progress_bar=False)
+    result = inference.run(
+        random.PRNGKey(0), rounds, linear_data[0], y=linear_data[1], progress_bar=False
+    )
     assert result.history.accepted.all()
-    # over seeds 0-7 the worst errors of the four servers were 0.046 sd (mean) and 0.071 (covariance)
+    # over seeds 0-7 the worst errors of the four servers were 0.046 sd (mean) and 0.071
+    # (covariance)
     assert_close_to(*q_moments(inference, result.state), mean, cov, mean_tol=0.1, cov_tol=0.12)
 
 
-# ----------------------------------------------------------------------------- one partition = NumPyro SVI
+# ----------------------------------------------------------------------------- one partition =
+# NumPyro SVI
 
 
-# NumPyro SVI's optima on the logistic data, from tests/references.py (seed 0, 6,000 steps; the tolerances below were
-# measured against these very runs)
-SVI_LOGISTIC = {"mf": (SVI_LOGISTIC_MEAN_FIELD_MEAN, SVI_LOGISTIC_MEAN_FIELD_COV),
-                "fr": (SVI_LOGISTIC_FULL_RANK_MEAN, SVI_LOGISTIC_FULL_RANK_COV)}
+# NumPyro SVI's optima on the logistic data, from tests/references.py (seed 0, 6,000 steps; the
+# tolerances below were measured against these very runs)
+SVI_LOGISTIC = {
+    "mf": (SVI_LOGISTIC_MEAN_FIELD_MEAN, SVI_LOGISTIC_MEAN_FIELD_COV),
+    "fr": (SVI_LOGISTIC_FULL_RANK_MEAN, SVI_LOGISTIC_FULL_RANK_COV),
+}
 
 
 @pytest.mark.parametrize("family", ["mf", "fr"])
 def test_one_partition_equals_numpyro_svi(logistic_data, family):
     fam = pvi.MeanFieldGaussian() if family == "mf" else pvi.FullRankGaussian()
-    inference = pvi.PVI(logistic_model, fam, None, gradient_update(num_steps=3000), pvi.Sequential())
-    result = inference.run(random.PRNGKey(1), 1, *logistic_data[:1], y=logistic_data[1], progress_bar=False)
-    # both sides are noisy: SVI vs SVI at other seeds differs by up to 0.036 sd / 0.051; PVI vs SVI over seeds 0-7
-    # by up to 0.059 sd / 0.077
-    assert_close_to(*q_moments(inference, result.state), *SVI_LOGISTIC[family], mean_tol=0.12, cov_tol=0.12)
+    inference = pvi.PVI(
+        logistic_model, fam, None, gradient_update(num_steps=3000), pvi.Sequential()
+    )
+    result = inference.run(
+        random.PRNGKey(1), 1, *logistic_data[:1], y=logistic_data[1], progress_bar=False
+    )
+    # both sides are noisy: SVI vs SVI at other seeds differs by up to 0.036 sd / 0.051; PVI vs SVI
+    # over seeds 0-7 by up to 0.059 sd / 0.077
+    assert_close_to(
+        *q_moments(inference, result.state), *SVI_LOGISTIC[family], mean_tol=0.12, cov_tol=0.12
+    )
 
 
-@pytest.mark.parametrize("server, rounds", [(pvi.Synchronous(0.5), 12), (pvi.Sequential(), 4),
-                                             (pvi.Asynchronous(0.5, speeds=[1.0] * 9 + [0.5], seed=0), 12)], ids=str)
+@pytest.mark.parametrize(
+    "server, rounds",
+    [
+        (pvi.Synchronous(0.5), 12),
+        (pvi.Sequential(), 4),
+        (pvi.Asynchronous(0.5, speeds=[1.0] * 9 + [0.5], seed=0), 12),
+    ],
+    ids=str,
+)
 def test_ten_clients_reach_the_global_vi_optimum(logistic_data, server, rounds):
     parts = pvi.split_iid(random.PRNGKey(0), logistic_data[0].shape[0], 10)
     inference = pvi.PVI(logistic_model, pvi.MeanFieldGaussian(), parts, gradient_update(), server)
-    result = inference.run(random.PRNGKey(2), rounds, logistic_data[0], y=logistic_data[1], progress_bar=False)
+    result = inference.run(
+        random.PRNGKey(2), rounds, logistic_data[0], y=logistic_data[1], progress_bar=False
+    )
     assert result.history.num_rejected.sum() == 0
-    # worst over seeds (mean sd / covariance): synchronous 0.044 / 0.040 (seeds 0-7), sequential 0.038 / 0.054 and
-    # asynchronous 0.042 / 0.053 (seeds 0-3)
-    assert_close_to(*q_moments(inference, result.state), *SVI_LOGISTIC["mf"], mean_tol=0.1, cov_tol=0.1)
+    # worst over seeds (mean sd / covariance): synchronous 0.044 / 0.040 (seeds 0-7), sequential
+    # 0.038 / 0.054 and asynchronous 0.042 / 0.053 (seeds 0-3)
+    assert_close_to(
+        *q_moments(inference, result.state), *SVI_LOGISTIC["mf"], mean_tol=0.1, cov_tol=0.1
+    )
 
 
 def test_continual_equals_online_vi_by_hand_with_svi(logistic_data):
-    """Visiting tasks once with Continual() is online VI: SVI on each task with the last posterior as prior (by hand,
-    in benchmarks/make_test_references.py: ONLINE_VI_LOGISTIC_LOC / _SCALE)."""
+    """Visiting tasks once with Continual() is online VI: SVI on each task with the last posterior
+    as prior (by hand, in benchmarks/make_test_references.py: ONLINE_VI_LOGISTIC_LOC / _SCALE)."""
     X, y = logistic_data
     tasks = [np.arange(0, 100), np.arange(100, 250), np.arange(250, 400)]
     loc, scale = ONLINE_VI_LOGISTIC_LOC, ONLINE_VI_LOGISTIC_SCALE
     clients = pvi.ClientData([((X[rows],), {"y": y[rows]}) for rows in tasks])
-    inference = pvi.PVI(logistic_model, pvi.MeanFieldGaussian(), clients, gradient_update(4000), pvi.Continual())
+    inference = pvi.PVI(
+        logistic_model, pvi.MeanFieldGaussian(), clients, gradient_update(4000), pvi.Continual()
+    )
     result = inference.run(random.PRNGKey(3), 1, progress_bar=False)
     np.testing.assert_array_equal(result.history.attempts, [[1, 1, 1]])
     mean, cov = q_moments(inference, result.state)
-    # both are one noisy online pass; over seeds 0-3 they differed by <= 0.047 sd (means) and <= 2.0 % (sds)
+    # both are one noisy online pass; over seeds 0-3 they differed by <= 0.047 sd (means) and <= 2.0
+    # % (sds)
     assert np.max(np.abs(mean - np.asarray(loc)) / np.asarray(scale)) < 0.15
     np.testing.assert_allclose(np.sqrt(np.diag(cov)), scale, rtol=0.1)
 
 
-# ----------------------------------------------------------------------------- constrained global site
-
-
+# ----------------------------------------------------------------------------- constrained global
+# site
 
 
 def test_a_constrained_site_lives_in_unconstrained_space(linear_data):
     X, y = linear_data
-    inference = pvi.PVI(scale_model, pvi.MeanFieldGaussian(), PARTS, gradient_update(), pvi.Sequential())
+    inference = pvi.PVI(
+        scale_model, pvi.MeanFieldGaussian(), PARTS, gradient_update(), pvi.Sequential()
+    )
     result = inference.run(random.PRNGKey(3), 4, X, y=y, progress_bar=False)
     assert result.history.accepted.all()
     mean, cov = q_moments(inference, result.state)
-    # NUTS in PVI's flat space (w, log sigma), from tests/references.py. The posterior is nearly uncorrelated here,
-    # so mean-field VI matches NUTS's means and sds; PVI's means carry ~0.03 sd of seed spread, the reference's
-    # MC error is below 0.01 sd (ESS > 10,000)
+    # NUTS in PVI's flat space (w, log sigma), from tests/references.py. The posterior is nearly
+    # uncorrelated here, so mean-field VI matches NUTS's means and sds; PVI's means carry ~0.03 sd
+    # of seed spread, the reference's MC error is below 0.01 sd (ESS > 10,000)
     ref_sd = SCALE_MODEL_SD
     assert np.max(np.abs(mean - SCALE_MODEL_MEAN) / ref_sd) < 0.1
     np.testing.assert_allclose(np.sqrt(np.diag(cov)), ref_sd, rtol=0.1)
-    assert float(jnp.exp(mean[-1])) == pytest.approx(NOISE, rel=0.1)  # sigma is found, on the positive scale
+    # sigma is found, on the positive scale
+    assert float(jnp.exp(mean[-1])) == pytest.approx(NOISE, rel=0.1)
     samples = result.sample_posterior(random.PRNGKey(4), 500)
     assert samples["sigma"].shape == (500,) and bool(jnp.all(samples["sigma"] > 0))
     assert samples["w"].shape == (500, 3)
 
 
-# ----------------------------------------------------------------------------- backends, federated data, API
+# ----------------------------------------------------------------------------- backends, federated
+# data, API
 
 
 def test_vmap_and_loop_backends_agree(logistic_data):
@@ -142,8 +185,14 @@ def test_vmap_and_loop_backends_agree(logistic_data):
     parts = pvi.split_iid(random.PRNGKey(0), X.shape[0], 4)
     states = []
     for backend in ["vmap", "loop"]:
-        inference = pvi.PVI(logistic_model, pvi.MeanFieldGaussian(), parts, gradient_update(num_steps=100),
-                            pvi.Synchronous(0.5), backend=backend)
+        inference = pvi.PVI(
+            logistic_model,
+            pvi.MeanFieldGaussian(),
+            parts,
+            gradient_update(num_steps=100),
+            pvi.Synchronous(0.5),
+            backend=backend,
+        )
         states.append(inference.run(random.PRNGKey(5), 2, X, y=y, progress_bar=False).state)
     np.testing.assert_allclose(states[0].q.eta1, states[1].q.eta1, rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(states[0].q.eta2, states[1].q.eta2, rtol=1e-4)
@@ -152,8 +201,12 @@ def test_vmap_and_loop_backends_agree(logistic_data):
 def test_federated_client_data_equals_index_partitions(linear_data):
     X, y = linear_data
     clients = pvi.ClientData([((X[p],), {"y": y[p]}) for p in PARTS])
-    by_index = pvi.PVI(linear_model, pvi.FullRankGaussian(), PARTS, gradient_update(100), pvi.Synchronous(0.5))
-    federated = pvi.PVI(linear_model, pvi.FullRankGaussian(), clients, gradient_update(100), pvi.Synchronous(0.5))
+    by_index = pvi.PVI(
+        linear_model, pvi.FullRankGaussian(), PARTS, gradient_update(100), pvi.Synchronous(0.5)
+    )
+    federated = pvi.PVI(
+        linear_model, pvi.FullRankGaussian(), clients, gradient_update(100), pvi.Synchronous(0.5)
+    )
     a = by_index.run(random.PRNGKey(6), 2, X, y=y, progress_bar=False).state
     b = federated.run(random.PRNGKey(6), 2, progress_bar=False).state
     np.testing.assert_allclose(a.q.eta1, b.q.eta1, rtol=1e-5)
@@ -162,24 +215,38 @@ def test_federated_client_data_equals_index_partitions(linear_data):
 
 def test_guide_works_with_predictive_and_history_is_recorded(linear_data):
     X, y = linear_data
-    inference = pvi.PVI(linear_model, pvi.MeanFieldGaussian(), PARTS, gradient_update(200), pvi.Sequential())
+    inference = pvi.PVI(
+        linear_model, pvi.MeanFieldGaussian(), PARTS, gradient_update(200), pvi.Sequential()
+    )
     result = inference.run(random.PRNGKey(7), 2, X, y=y, progress_bar=False)
     assert result.history.elbo.shape == (2,) and result.history.free_energy.shape == (2, 3)
     assert result.history.num_rejected.tolist() == [0, 0]
-    assert np.isfinite(result.history.elbo).all() and result.history.elbo[1] > result.history.elbo[0] - 5.0
-    predictive = Predictive(linear_model, guide=result.guide(), num_samples=300, return_sites=["w", "y"])
+    assert (
+        np.isfinite(result.history.elbo).all()
+        and result.history.elbo[1] > result.history.elbo[0] - 5.0
+    )
+    predictive = Predictive(
+        linear_model, guide=result.guide(), num_samples=300, return_sites=["w", "y"]
+    )
     draws = predictive(random.PRNGKey(8), X[:5])
     assert draws["y"].shape == (300, 5) and draws["w"].shape == (300, 3)
     mean, _ = exact_linear_posterior(X, y)
-    np.testing.assert_allclose(draws["y"].mean(0), X[:5] @ mean, atol=4 * NOISE / np.sqrt(300) + 0.05)
+    np.testing.assert_allclose(
+        draws["y"].mean(0), X[:5] @ mean, atol=4 * NOISE / np.sqrt(300) + 0.05
+    )
 
 
 def test_elbo_at_the_exact_posterior_is_the_log_evidence(linear_data):
     X, y = linear_data
-    inference = pvi.PVI(linear_model, pvi.FullRankGaussian(), PARTS, ExactLinearUpdate(), pvi.Sequential())
+    inference = pvi.PVI(
+        linear_model, pvi.FullRankGaussian(), PARTS, ExactLinearUpdate(), pvi.Sequential()
+    )
     result = inference.run(random.PRNGKey(0), 1, X, y=y, progress_bar=False)
-    marginal = dist.MultivariateNormal(jnp.zeros(X.shape[0]), X @ X.T + NOISE**2 * jnp.eye(X.shape[0]))
-    # at q = posterior the ELBO is log p(y); the estimator's sd here is ~sqrt(D/2)/sqrt(4000) ≈ 0.02 nats
+    marginal = dist.MultivariateNormal(
+        jnp.zeros(X.shape[0]), X @ X.T + NOISE**2 * jnp.eye(X.shape[0])
+    )
+    # at q = posterior the ELBO is log p(y); the estimator's sd here is ~sqrt(D/2)/sqrt(4000) ≈ 0.02
+    # nats
     elbo = float(inference.evaluate(result.state, X, y=y, num_particles=4000))
     assert elbo == pytest.approx(float(marginal.log_prob(y)), abs=0.15)
 
@@ -201,8 +268,13 @@ def test_model_without_partition_plate(linear_data):
         make(plain).init(random.PRNGKey(0), linear_data[0], y=linear_data[1])
 
 
-@pytest.mark.parametrize("parts, match", [([np.arange(0, 200), np.arange(150, 300)], "overlap"),
-                                          ([np.arange(0, 100), np.arange(150, 300)], "miss")])
+@pytest.mark.parametrize(
+    "parts, match",
+    [
+        ([np.arange(0, 200), np.arange(150, 300)], "overlap"),
+        ([np.arange(0, 100), np.arange(150, 300)], "miss"),
+    ],
+)
 def test_bad_partitions(linear_data, parts, match):
     with pytest.raises(ValueError, match=match):
         make(parts=parts).init(random.PRNGKey(0), linear_data[0], y=linear_data[1])
@@ -233,28 +305,56 @@ def test_plate_sized_by_a_constant(linear_data):
         with pvi.partition_plate("data", 300):
             numpyro.sample("y", dist.Normal(X @ w, 1.0), obs=y)
 
-    with pytest.raises(ValueError, match="Client 0's data does not fit the model.*sized from the data"):
+    with pytest.raises(
+        ValueError, match="Client 0's data does not fit the model.*sized from the data"
+    ):
         make(model).init(random.PRNGKey(0), linear_data[0], y=linear_data[1])
 
 
-@pytest.mark.parametrize("kwargs, error", [(dict(family="mf"), TypeError), (dict(local_update=None), TypeError),
-                                           (dict(server="sync"), TypeError), (dict(backend="gpu"), ValueError)])
+@pytest.mark.parametrize(
+    "kwargs, error",
+    [
+        (dict(family="mf"), TypeError),
+        (dict(local_update=None), TypeError),
+        (dict(server="sync"), TypeError),
+        (dict(backend="gpu"), ValueError),
+    ],
+)
 def test_bad_constructor_arguments(kwargs, error):
-    args = dict(model=linear_model, family=pvi.MeanFieldGaussian(), partitions=PARTS, local_update=gradient_update(10))
+    args = dict(
+        model=linear_model,
+        family=pvi.MeanFieldGaussian(),
+        partitions=PARTS,
+        local_update=gradient_update(10),
+    )
     with pytest.raises(error):
         pvi.PVI(**{**args, **kwargs})
 
 
 def test_help_names_every_family_update_server_and_damping():
-    # issue 23, problem 9: help(pvi.PVI) listed two families and two servers (dce833c: "``Synchronous(damping)``
-    # (default) or ``Sequential()``"); what help() prints must name every one the package exports
+    # issue 23, problem 9: help(pvi.PVI) listed two families and two servers (dce833c:
+    # "``Synchronous(damping)`` (default) or ``Sequential()``"); what help() prints must name every
+    # one the package exports
     text = pydoc.render_doc(pvi.PVI, renderer=pydoc.plaintext)
     exported = [getattr(pvi, name) for name in pvi.__all__]
-    updates = [c.__name__ for c in exported if inspect.isclass(c) and c is not pvi.LocalUpdate
-               and issubclass(c, pvi.LocalUpdate)]
-    servers = [c.__name__ for c in exported if inspect.isclass(c) and c is not pvi.Server
-               and issubclass(c, pvi.Server)]
+    updates = [
+        c.__name__
+        for c in exported
+        if inspect.isclass(c) and c is not pvi.LocalUpdate and issubclass(c, pvi.LocalUpdate)
+    ]
+    servers = [
+        c.__name__
+        for c in exported
+        if inspect.isclass(c) and c is not pvi.Server and issubclass(c, pvi.Server)
+    ]
     assert len(updates) >= 6 and len(servers) >= 4, (updates, servers)
-    families = ["MeanFieldGaussian", "FullRankGaussian", "Gamma", "Beta", "Dirichlet", "SiteFamilies"]
+    families = [
+        "MeanFieldGaussian",
+        "FullRankGaussian",
+        "Gamma",
+        "Beta",
+        "Dirichlet",
+        "SiteFamilies",
+    ]
     for name in [*families, *updates, *servers, "HeavyBall", "AdaptiveDamping", "RayBackend"]:
         assert re.search(rf"\b{name}\b", text), f"help(pvi.PVI) does not name {name}"

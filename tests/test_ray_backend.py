@@ -1,4 +1,5 @@
-"""RayBackend: clients as actors that hold their own data, match vmap, fail safely, run truly asynchronously."""
+"""RayBackend: clients as actors that hold their own data, match vmap, fail safely, run truly
+asynchronously."""
 
 import os
 import warnings
@@ -26,8 +27,8 @@ from conftest import (
 
 ray = pytest.importorskip("ray")
 
-# Ray and Flower tests run on one xdist worker (`pytest -n 2 --dist loadgroup`): one Ray cluster and one set of
-# actors for the module, while the other worker runs the rest of the suite
+# Ray and Flower tests run on one xdist worker (`pytest -n 2 --dist loadgroup`): one Ray cluster and
+# one set of actors for the module, while the other worker runs the rest of the suite
 pytestmark = pytest.mark.xdist_group("ray")
 
 
@@ -39,16 +40,19 @@ def ray_cluster():
     for name in ["conftest", __name__]:
         ray.cloudpickle.register_pickle_by_value(sys.modules[name])
     with pytest.MonkeyPatch.context() as env:
-        # Ray starts its workers at nice 15: beside a busy process (CI's other xdist worker) the actors get about
-        # 3 % of a core (the kernel's weights of nice 15 and 0: 36 and 1024); at 0 they share the cores evenly
+        # Ray starts its workers at nice 15: beside a busy process (CI's other xdist worker) the
+        # actors get about 3 % of a core (the kernel's weights of nice 15 and 0: 36 and 1024); at 0
+        # they share the cores evenly
         env.setenv("RAY_worker_niceness", "0")
-        start_ray(ray, 2)  # as RayBackend starts it (no fork alarm: pyproject filters no Ray warning)
+        # as RayBackend starts it (no fork alarm: pyproject filters no Ray warning)
+        start_ray(ray, 2)
     yield
     ray.shutdown()
 
 
 class CountingRunner(RayRunner):
-    """A RayRunner that counts the updates submitted and not yet collected or abandoned (in flight)."""
+    """A RayRunner that counts the updates submitted and not yet collected or abandoned (in
+    flight)."""
 
     def __init__(self, *args):
         super().__init__(*args)
@@ -70,44 +74,59 @@ class CountingRunner(RayRunner):
 
 class CountingRayBackend(pvi.RayBackend):
     def prepare(self, local_update, problem):
-        idle = super().prepare(local_update, problem).release()  # the live actors, for the counting runner
+        # the live actors, for the counting runner
+        idle = super().prepare(local_update, problem).release()
         self.runners = [CountingRunner(self, local_update, problem, idle)]
         return self.runners[0]
 
 
 @pytest.fixture(scope="module")
 def backend(ray_cluster):
-    """One RayBackend for the module: its actors are started once (a new actor's process imports JAX: seconds of
-    CPU each) and given each test's problem and data (compiling its update again). It counts the updates in
-    flight (for the K-of-M test; the counting changes nothing else).
+    """One RayBackend for the module: its actors are started once (a new actor's process imports
+    JAX: seconds of CPU each) and given each test's problem and data (compiling its update again).
+    It counts the updates in flight (for the K-of-M test; the counting changes nothing else).
 
-    Speed depends on the tests' order (not their results): the 4-client tests come first, then the 2-client
-    ones (a problem with fewer clients kills the surplus actors), and the test of ``close()`` comes last."""
+    Speed depends on the tests' order (not their results): the 4-client tests come first, then the
+    2-client ones (a problem with fewer clients kills the surplus actors), and the test of
+    ``close()`` comes last."""
     backend = CountingRayBackend()
     yield backend
     backend.close()
 
 
 def compile_in_every_actor(problem, state):
-    """One update per client actor, waited for: asynchronous rounds then start with every client compiled.
+    """One update per client actor, waited for: asynchronous rounds then start with every client
+    compiled.
 
-    Otherwise the clients that compile last may not finish a single update in a short run: a round of
-    ``Asynchronous`` is M merges of whichever updates arrive first.
+    Otherwise the clients that compile last may not finish a single update in a short run: a round
+    of ``Asynchronous`` is M merges of whichever updates arrive first.
     """
     runner, futures = problem.steps.runner, []
     for m in range(problem.num_clients):
         cavity = jax.tree.map(lambda a, f, m=m: a - f[m], state.q, state.factors)
         local = jax.tree.map(lambda s, m=m: s[m], state.client_states)
-        futures.append(runner.submit(m, random.PRNGKey(m), cavity, state.q, local, state.hyper, problem.clients))
+        futures.append(
+            runner.submit(
+                m, random.PRNGKey(m), cavity, state.q, local, state.hyper, problem.clients
+            )
+        )
     ray.get(futures)
 
 
 def fit_noise_model(server, backend, rounds, X, y, warm_up=False):
     import optax
 
-    update = pvi.NaturalGradientUpdate(step_size=1.0, num_particles=32)  # q exact in one step for a fixed sigma
-    inference = pvi.PVI(noise_model, pvi.FullRankGaussian(), UNEQUAL, update, server, backend,
-                        hyper_optimizer=optax.adam(optax.exponential_decay(0.05, rounds, 0.05)))
+    # q exact in one step for a fixed sigma
+    update = pvi.NaturalGradientUpdate(step_size=1.0, num_particles=32)
+    inference = pvi.PVI(
+        noise_model,
+        pvi.FullRankGaussian(),
+        UNEQUAL,
+        update,
+        server,
+        backend,
+        hyper_optimizer=optax.adam(optax.exponential_decay(0.05, rounds, 0.05)),
+    )
     state = inference.init(random.PRNGKey(0), X, y=y)
     if warm_up:
         compile_in_every_actor(inference.build(X, y=y), state)
@@ -120,28 +139,41 @@ def test_ray_asynchronous_learns_hyperparameters(ray_cluster, linear_data):
     backend = pvi.RayBackend()
     result = fit_noise_model(pvi.Asynchronous(0.5), backend, 60, X, y, warm_up=True)
     backend.close()
-    # Asynchronously the arrival order is Ray's (clients report 32-77 times in 60 rounds) and the server sums
-    # every client's latest, possibly stale, gradient. Measured: 3.1 % and 3.4 % from the closed-form type-II ML
-    # value (0.5194) in two runs; the in-process simulation with the same budget ends 2.0 % off (the decaying
-    # step size stops it early).
+    # Asynchronously the arrival order is Ray's (clients report 32-77 times in 60 rounds) and the
+    # server sums every client's latest, possibly stale, gradient. Measured: 3.1 % and 3.4 % from
+    # the closed-form type-II ML value (0.5194) in two runs; the in-process simulation with the same
+    # budget ends 2.0 % off (the decaying step size stops it early).
     assert result.history.num_rejected.sum() == 0 and (result.history.accepted.sum(0) > 0).all()
     sigma = float(result.hyperparameters["sigma"])
     assert sigma == pytest.approx(type_ii_ml_sigma(X, y), rel=0.06), sigma
 
 
-
 def test_actors_hold_their_own_rows_and_the_current_data(backend, linear_data):
-    """An actor holds only its client's rows (no padding), and after new data, add_client or another problem the
-    current data; a problem of equal shapes keeps the actors' processes. (Merged from "clients hold only their own
-    rows" and "actors hold the current data after new data or add_client": they built the same runs.)"""
+    """An actor holds only its client's rows (no padding), and after new data, add_client or another
+    problem the current data; a problem of equal shapes keeps the actors' processes. (Merged from
+    "clients hold only their own rows" and "actors hold the current data after new data or
+    add_client": they built the same runs.)"""
     X, y = linear_data
     clients = pvi.ClientData([((X[p],), {"y": y[p]}) for p in UNEQUAL[:3]])
-    inference = pvi.PVI(linear_model, pvi.FullRankGaussian(), clients, ExactLinearUpdate(), pvi.Synchronous(1.0),
-                        backend)
+    inference = pvi.PVI(
+        linear_model,
+        pvi.FullRankGaussian(),
+        clients,
+        ExactLinearUpdate(),
+        pvi.Synchronous(1.0),
+        backend,
+    )
 
     def held_by_actors_is(problem):
-        expected = [digest(unpad(jax.tree.map(lambda a, m=m: np.asarray(a[m]), problem.clients),
-                                 problem.client_problem.is_row)) for m in range(problem.num_clients)]
+        expected = [
+            digest(
+                unpad(
+                    jax.tree.map(lambda a, m=m: np.asarray(a[m]), problem.clients),
+                    problem.client_problem.is_row,
+                )
+            )
+            for m in range(problem.num_clients)
+        ]
         assert backend.runners[-1].held_digests() == expected
 
     problem = inference.build()
@@ -151,11 +183,20 @@ def test_actors_hold_their_own_rows_and_the_current_data(backend, linear_data):
     state, info = inference.update(state, problem)
     held_by_actors_is(problem)
     np.testing.assert_array_equal(info.accepted, [1, 1, 1, 1])
-    np.testing.assert_allclose(inference.family.loc_scale(state.q)[0], exact_linear_posterior(X, y)[0], rtol=1e-4)
-    # the same clients with other values (equal shapes), in another problem: the actors are given the new data, and
-    # keep their processes (a new one would import JAX again: seconds of CPU each)
+    np.testing.assert_allclose(
+        inference.family.loc_scale(state.q)[0], exact_linear_posterior(X, y)[0], rtol=1e-4
+    )
+    # the same clients with other values (equal shapes), in another problem: the actors are given
+    # the new data, and keep their processes (a new one would import JAX again: seconds of CPU each)
     processes = ray.get([a.__ray_call__.remote(lambda self: os.getpid()) for a in backend.actors])
-    other = pvi.PVI(linear_model, pvi.FullRankGaussian(), UNEQUAL, ExactLinearUpdate(), pvi.Synchronous(1.0), backend)
+    other = pvi.PVI(
+        linear_model,
+        pvi.FullRankGaussian(),
+        UNEQUAL,
+        ExactLinearUpdate(),
+        pvi.Synchronous(1.0),
+        backend,
+    )
     for scale in (2.0, 1.0):
         new = other.build(X * scale, y=y)
         other.update(other.init(random.PRNGKey(0), new), new)
@@ -163,27 +204,39 @@ def test_actors_hold_their_own_rows_and_the_current_data(backend, linear_data):
     # the rows themselves, read from the actors: each holds its partition of X and nothing else
     held = ray.get([a.__ray_call__.remote(lambda self: self.client) for a in backend.actors])
     for client, rows in zip(held, UNEQUAL):
-        assert int(client.size) == len(rows) and client.mask.shape == (len(rows),)  # no padding either
+        # no padding either
+        assert int(client.size) == len(rows) and client.mask.shape == (len(rows),)
         np.testing.assert_array_equal(np.asarray(client.arrays[0]), np.asarray(X[rows]))
-    assert ray.get([a.__ray_call__.remote(lambda self: os.getpid()) for a in backend.actors]) == processes
+    assert (
+        ray.get([a.__ray_call__.remote(lambda self: os.getpid()) for a in backend.actors])
+        == processes
+    )
 
 
 def test_ray_asynchronous_with_a_5x_slower_client(backend, linear_data):
     X, y = linear_data
-    update = FaultyUpdate(size=20, mode="sleep", seconds=0.5)  # client 2 is much slower than the others
-    inference = pvi.PVI(linear_model, pvi.FullRankGaussian(), UNEQUAL, update,
-                        pvi.Asynchronous(damping=0.5), backend)
+    # client 2 is much slower than the others
+    update = FaultyUpdate(size=20, mode="sleep", seconds=0.5)
+    inference = pvi.PVI(
+        linear_model,
+        pvi.FullRankGaussian(),
+        UNEQUAL,
+        update,
+        pvi.Asynchronous(damping=0.5),
+        backend,
+    )
     state = inference.init(random.PRNGKey(0), X, y=y)
     inference.update(state, X, y=y)  # compiles in every actor
     attempts = np.zeros(4, int)
     for _ in range(12):
         state, info = inference.update(state, X, y=y)
         attempts += info.attempts
-    assert attempts.sum() == 12 * 4 and attempts[2] < attempts[[0, 1, 3]].min()  # fast clients are not held back
+    # fast clients are not held back
+    assert attempts.sum() == 12 * 4 and attempts[2] < attempts[[0, 1, 3]].min()
     mean, cov = exact_linear_posterior(X, y)
     loc, scale_tril = inference.family.loc_scale(state.q)
     # with exact local updates each factor converges as 0.5^k in its own number k of updates
-    np.testing.assert_allclose(loc, mean, rtol=0.5**attempts[2] * 4)
+    np.testing.assert_allclose(loc, mean, rtol=0.5 ** attempts[2] * 4)
 
 
 def test_ray_faults_are_rejected_and_recovered(backend, linear_data):
@@ -191,15 +244,23 @@ def test_ray_faults_are_rejected_and_recovered(backend, linear_data):
     mean, _ = exact_linear_posterior(X, y)
     # a NaN update and a raising client are rejected, the others merge
     for update, bad in [(PoisonedUpdate(bad_size=20), 2), (FaultyUpdate(90, "raise"), 1)]:
-        inference = pvi.PVI(linear_model, pvi.FullRankGaussian(), UNEQUAL, update, pvi.Synchronous(1.0), backend)
+        inference = pvi.PVI(
+            linear_model, pvi.FullRankGaussian(), UNEQUAL, update, pvi.Synchronous(1.0), backend
+        )
         state, info = inference.update(inference.init(random.PRNGKey(0), X, y=y), X, y=y)
         expected = np.ones(4, int)
         expected[bad] = 0
         np.testing.assert_array_equal(info.accepted, expected)
         assert bool(inference.family.is_valid(state.q))
     # a killed actor is restarted from its data: its client misses one round, then catches up
-    inference = pvi.PVI(linear_model, pvi.FullRankGaussian(), UNEQUAL, ExactLinearUpdate(), pvi.Synchronous(1.0),
-                        backend)
+    inference = pvi.PVI(
+        linear_model,
+        pvi.FullRankGaussian(),
+        UNEQUAL,
+        ExactLinearUpdate(),
+        pvi.Synchronous(1.0),
+        backend,
+    )
     state, info = inference.update(inference.init(random.PRNGKey(0), X, y=y), X, y=y)
     ray.kill(backend.actors[3])
     state, info = inference.update(state, X, y=y)
@@ -207,12 +268,13 @@ def test_ray_faults_are_rejected_and_recovered(backend, linear_data):
     state, info = inference.update(state, X, y=y)
     np.testing.assert_array_equal(info.accepted, [1, 1, 1, 1])
     np.testing.assert_allclose(inference.family.loc_scale(state.q)[0], mean, rtol=1e-4)
-    # close() and the actors it kills: test_close_kills_every_actor_and_the_next_update_starts_new_ones (last)
+    # close() and the actors it kills:
+    # test_close_kills_every_actor_and_the_next_update_starts_new_ones (last)
 
 
 class MarkerUpdate(ExactLinearUpdate):
-    """Leaves q as it is (delta 0) and reports as its free energy the marker q.eta1[0] it was computed against,
-    after `seconds` (so that updates are still in flight when a run ends)."""
+    """Leaves q as it is (delta 0) and reports as its free energy the marker q.eta1[0] it was
+    computed against, after `seconds` (so that updates are still in flight when a run ends)."""
 
     def __init__(self, seconds):
         self.seconds = seconds
@@ -234,10 +296,17 @@ class MarkerUpdate(ExactLinearUpdate):
 
 
 def test_a_second_run_merges_nothing_from_the_first(backend, linear_data):
-    """Updates still in flight when an asynchronous run ends belong to that run: the next run never merges them."""
+    """Updates still in flight when an asynchronous run ends belong to that run: the next run never
+    merges them."""
     X, y = linear_data
-    inference = pvi.PVI(linear_model, pvi.FullRankGaussian(), UNEQUAL, MarkerUpdate(0.2), pvi.Asynchronous(0.5),
-                        backend)
+    inference = pvi.PVI(
+        linear_model,
+        pvi.FullRankGaussian(),
+        UNEQUAL,
+        MarkerUpdate(0.2),
+        pvi.Asynchronous(0.5),
+        backend,
+    )
     state = inference.init(random.PRNGKey(0), X, y=y)
     marked = lambda value: state._replace(q=state.q._replace(eta1=state.q.eta1.at[0].set(value)))  # noqa: E731
     first = inference.run(random.PRNGKey(1), 2, X, y=y, init_state=marked(1.0), progress_bar=False)
@@ -247,29 +316,50 @@ def test_a_second_run_merges_nothing_from_the_first(backend, linear_data):
     assert seen.size > 0 and np.all(seen == 2.0), seen  # 1.0 would be an update of the first run
 
 
-def test_a_timeout_rejects_and_restarts_but_does_not_count_compilation(backend, linear_data, monkeypatch):
-    """A client's first compilation is not timed: a timeout shorter than it still lets every client through (no
-    livelock). A client slower than the timeout is rejected (TIMEOUT) and its actor restarted, and one slower every
-    round is reported (its data never reach q: said, not hidden)."""
+def test_a_timeout_rejects_and_restarts_but_does_not_count_compilation(
+    backend, linear_data, monkeypatch
+):
+    """A client's first compilation is not timed: a timeout shorter than it still lets every client
+    through (no livelock). A client slower than the timeout is rejected (TIMEOUT) and its actor
+    restarted, and one slower every round is reported (its data never reach q: said, not hidden)."""
     X, y = linear_data
-    # far less than an actor's compilation of a new update (about a second; the module's actors, given this test's
-    # update, compile it again). The runner of each new problem reads the backend's timeout (restored after the test)
+    # far less than an actor's compilation of a new update (about a second; the module's actors,
+    # given this test's update, compile it again). The runner of each new problem reads the
+    # backend's timeout (restored after the test)
     monkeypatch.setattr(backend, "timeout", 0.3)
-    inference = pvi.PVI(linear_model, pvi.FullRankGaussian(), UNEQUAL, ExactLinearUpdate(), pvi.Synchronous(1.0),
-                        backend)
+    inference = pvi.PVI(
+        linear_model,
+        pvi.FullRankGaussian(),
+        UNEQUAL,
+        ExactLinearUpdate(),
+        pvi.Synchronous(1.0),
+        backend,
+    )
     result = inference.run(random.PRNGKey(0), 2, X, y=y, progress_bar=False)
     assert backend.runners[-1].timeout == 0.3
     np.testing.assert_array_equal(result.history.accepted, np.ones((2, 4), int))
-    np.testing.assert_allclose(inference.family.loc_scale(result.state.q)[0], exact_linear_posterior(X, y)[0],
-                               rtol=1e-4)
-    # client 2 sleeps 1 s, over three times the timeout (the same actors, given the new update; not timed either)
-    slow = pvi.PVI(linear_model, pvi.FullRankGaussian(), UNEQUAL, FaultyUpdate(size=20, mode="sleep", seconds=1.0),
-                   pvi.Synchronous(1.0), backend)
+    np.testing.assert_allclose(
+        inference.family.loc_scale(result.state.q)[0], exact_linear_posterior(X, y)[0], rtol=1e-4
+    )
+    # client 2 sleeps 1 s, over three times the timeout (the same actors, given the new update; not
+    # timed either)
+    slow = pvi.PVI(
+        linear_model,
+        pvi.FullRankGaussian(),
+        UNEQUAL,
+        FaultyUpdate(size=20, mode="sleep", seconds=1.0),
+        pvi.Synchronous(1.0),
+        backend,
+    )
     state, info = slow.update(slow.init(random.PRNGKey(0), X, y=y), X, y=y)
     np.testing.assert_array_equal(info.accepted, [1, 1, 0, 1])
     assert info.rejection[2] == pvi.Rejection.TIMEOUT
     old = backend.actors[2]  # restarted after its time-out
-    with pytest.warns(pvi.PVIWarning, match=r"Client\(s\) \[2\] timed out .* in each of the last 3 rounds"):
+    with pytest.warns(
+        pvi.PVIWarning,
+        match=r"Client\(s\) \[2\] timed out .* in each of the last "
+        r"3 rounds",
+    ):
         result = slow.run(random.PRNGKey(0), 3, X, y=y, init_state=state, progress_bar=False)
     assert backend.actors[2] is not old
     assert (result.history.rejection[:, 2] == pvi.Rejection.TIMEOUT).all()
@@ -278,23 +368,32 @@ def test_a_timeout_rejects_and_restarts_but_does_not_count_compilation(backend, 
 
 def test_ray_asynchronous_samples_at_most_k_clients_in_flight(backend, linear_data):
     X, y = linear_data
-    inference = pvi.PVI(linear_model, pvi.FullRankGaussian(), UNEQUAL, ExactLinearUpdate(),
-                        pvi.Asynchronous(1.0, clients_per_round=2), backend)
+    inference = pvi.PVI(
+        linear_model,
+        pvi.FullRankGaussian(),
+        UNEQUAL,
+        ExactLinearUpdate(),
+        pvi.Asynchronous(1.0, clients_per_round=2),
+        backend,
+    )
     result = inference.run(random.PRNGKey(0), 6, X, y=y, progress_bar=False)
     runner = backend.runners[-1]
-    assert runner.most_in_flight == 2 and runner.in_flight == 0  # at most K at once; the run's end abandons the rest
+    # at most K at once; the run's end abandons the rest
+    assert runner.most_in_flight == 2 and runner.in_flight == 0
     attempts = result.history.attempts
     np.testing.assert_array_equal(attempts.sum(1), 2)  # a round is K merges
     assert (attempts.sum(0) > 0).all()  # every client came online in 6 rounds
-    # exact local updates, damping 1: a client's factor becomes its exact likelihood whatever q it pulled (its own
-    # factor cannot change while it is in flight), so once every client has run q is the exact posterior
+    # exact local updates, damping 1: a client's factor becomes its exact likelihood whatever q it
+    # pulled (its own factor cannot change while it is in flight), so once every client has run q is
+    # the exact posterior
     mean, cov = exact_linear_posterior(X, y)
     loc, scale_tril = inference.family.loc_scale(result.state.q)
     np.testing.assert_allclose(loc, mean, rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(scale_tril @ scale_tril.T, cov, rtol=1e-3, atol=1e-6)
 
 
-TWO_CLIENTS = [np.arange(20), np.arange(20, 48)]  # two actors (the module's last tests: two are left over)
+# two actors (the module's last tests: two are left over)
+TWO_CLIENTS = [np.arange(20), np.arange(20, 48)]
 
 
 @pytest.fixture(scope="module")
@@ -304,24 +403,33 @@ def two_client_data():
 
 
 def test_ray_synchronous_run_with_hyperparameters_equals_vmap(backend, two_client_data):
-    """Synchronous rounds on the actors give the vmap run's q and hyperparameters: the same keys reach the same
-    client updates, and the server sums the same hyperparameter gradients. (Merged from "synchronous equals vmap"
-    and "with hyperparameters equals vmap": two compilations per actor and two vmap ones became one each.)"""
+    """Synchronous rounds on the actors give the vmap run's q and hyperparameters: the same keys
+    reach the same client updates, and the server sums the same hyperparameter gradients. (Merged
+    from "synchronous equals vmap" and "with hyperparameters equals vmap": two compilations per
+    actor and two vmap ones became one each.)"""
     import optax
 
     X, y = two_client_data
     update = pvi.GradientUpdate(optax.adam(1e-2), num_steps=20, num_particles=4)
     runs = []
     for where in ["vmap", backend]:
-        inference = pvi.PVI(noise_model, pvi.MeanFieldGaussian(), TWO_CLIENTS, update, pvi.Synchronous(0.5), where,
-                            hyper_optimizer=optax.adam(optax.exponential_decay(0.05, 2, 0.05)))
-        with warnings.catch_warnings():  # 2 rounds: far from converged on purpose (PVIWarning "far")
+        inference = pvi.PVI(
+            noise_model,
+            pvi.MeanFieldGaussian(),
+            TWO_CLIENTS,
+            update,
+            pvi.Synchronous(0.5),
+            where,
+            hyper_optimizer=optax.adam(optax.exponential_decay(0.05, 2, 0.05)),
+        )
+        # 2 rounds: far from converged on purpose (PVIWarning "far")
+        with warnings.catch_warnings():
             warnings.simplefilter("ignore", pvi.PVIWarning)
             runs.append(inference.run(random.PRNGKey(0), 2, X, y=y, progress_bar=False))
     vmap_run, ray_run = runs
-    # adam's first steps move log sigma by about the learning rate: 0.05, then 0.011 (decayed to 5 % over the 2
-    # rounds). After 20 local Adam steps q is still near the prior, whose residuals are large: sigma goes up
-    # (measured: 1.063), not yet down to the data's noise sd 0.7
+    # adam's first steps move log sigma by about the learning rate: 0.05, then 0.011 (decayed to 5 %
+    # over the 2 rounds). After 20 local Adam steps q is still near the prior, whose residuals are
+    # large: sigma goes up (measured: 1.063), not yet down to the data's noise sd 0.7
     sigma = float(vmap_run.hyperparameters["sigma"])
     assert abs(np.log(sigma)) > 0.03, sigma  # it moved from 1.0
     np.testing.assert_allclose(float(ray_run.hyperparameters["sigma"]), sigma, rtol=1e-4)
@@ -330,9 +438,11 @@ def test_ray_synchronous_run_with_hyperparameters_equals_vmap(backend, two_clien
 
 
 def test_ray_site_families_equal_vmap(backend, two_client_data):
-    """SiteFamilies (a full-rank Gaussian block and a Gamma block) on Ray actors: the vmap run's q, every leaf.
+    """SiteFamilies (a full-rank Gaussian block and a Gamma block) on Ray actors: the vmap run's q,
+    every leaf.
 
-    The block layout is read from the model on the driver; the actors receive the laid-out family with the problem.
+    The block layout is read from the model on the driver; the actors receive the laid-out family
+    with the problem.
     """
     import optax
 
@@ -340,23 +450,35 @@ def test_ray_site_families_equal_vmap(backend, two_client_data):
     runs = []
     for where in ["vmap", backend]:
         family = pvi.SiteFamilies({"w": pvi.FullRankGaussian(), "tau": pvi.Gamma()})
-        # any update shows the layout at work; Adam's compiles in a third of CVI's time on this family (measured:
-        # 30 s against 88 s for the first in-process round, on this machine under load)
+        # any update shows the layout at work; Adam's compiles in a third of CVI's time on this
+        # family (measured: 30 s against 88 s for the first in-process round, on this machine under
+        # load)
         update = pvi.GradientUpdate(optax.adam(0.05), num_steps=10, num_particles=2)
-        inference = pvi.PVI(normal_gamma_model, family, TWO_CLIENTS, update, pvi.Sequential(), where)
+        inference = pvi.PVI(
+            normal_gamma_model, family, TWO_CLIENTS, update, pvi.Sequential(), where
+        )
         runs.append(inference.run(random.PRNGKey(1), 2, X, y=y, progress_bar=False))
-    assert isinstance(runs[1].state.q.eta2, tuple) and len(runs[1].state.q.eta2) == 2  # one eta2 per block
+    # one eta2 per block
+    assert isinstance(runs[1].state.q.eta2, tuple) and len(runs[1].state.q.eta2) == 2
     for a, b in zip(jax.tree.leaves(runs[0].state.q), jax.tree.leaves(runs[1].state.q)):
         np.testing.assert_allclose(a, b, rtol=1e-4)
-    np.testing.assert_array_equal(runs[0].history.rejection, runs[1].history.rejection)  # the same merges
+    # the same merges
+    np.testing.assert_array_equal(runs[0].history.rejection, runs[1].history.rejection)
 
 
 def test_close_kills_every_actor_and_the_next_update_starts_new_ones(backend, two_client_data):
-    """close() kills every actor (freeing their CPU shares); the next update starts new ones from the clients' data.
-    The module's last test: it leaves two new actors (for the fixture's teardown), not four."""
+    """close() kills every actor (freeing their CPU shares); the next update starts new ones from
+    the clients' data. The module's last test: it leaves two new actors (for the fixture's
+    teardown), not four."""
     X, y = two_client_data
-    inference = pvi.PVI(linear_model, pvi.FullRankGaussian(), TWO_CLIENTS, ExactLinearUpdate(), pvi.Synchronous(1.0),
-                        backend)
+    inference = pvi.PVI(
+        linear_model,
+        pvi.FullRankGaussian(),
+        TWO_CLIENTS,
+        ExactLinearUpdate(),
+        pvi.Synchronous(1.0),
+        backend,
+    )
     state, _ = inference.update(inference.init(random.PRNGKey(0), X, y=y), X, y=y)
     old = list(backend.actors)
     backend.close()
@@ -364,20 +486,31 @@ def test_close_kills_every_actor_and_the_next_update_starts_new_ones(backend, tw
     state, info = inference.update(state, X, y=y)
     np.testing.assert_array_equal(info.accepted, [1, 1])
     assert len(backend.actors) == 2 and not set(map(id, backend.actors)) & set(map(id, old))
-    np.testing.assert_allclose(inference.family.loc_scale(state.q)[0], exact_linear_posterior(X, y)[0], rtol=1e-4)
+    np.testing.assert_allclose(
+        inference.family.loc_scale(state.q)[0], exact_linear_posterior(X, y)[0], rtol=1e-4
+    )
     with pytest.raises(ray.exceptions.RayActorError):
         ray.get(old[0].ping.remote(), timeout=30)
 
 
 class LoudRay:
-    """What ray.init does beside JAX (measured on Ray's start: JAX's fork hook fires on every daemon it spawns with
-    a preexec_fn, and the daemons' /dev/null handles are left unclosed)."""
+    """What ray.init does beside JAX (measured on Ray's start: JAX's fork hook fires on every daemon
+    it spawns with a preexec_fn, and the daemons' /dev/null handles are left unclosed)."""
 
     def init(self, **kwargs):
         self.kwargs = kwargs
-        warnings.warn("os.fork() was called. os.fork() is incompatible with multithreaded code, and JAX is "
-                      "multithreaded, so this will likely lead to a deadlock.", RuntimeWarning, stacklevel=2)
-        warnings.warn("unclosed file <_io.TextIOWrapper name='/dev/null' mode='w'>", ResourceWarning, stacklevel=2)
+        warnings.warn(
+            "os.fork() was called. os.fork() is incompatible with multithreaded code, "
+            "and JAX is "
+            "multithreaded, so this will likely lead to a deadlock.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        warnings.warn(
+            "unclosed file <_io.TextIOWrapper name='/dev/null' mode='w'>",
+            ResourceWarning,
+            stacklevel=2,
+        )
 
 
 def test_starting_ray_raises_no_alarm_and_nothing_else_is_silenced():

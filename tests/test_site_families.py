@@ -3,8 +3,8 @@
 The references are closed forms. For a linear-Gaussian model a block-diagonal Gaussian ``q`` has the
 mean-field (across blocks) variational-Bayes fixed point: the exact posterior mean, and each block's
 precision equal to the exact precision's diagonal block. For linear regression with an unknown noise
-precision, ``SiteFamilies({"w": FullRankGaussian(), "tau": Gamma()})`` has the Normal-Gamma mean-field
-VB fixed point, computed here by coordinate ascent.
+precision, ``SiteFamilies({"w": FullRankGaussian(), "tau": Gamma()})`` has the Normal-Gamma
+mean-field VB fixed point, computed here by coordinate ascent.
 """
 
 import jax
@@ -37,7 +37,8 @@ def linear_model(X, y=None):
 
 @pytest.fixture(scope="module")
 def data():
-    X = 0.3 + random.normal(random.PRNGKey(0), (N, 2))  # shifted: w and b are correlated a posteriori
+    # shifted: w and b are correlated a posteriori
+    X = 0.3 + random.normal(random.PRNGKey(0), (N, 2))
     y = X @ jnp.array([1.0, -0.5]) + 0.3 + NOISE * random.normal(random.PRNGKey(1), (N,))
     return X, y
 
@@ -49,8 +50,12 @@ def exact_precision_and_mean(X, y):
 
 
 def cvi(family, server, backend="vmap", laplace_fallback=True):
-    update = pvi.NaturalGradientUpdate(step_size=1.0, num_particles=8, laplace_fallback=laplace_fallback)
-    return pvi.PVI(linear_model, family, partitions=PARTS, server=server, backend=backend, local_update=update)
+    update = pvi.NaturalGradientUpdate(
+        step_size=1.0, num_particles=8, laplace_fallback=laplace_fallback
+    )
+    return pvi.PVI(
+        linear_model, family, partitions=PARTS, server=server, backend=backend, local_update=update
+    )
 
 
 def block_precisions(family, q):
@@ -60,10 +65,13 @@ def block_precisions(family, q):
 
 @pytest.mark.parametrize("server, rounds", [(pvi.Sequential(), 16), (pvi.Synchronous(1.0), 30)])
 def test_block_diagonal_fixed_point_is_mean_field_vb(data, server, rounds):
-    """FullRankGaussian over w, MeanFieldGaussian over b: the exact mean, the exact precision's diagonal blocks."""
+    """FullRankGaussian over w, MeanFieldGaussian over b: the exact mean, the exact precision's
+    diagonal blocks."""
     precision, mean = exact_precision_and_mean(*data)
     family = pvi.SiteFamilies({"w": pvi.FullRankGaussian()})
-    result = cvi(family, server).run(random.PRNGKey(2), rounds, *data[:1], y=data[1], progress_bar=False)
+    result = cvi(family, server).run(
+        random.PRNGKey(2), rounds, *data[:1], y=data[1], progress_bar=False
+    )
     np.testing.assert_allclose(family.marginals(result.state.q).mean, mean, rtol=1e-4, atol=1e-4)
     w_precision, b_precision = block_precisions(family, result.state.q)
     np.testing.assert_allclose(w_precision, precision[:2, :2], rtol=1e-4)
@@ -74,7 +82,9 @@ def test_one_block_is_the_full_rank_posterior(data):
     """Grouping w and b in one FullRankGaussian block gives the exact posterior in one round."""
     precision, mean = exact_precision_and_mean(*data)
     family = pvi.SiteFamilies({("w", "b"): pvi.FullRankGaussian()})
-    result = cvi(family, pvi.Synchronous(1.0)).run(random.PRNGKey(2), 1, data[0], y=data[1], progress_bar=False)
+    result = cvi(family, pvi.Synchronous(1.0)).run(
+        random.PRNGKey(2), 1, data[0], y=data[1], progress_bar=False
+    )
     (block,) = family.split(result.state.q)
     np.testing.assert_allclose(-2.0 * np.asarray(block.eta2), precision, rtol=1e-4)
     np.testing.assert_allclose(family.marginals(result.state.q).mean, mean, rtol=1e-4, atol=1e-4)
@@ -82,15 +92,21 @@ def test_one_block_is_the_full_rank_posterior(data):
 
 def test_backends_agree_and_checkpoint_resumes_exactly(data, tmp_path):
     family_v, family_l = (pvi.SiteFamilies({"w": pvi.FullRankGaussian()}) for _ in range(2))
-    vmap, loop = cvi(family_v, pvi.Synchronous(1.0)), cvi(family_l, pvi.Synchronous(1.0), backend="loop")
+    vmap, loop = (
+        cvi(family_v, pvi.Synchronous(1.0)),
+        cvi(family_l, pvi.Synchronous(1.0), backend="loop"),
+    )
     result = vmap.run(random.PRNGKey(3), 2, data[0], y=data[1], progress_bar=False)
     other = loop.run(random.PRNGKey(3), 2, data[0], y=data[1], progress_bar=False)
     for a, b in zip(jax.tree.leaves(result.state.q), jax.tree.leaves(other.state.q)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
     assert_checkpoint_resumes(vmap, result, tmp_path / "run.npz")
     with pytest.raises(ValueError, match="family"):
-        pvi.load(tmp_path / "run.npz", cvi(pvi.SiteFamilies({"b": pvi.FullRankGaussian()}), pvi.Synchronous(1.0)),
-                 result.problem)
+        pvi.load(
+            tmp_path / "run.npz",
+            cvi(pvi.SiteFamilies({"b": pvi.FullRankGaussian()}), pvi.Synchronous(1.0)),
+            result.problem,
+        )
 
 
 @pytest.fixture(scope="module")
@@ -102,16 +118,22 @@ def normal_gamma_data():
 
 @pytest.mark.parametrize("server, rounds", [(pvi.Sequential(), 8), (pvi.Synchronous(1.0), 20)])
 def test_normal_gamma_fixed_point_is_mean_field_vb(normal_gamma_data, server, rounds):
-    """CVI over w (FullRankGaussian, exact Hessians) and tau (Gamma, least-squares site) reaches the closed-form
-    VB fixed point within Monte Carlo error: the tau site is a regression on 256 draws of (log tau, tau) whose
-    response also varies with w's draws. Measured over 14 runs (5 seeds Sequential/8 rounds, 9 Synchronous/12-30
-    rounds: python benchmarks/families_mc_spread.py): |E[tau] error| <= 2.4 %, |shape error| <= 14 %, w's mean
-    within 0.013 sd, w's sds within 1.3 %; asserted at about twice that."""
+    """CVI over w (FullRankGaussian, exact Hessians) and tau (Gamma, least-squares site) reaches the
+    closed-form VB fixed point within Monte Carlo error: the tau site is a regression on 256 draws
+    of (log tau, tau) whose response also varies with w's draws. Measured over 14 runs (5 seeds
+    Sequential/8 rounds, 9 Synchronous/12-30 rounds: python benchmarks/families_mc_spread.py):
+    |E[tau] error| <= 2.4 %, |shape error| <= 14 %, w's mean within 0.013 sd, w's sds within 1.3 %;
+    asserted at about twice that."""
     X, y = normal_gamma_data
     mean, cov, a, b = normal_gamma_vb(X, y)
     family = pvi.SiteFamilies({"w": pvi.FullRankGaussian(), "tau": pvi.Gamma()})
-    inference = pvi.PVI(normal_gamma_model, family, partitions=PARTS, server=server,
-                        local_update=pvi.NaturalGradientUpdate(step_size=1.0, num_particles=512))
+    inference = pvi.PVI(
+        normal_gamma_model,
+        family,
+        partitions=PARTS,
+        server=server,
+        local_update=pvi.NaturalGradientUpdate(step_size=1.0, num_particles=512),
+    )
     result = inference.run(random.PRNGKey(6), rounds, X, y=y, progress_bar=False)
     w_block, tau_block = family.split(result.state.q)
     shape, rate = pvi.Gamma().to_params(tau_block)
@@ -127,14 +149,20 @@ def test_normal_gamma_fixed_point_is_mean_field_vb(normal_gamma_data, server, ro
 def gradient_result(normal_gamma_data):
     X, y = normal_gamma_data
     family = pvi.SiteFamilies({"w": pvi.FullRankGaussian(), "tau": pvi.Gamma()})
-    inference = pvi.PVI(normal_gamma_model, family, partitions=PARTS, server=pvi.Sequential(),
-                        local_update=pvi.GradientUpdate(optax.adam(0.05), num_steps=300, num_particles=4))
+    inference = pvi.PVI(
+        normal_gamma_model,
+        family,
+        partitions=PARTS,
+        server=pvi.Sequential(),
+        local_update=pvi.GradientUpdate(optax.adam(0.05), num_steps=300, num_particles=4),
+    )
     return inference.run(random.PRNGKey(7), 3, X, y=y, progress_bar=False)
 
 
 def test_gradient_update_fits_site_families(normal_gamma_data, gradient_result):
-    """GradientUpdate with NumPyro's reparameterised Gamma and MultivariateNormal guides: near the VB fixed point
-    (last-iterate ELBO noise with 4 particles; tolerance 10 % of E[tau] and of w's sd, measured ~3 %)."""
+    """GradientUpdate with NumPyro's reparameterised Gamma and MultivariateNormal guides: near the
+    VB fixed point (last-iterate ELBO noise with 4 particles; tolerance 10 % of E[tau] and of w's
+    sd, measured ~3 %)."""
     mean, cov, a, b = normal_gamma_vb(*normal_gamma_data)
     marg = gradient_result.family.marginals(gradient_result.state.q)
     np.testing.assert_allclose(marg.mean[:2], mean, atol=0.1 * np.sqrt(np.diag(cov)).max())
@@ -144,25 +172,39 @@ def test_gradient_update_fits_site_families(normal_gamma_data, gradient_result):
 def test_posterior_samples_guide_and_arviz(normal_gamma_data, gradient_result):
     X, _ = normal_gamma_data
     samples = gradient_result.sample_posterior(random.PRNGKey(8), 2000)
-    assert samples["w"].shape == (2000, 2) and samples["tau"].shape == (2000,) and bool(jnp.all(samples["tau"] > 0))
+    assert (
+        samples["w"].shape == (2000, 2)
+        and samples["tau"].shape == (2000,)
+        and bool(jnp.all(samples["tau"] > 0))
+    )
     marg = gradient_result.family.marginals(gradient_result.state.q)
-    np.testing.assert_allclose(samples["tau"].mean(), marg.mean[2], rtol=4 * np.sqrt(marg.variance[2] / 2000)
-                               / marg.mean[2])
-    predictive = Predictive(normal_gamma_model, guide=gradient_result.guide(), num_samples=50,
-                            return_sites=["y", "tau"])
+    np.testing.assert_allclose(
+        samples["tau"].mean(),
+        marg.mean[2],
+        rtol=4 * np.sqrt(marg.variance[2] / 2000) / marg.mean[2],
+    )
+    predictive = Predictive(
+        normal_gamma_model, guide=gradient_result.guide(), num_samples=50, return_sites=["y", "tau"]
+    )
     draws = predictive(random.PRNGKey(9), X)
-    assert draws["y"].shape == (50, N) and draws["tau"].shape == (50,) and bool(jnp.all(draws["tau"] > 0))
+    assert (
+        draws["y"].shape == (50, N)
+        and draws["tau"].shape == (50,)
+        and bool(jnp.all(draws["tau"] > 0))
+    )
     idata = gradient_result.to_arviz(num_samples=200)
     assert idata.posterior["tau"].shape[-1] == 50 or idata.posterior["tau"].size == 200
 
 
 def test_asynchronous_server_reaches_the_same_fixed_point(data):
-    """The asynchronous server (one slow client) with SiteFamilies: the same block-diagonal fixed point.
+    """The asynchronous server (one slow client) with SiteFamilies: the same block-diagonal fixed
+    point.
 
-    Without the Laplace fallback: with it, three clients take their (exact) Laplace sites in round 0, the ELBO
-    then falls a little in each round where the slow client's update is in flight (0.003-0.9 nats), and
-    ``AdaptiveDamping`` halves on every fall, to its floor 1/64 by round 12: after 48 rounds the means are still
-    0.2-0.3 posterior sds off (issue 23 note: ``AdaptiveDamping`` has no tolerance for small falls).
+    Without the Laplace fallback: with it, three clients take their (exact) Laplace sites in round
+    0, the ELBO then falls a little in each round where the slow client's update is in flight
+    (0.003-0.9 nats), and ``AdaptiveDamping`` halves on every fall, to its floor 1/64 by round 12:
+    after 48 rounds the means are still 0.2-0.3 posterior sds off (issue 23 note:
+    ``AdaptiveDamping`` has no tolerance for small falls).
     """
     server = pvi.Asynchronous(speeds=[1.0, 1.0, 0.3, 1.0], seed=1)
     precision, mean = exact_precision_and_mean(*data)
@@ -171,7 +213,9 @@ def test_asynchronous_server_reaches_the_same_fixed_point(data):
         random.PRNGKey(2), 48, data[0], y=data[1], progress_bar=False
     )
     np.testing.assert_allclose(family.marginals(result.state.q).mean, mean, rtol=1e-3, atol=1e-3)
-    np.testing.assert_allclose(block_precisions(family, result.state.q)[0], precision[:2, :2], rtol=1e-3)
+    np.testing.assert_allclose(
+        block_precisions(family, result.state.q)[0], precision[:2, :2], rtol=1e-3
+    )
 
 
 def test_plot_clients_draws_every_block(gradient_result):
@@ -192,10 +236,12 @@ def halfnormal_scale_model(X, y=None):
 
 
 def block_diagonal_vi_optimum(X, y):
-    """The optimum of the ELBO over q(w) = N(m, S) (full rank) times q(log sigma) = N(mu, s^2), in closed form.
+    """The optimum of the ELBO over q(w) = N(m, S) (full rank) times q(log sigma) = N(mu, s^2), in
+    closed form.
 
-    Every expectation is analytic (``E[sigma^-2] = exp(-2 mu + 2 s^2)``, ``E[sigma^2] = exp(2 mu + 2 s^2)``), q(w) is
-    optimal in closed form given q(log sigma), and the remaining 2-d ELBO is maximised by Nelder-Mead in float64.
+    Every expectation is analytic (``E[sigma^-2] = exp(-2 mu + 2 s^2)``, ``E[sigma^2] = exp(2 mu + 2
+    s^2)``), q(w) is optimal in closed form given q(log sigma), and the remaining 2-d ELBO is
+    maximised by Nelder-Mead in float64.
     """
     X, y = np.asarray(X, np.float64), np.asarray(y, np.float64)
 
@@ -208,29 +254,41 @@ def block_diagonal_vi_optimum(X, y):
         mu, s = params[0], np.exp(params[1])
         m, cov = w_given(mu, s)
         inv_var = np.exp(-2 * mu + 2 * s**2)
-        likelihood = -len(y) * mu - 0.5 * inv_var * (np.sum((y - X @ m) ** 2) + np.trace(X @ cov @ X.T))
-        prior = -0.5 * (m @ m + np.trace(cov)) - 0.5 * np.exp(2 * mu + 2 * s**2) + mu  # HalfNormal(1) in log space
+        likelihood = -len(y) * mu - 0.5 * inv_var * (
+            np.sum((y - X @ m) ** 2) + np.trace(X @ cov @ X.T)
+        )
+        # HalfNormal(1) in log space
+        prior = -0.5 * (m @ m + np.trace(cov)) - 0.5 * np.exp(2 * mu + 2 * s**2) + mu
         entropy = 0.5 * np.linalg.slogdet(cov)[1] + np.log(s)
         return -(likelihood + prior + entropy)
 
-    opt = minimize(negative_elbo, np.array([-0.5, np.log(0.1)]), method="Nelder-Mead",
-                   options={"xatol": 1e-10, "fatol": 1e-12, "maxiter": 5000})
+    opt = minimize(
+        negative_elbo,
+        np.array([-0.5, np.log(0.1)]),
+        method="Nelder-Mead",
+        options={"xatol": 1e-10, "fatol": 1e-12, "maxiter": 5000},
+    )
     m, cov = w_given(opt.x[0], np.exp(opt.x[1]))
     return m, cov, opt.x[0], np.exp(opt.x[1])
 
 
 def test_halfnormal_scale_in_the_default_block_gets_a_prior_factor():
-    """A Gaussian block's non-Gaussian prior (HalfNormal sigma, default mean-field block) is fitted by that block's
-    part of t_0, as with a plain Gaussian family: CVI reaches the block-diagonal VI optimum (closed form above).
-    Measured over 5 seeds (python benchmarks/families_mc_spread.py halfnormal): |w mean error| <= 0.04 sd, w's sds
-    within 0.7 %, log sigma's mean within 0.06 of its sd, its sd within 0.6 %; asserted at about twice that."""
+    """A Gaussian block's non-Gaussian prior (HalfNormal sigma, default mean-field block) is fitted
+    by that block's part of t_0, as with a plain Gaussian family: CVI reaches the block-diagonal VI
+    optimum (closed form above). Measured over 5 seeds (python benchmarks/families_mc_spread.py
+    halfnormal): |w mean error| <= 0.04 sd, w's sds within 0.7 %, log sigma's mean within 0.06 of
+    its sd, its sd within 0.6 %; asserted at about twice that."""
     X = 0.3 + random.normal(random.PRNGKey(0), (40, 2))
     y = X @ jnp.array([1.0, -0.5]) + 0.6 * random.normal(random.PRNGKey(1), (40,))
     m, cov, mu, s = block_diagonal_vi_optimum(X, y)
     family = pvi.SiteFamilies({"w": pvi.FullRankGaussian()})
-    inference = pvi.PVI(halfnormal_scale_model, family, partitions=np.split(np.arange(40), [6, 15, 27]),
-                        server=pvi.Sequential(),
-                        local_update=pvi.NaturalGradientUpdate(step_size=1.0, num_particles=64))
+    inference = pvi.PVI(
+        halfnormal_scale_model,
+        family,
+        partitions=np.split(np.arange(40), [6, 15, 27]),
+        server=pvi.Sequential(),
+        local_update=pvi.NaturalGradientUpdate(step_size=1.0, num_particles=64),
+    )
     result = inference.run(random.PRNGKey(10), 8, X, y=y, progress_bar=False)
     assert result.problem.rest == ("sigma",) and int(result.history.num_rejected.sum()) == 0
     w_block, sigma_block = family.split(result.state.q)

@@ -15,8 +15,6 @@ from models import linear_model, scale_model
 KEY = random.PRNGKey(0)
 
 
-
-
 def test_read_model_classifies_sites(linear_data):
     X, y = linear_data
     sites = read_model(scale_model, (X,), {"y": y})
@@ -45,7 +43,9 @@ def test_log_prior_matches_numpyro_potential_energy(linear_data):
     unconstrained = {"w": zeta[:3], "sigma": zeta[3]}
     joint = -potential_energy(scale_model, (X,), {"y": y}, unconstrained)
     lik = log_likelihood(scale_model, sites, zeta, (X,), {"y": y})
-    assert float(log_prior(scale_model, sites, zeta, (X,), {"y": y}) + lik) == pytest.approx(float(joint), rel=1e-5)
+    assert float(log_prior(scale_model, sites, zeta, (X,), {"y": y}) + lik) == pytest.approx(
+        float(joint), rel=1e-5
+    )
 
 
 def test_masked_log_likelihood_equals_unpadded(linear_data):
@@ -117,7 +117,9 @@ def test_unsupported_local_structure_names_the_site():
         with pvi.partition_plate("data", 3):
             numpyro.sample("y", dist.Normal(mu, 1.0), obs=y)
 
-    with pytest.raises(ValueError, match="Local latent site 'k' is discrete: mark it for enumeration"):
+    with pytest.raises(
+        ValueError, match="Local latent site 'k' is discrete: mark it for enumeration"
+    ):
         read_model(discrete, (), {"y": jnp.zeros(3)})
     with pytest.raises(ValueError, match="numpyro.param site 'a' is inside partition plate 'data'"):
         read_model(param_in_plate, (), {"y": jnp.zeros(3)})
@@ -141,7 +143,9 @@ def test_gaussian_priors_in_unconstrained_space_are_recognised():
     def model(y=None):
         numpyro.sample("a", dist.Normal(1.0, 2.0).expand([2]).to_event(1))
         numpyro.sample("b", dist.LogNormal(0.0, 0.5).expand([2]).to_event(1))
-        numpyro.sample("c", dist.MultivariateNormal(jnp.zeros(2), jnp.array([[1.0, 0.5], [0.5, 1.0]])))
+        numpyro.sample(
+            "c", dist.MultivariateNormal(jnp.zeros(2), jnp.array([[1.0, 0.5], [0.5, 1.0]]))
+        )
         s = numpyro.sample("s", dist.Gamma(2.0, 1.0))
         h = numpyro.sample("h", dist.Normal(0.0, s))  # hierarchical: depends on another latent
         with pvi.partition_plate("data", 3):

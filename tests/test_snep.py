@@ -1,8 +1,10 @@
-"""``SNEPUpdate``: EP's fixed point from persistent MCMC, exact on a conjugate model, the site-variance clamp.
+"""``SNEPUpdate``: EP's fixed point from persistent MCMC, exact on a conjugate model, the
+site-variance clamp.
 
-Reference errors (logistic regression of ``conftest``, 4 clients): EP itself (``MomentMatchingUpdate``, 5 sequential
-rounds of 4096 importance draws) moves by 0.009-0.011 posterior sd in the mean and 0.07-0.08 % in the sds between
-seeds; the tilted-moment gap (below) of a more precise EP run is <= 0.004 sd and 0.035 %.
+Reference errors (logistic regression of ``conftest``, 4 clients): EP itself
+(``MomentMatchingUpdate``, 5 sequential rounds of 4096 importance draws) moves by 0.009-0.011
+posterior sd in the mean and 0.07-0.08 % in the sds between seeds; the tilted-moment gap (below) of
+a more precise EP run is <= 0.004 sd and 0.035 %.
 """
 
 import jax
@@ -16,7 +18,13 @@ import numpyro_pvi as pvi
 from numpyro_pvi.local_updates.moment_matching import importance_moments, laplace
 from numpyro_pvi.local_updates.snep import _laplace_q
 
-from models import exact_linear_posterior, linear_model, logistic_model, make_heavy_tailed_data, robust_model
+from models import (
+    exact_linear_posterior,
+    linear_model,
+    logistic_model,
+    make_heavy_tailed_data,
+    robust_model,
+)
 from references import ROBUST_MODEL_MEAN, ROBUST_MODEL_SD
 
 FULL_RANK = pvi.FullRankGaussian()
@@ -24,10 +32,16 @@ FULL_RANK = pvi.FullRankGaussian()
 
 @pytest.fixture(scope="module")
 def ep_fixed_point(logistic_data):
-    """EP's q on the conftest logistic regression (4 clients, 5 sequential rounds of 4096 importance draws)."""
+    """EP's q on the conftest logistic regression (4 clients, 5 sequential rounds of 4096 importance
+    draws)."""
     X, y = logistic_data
-    inference = pvi.PVI(logistic_model, pvi.FullRankGaussian(), pvi.split_iid(random.PRNGKey(3), 400, 4),
-                        pvi.MomentMatchingUpdate(num_samples=4096), pvi.Sequential())
+    inference = pvi.PVI(
+        logistic_model,
+        pvi.FullRankGaussian(),
+        pvi.split_iid(random.PRNGKey(3), 400, 4),
+        pvi.MomentMatchingUpdate(num_samples=4096),
+        pvi.Sequential(),
+    )
     state = inference.run(random.PRNGKey(0), 5, X, y=y, progress_bar=False).state
     loc, scale_tril = inference.family.loc_scale(state.q)
     return np.asarray(loc), np.sqrt(np.diag(np.asarray(scale_tril @ scale_tril.T)))
@@ -35,15 +49,19 @@ def ep_fixed_point(logistic_data):
 
 @jax.jit
 def tilted_moments(cavity, X_m, y_m, eps):
-    """Mean and covariance of ``cavity(zeta) p(y_m | zeta)`` under ``logistic_model`` (``zeta = (w, b)``): importance
-    sampling from its Laplace approximation with standard-normal points ``eps``, the proposal's moments as control
-    variates."""
+    """Mean and covariance of ``cavity(zeta) p(y_m | zeta)`` under ``logistic_model`` (``zeta = (w,
+    b)``): importance sampling from its Laplace approximation with standard-normal points ``eps``,
+    the proposal's moments as control variates."""
 
     def log_tilted(z):
-        return FULL_RANK.quadratic(cavity, z) + jnp.sum(dist.Bernoulli(logits=X_m @ z[:-1] + z[-1]).log_prob(y_m))
+        return FULL_RANK.quadratic(cavity, z) + jnp.sum(
+            dist.Bernoulli(logits=X_m @ z[:-1] + z[-1]).log_prob(y_m)
+        )
 
     precision = FULL_RANK.dense_precision(cavity)
-    mode, _, chol_precision = laplace(log_tilted, jnp.linalg.solve(precision, cavity.eta1), precision, 20)
+    mode, _, chol_precision = laplace(
+        log_tilted, jnp.linalg.solve(precision, cavity.eta1), precision, 20
+    )
     inv = jax.scipy.linalg.solve_triangular(chol_precision, jnp.eye(mode.shape[0]), lower=True)
     mean, cov, _ = importance_moments(log_tilted, mode, jnp.linalg.cholesky(inv.T @ inv), eps)
     return mean, cov
@@ -52,11 +70,12 @@ def tilted_moments(cavity, X_m, y_m, eps):
 def tilted_moment_gap(family, state, X, y, parts, num_draws=1 << 16):
     """EP's fixed-point condition, checked directly on a PVI state of ``logistic_model``.
 
-    For every client ``m`` the tilted distribution ``q_{-m}(zeta) p(y_m | zeta)`` (``q_{-m} = q / t_m``) must have
-    ``q``'s mean and covariance. Its moments come from ``num_draws`` antithetic importance draws (Monte Carlo error
-    about 0.001 sd).
+    For every client ``m`` the tilted distribution ``q_{-m}(zeta) p(y_m | zeta)`` (``q_{-m} = q /
+    t_m``) must have ``q``'s mean and covariance. Its moments come from ``num_draws`` antithetic
+    importance draws (Monte Carlo error about 0.001 sd).
 
-    :return: ``(max |mean gap| / sd, max |sd ratio - 1|)`` over clients and coordinates (``q``'s sds).
+    :return: ``(max |mean gap| / sd, max |sd ratio - 1|)`` over clients and coordinates (``q``'s
+        sds).
     """
     loc, cov = family.moments(state.q)
     cov = family.to_dense(cov)
@@ -73,41 +92,54 @@ def tilted_moment_gap(family, state, X, y, parts, num_draws=1 << 16):
 
 def snep_run(logistic_data, update, server, num_rounds, seed=0):
     X, y = logistic_data
-    inference = pvi.PVI(logistic_model, pvi.FullRankGaussian(), pvi.split_iid(random.PRNGKey(3), 400, 4), update,
-                        server)
+    inference = pvi.PVI(
+        logistic_model,
+        pvi.FullRankGaussian(),
+        pvi.split_iid(random.PRNGKey(3), 400, 4),
+        update,
+        server,
+    )
     result = inference.run(random.PRNGKey(seed), num_rounds, X, y=y, progress_bar=False)
     loc, scale_tril = inference.family.loc_scale(result.state.q)
     return result, np.asarray(loc), np.sqrt(np.diag(np.asarray(scale_tril @ scale_tril.T)))
 
 
-# SNEP's sampling costs little here (0.1 s per round of 4 x 200 inner steps with 8 chains); compiling it costs 15-25 s.
+# SNEP's sampling costs little here (0.1 s per round of 4 x 200 inner steps with 8 chains);
+# compiling it costs 15-25 s.
 def test_snep_reaches_the_ep_fixed_point(logistic_data, ep_fixed_point):
     ep_loc, ep_sd = ep_fixed_point
     result, loc, sd = snep_run(logistic_data, pvi.SNEPUpdate(), pvi.Sequential(), 3)
-    # Over seeds 0-4 (and both servers, below) 3 rounds of the default 200 inner steps ended <= 0.010 EP sd from this
-    # EP's mean and <= 0.4 % from its sds, i.e. within EP's own seed-to-seed spread (0.01 sd, 0.08 %); the tolerances
-    # are 3.5x the largest. Against a more precise EP (3 seeds of 8 rounds of 8192 draws, averaged; spread 0.006 sd):
-    # <= 0.005 sd and 0.37 %. (The SNEP of the paper's eq. 22 as first implemented, without the control variates, the
-    # step in q's mean parameters and the averaging, ended 0.26 sd and 15 % away.)
+    # Over seeds 0-4 (and both servers, below) 3 rounds of the default 200 inner steps ended <=
+    # 0.010 EP sd from this EP's mean and <= 0.4 % from its sds, i.e. within EP's own seed-to-seed
+    # spread (0.01 sd, 0.08 %); the tolerances are 3.5x the largest. Against a more precise EP (3
+    # seeds of 8 rounds of 8192 draws, averaged; spread 0.006 sd): <= 0.005 sd and 0.37 %. (The SNEP
+    # of the paper's eq. 22 as first implemented, without the control variates, the step in q's mean
+    # parameters and the averaging, ended 0.26 sd and 15 % away.)
     assert np.max(np.abs(loc - ep_loc) / ep_sd) < 0.035
     np.testing.assert_allclose(sd, ep_sd, rtol=0.015)
     # the chains are the clients' persistent state: every client was visited and holds finite chains
-    assert bool(result.state.client_states.visited.all()) and np.isfinite(result.state.client_states.chains).all()
+    assert (
+        bool(result.state.client_states.visited.all())
+        and np.isfinite(result.state.client_states.chains).all()
+    )
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("server", [pvi.Sequential(), pvi.Synchronous(1.0)], ids=["sequential", "synchronous"])
+@pytest.mark.parametrize(
+    "server", [pvi.Sequential(), pvi.Synchronous(1.0)], ids=["sequential", "synchronous"]
+)
 def test_snep_satisfies_the_ep_fixed_point_conditions(logistic_data, ep_fixed_point, server):
     X, y = logistic_data
     ep_loc, ep_sd = ep_fixed_point
     result, loc, sd = snep_run(logistic_data, pvi.SNEPUpdate(), server, 3, seed=1)
     assert np.max(np.abs(loc - ep_loc) / ep_sd) < 0.035  # as above
     np.testing.assert_allclose(sd, ep_sd, rtol=0.015)
-    # EP's fixed-point condition itself: every client's tilted moments are q's. Over seeds 0-4 and both servers the
-    # gaps were <= 0.003 sd and 0.22 % (for precise EP runs: <= 0.004 sd and 0.035 %, the check's own Monte Carlo
-    # error); tolerances 5x.
-    mean_gap, sd_gap = tilted_moment_gap(pvi.FullRankGaussian(), result.state, X, y,
-                                         pvi.split_iid(random.PRNGKey(3), 400, 4))
+    # EP's fixed-point condition itself: every client's tilted moments are q's. Over seeds 0-4 and
+    # both servers the gaps were <= 0.003 sd and 0.22 % (for precise EP runs: <= 0.004 sd and 0.035
+    # %, the check's own Monte Carlo error); tolerances 5x.
+    mean_gap, sd_gap = tilted_moment_gap(
+        pvi.FullRankGaussian(), result.state, X, y, pvi.split_iid(random.PRNGKey(3), 400, 4)
+    )
     assert mean_gap < 0.015 and sd_gap < 0.01
 
 
@@ -117,12 +149,18 @@ def test_snep_recovers_the_exact_posterior_of_a_conjugate_model(linear_data):
     mean, cov = exact_linear_posterior(X, y)
     sd = np.sqrt(np.diag(cov))
     family = pvi.FullRankGaussian()
-    # num_newton=0: the first visit starts at the prior's mean (30 posterior sd away), not at the (exact) Laplace mode
+    # num_newton=0: the first visit starts at the prior's mean (30 posterior sd away), not at the
+    # (exact) Laplace mode
     update = pvi.SNEPUpdate(num_newton=0)
-    inference = pvi.PVI(linear_model, family, pvi.split_iid(random.PRNGKey(1), 300, 4), update, pvi.Synchronous(1.0))
-    loc, scale_tril = family.loc_scale(inference.run(random.PRNGKey(0), 3, X, y=y, progress_bar=False).state.q)
-    # The control variates are exact for a Gaussian tilted distribution: the third round ended 5e-6 sd from the
-    # exact mean and 4e-6 from its sds (float32); the tolerances leave room for rounding only.
+    inference = pvi.PVI(
+        linear_model, family, pvi.split_iid(random.PRNGKey(1), 300, 4), update, pvi.Synchronous(1.0)
+    )
+    loc, scale_tril = family.loc_scale(
+        inference.run(random.PRNGKey(0), 3, X, y=y, progress_bar=False).state.q
+    )
+    # The control variates are exact for a Gaussian tilted distribution: the third round ended 5e-6
+    # sd from the exact mean and 4e-6 from its sds (float32); the tolerances leave room for rounding
+    # only.
     assert np.max(np.abs(loc - mean) / sd) < 1e-3
     np.testing.assert_allclose(np.sqrt(np.diag(scale_tril @ scale_tril.T)), sd, rtol=1e-3)
 
@@ -130,72 +168,101 @@ def test_snep_recovers_the_exact_posterior_of_a_conjugate_model(linear_data):
 def test_site_variance_clamp_keeps_sites_proper_and_is_counted(linear_data):
     X, y = linear_data
     family = pvi.FullRankGaussian()
-    # Each client's exact site variance is ~0.003; a floor of 0.01 must bind. (Plain moments: that path runs too.)
+    # Each client's exact site variance is ~0.003; a floor of 0.01 must bind. (Plain moments: that
+    # path runs too.)
     update = pvi.SNEPUpdate(num_inner=20, site_variance=(0.01, 100.0), control_variates=False)
-    inference = pvi.PVI(linear_model, family, pvi.split_iid(random.PRNGKey(1), 300, 4), update, pvi.Synchronous(1.0))
+    inference = pvi.PVI(
+        linear_model, family, pvi.split_iid(random.PRNGKey(1), 300, 4), update, pvi.Synchronous(1.0)
+    )
     result = inference.run(random.PRNGKey(0), 2, X, y=y, progress_bar=False)
     assert (result.history.clamped > 0).all()
     assert np.isfinite(result.history.elbo).all() and result.history.accepted.all()
     precisions = np.asarray(jax.vmap(family.precision)(result.state.factors))
     eigenvalues = np.linalg.eigvalsh(precisions)
-    assert eigenvalues.min() >= 1 / 100.0 * (1 - 1e-3) and eigenvalues.max() <= 1 / 0.01 * (1 + 1e-3)
+    assert eigenvalues.min() >= 1 / 100.0 * (1 - 1e-3) and eigenvalues.max() <= 1 / 0.01 * (
+        1 + 1e-3
+    )
 
 
-@pytest.mark.parametrize("kwargs, match", [(dict(step_size=0.0), "step_size"), (dict(step_size=1.0), "step_size"),
-                                           (dict(alpha=1.5), "alpha"), (dict(num_inner=0), "num_inner"),
-                                           (dict(num_outer=0), "num_outer"), (dict(num_chains=0), "num_chains"),
-                                           (dict(average=0.0), "average"), (dict(site_variance=(1.0, 0.1)),
-                                                                            "site_variance"),
-                                           (dict(step_decay=0.0), "step_decay")])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(step_size=0.0), "step_size"),
+        (dict(step_size=1.0), "step_size"),
+        (dict(alpha=1.5), "alpha"),
+        (dict(num_inner=0), "num_inner"),
+        (dict(num_outer=0), "num_outer"),
+        (dict(num_chains=0), "num_chains"),
+        (dict(average=0.0), "average"),
+        (dict(site_variance=(1.0, 0.1)), "site_variance"),
+        (dict(step_decay=0.0), "step_decay"),
+    ],
+)
 def test_snep_update_arguments_are_checked(kwargs, match):
     with pytest.raises(ValueError, match=match):
         pvi.SNEPUpdate(**kwargs)
 
 
 def test_snep_never_returns_nan_on_a_heavy_tailed_model():
-    """Cauchy noise with 10 of 40 responses replaced by 30: SNEP stays finite and proper, and its q is NUTS's
-    posterior, not a fit dragged by the outliers."""
+    """Cauchy noise with 10 of 40 responses replaced by 30: SNEP stays finite and proper, and its q
+    is NUTS's posterior, not a fit dragged by the outliers."""
     X, y = make_heavy_tailed_data()
     family = pvi.MeanFieldGaussian()
-    inference = pvi.PVI(robust_model, family, pvi.split_iid(random.PRNGKey(3), 40, 4),
-                        pvi.SNEPUpdate(num_inner=50), pvi.Synchronous(1.0))
+    inference = pvi.PVI(
+        robust_model,
+        family,
+        pvi.split_iid(random.PRNGKey(3), 40, 4),
+        pvi.SNEPUpdate(num_inner=50),
+        pvi.Synchronous(1.0),
+    )
     result = inference.run(random.PRNGKey(0), 2, X, y=y, progress_bar=False)
     assert np.isfinite(result.history.elbo).all() and bool(family.is_valid(result.state.q))
     assert all(np.isfinite(leaf).all() for leaf in result.state.factors)
     assert result.history.accepted.all() and bool(result.state.client_states.visited.all())
-    # Against NUTS (tests/references.py): over seeds 0-4 (this run with the key varied) q's means were 0.02-0.17 NUTS
-    # sd away and its sds 1-9 % above NUTS's; asserted at 0.5 sd and 30 % (3x).
+    # Against NUTS (tests/references.py): over seeds 0-4 (this run with the key varied) q's means
+    # were 0.02-0.17 NUTS sd away and its sds 1-9 % above NUTS's; asserted at 0.5 sd and 30 % (3x).
     loc, scale = (np.asarray(a) for a in family.loc_scale(result.state.q))
     assert np.max(np.abs(loc - ROBUST_MODEL_MEAN) / ROBUST_MODEL_SD) < 0.5
     np.testing.assert_allclose(scale, ROBUST_MODEL_SD, rtol=0.3)
-    # the check can fail: least squares, which the outliers drag, is more than 10 posterior sds away in each coordinate
+    # the check can fail: least squares, which the outliers drag, is more than 10 posterior sds away
+    # in each coordinate
     least_squares = np.linalg.lstsq(np.asarray(X), np.asarray(y), rcond=None)[0]
     assert np.min(np.abs(least_squares - ROBUST_MODEL_MEAN) / ROBUST_MODEL_SD) > 10
 
 
 def test_snep_reports_the_tilted_variance_inflation_the_family_cannot_hold():
-    # a Gaussian likelihood with correlation 0.6: the Laplace approximation is the tilted distribution, so the
-    # inflation is exact, 1 / (1 - 0.6^2) for mean field (on main _laplace_q returns no inflation) and 1 for full rank
+    # a Gaussian likelihood with correlation 0.6: the Laplace approximation is the tilted
+    # distribution, so the inflation is exact, 1 / (1 - 0.6^2) for mean field (on main _laplace_q
+    # returns no inflation) and 1 for full rank
     curvature = jnp.array([[1.0, 0.6], [0.6, 1.0]])
     loglik = lambda z: -0.5 * z @ curvature @ z  # noqa: E731
     for family, expected in [(pvi.MeanFieldGaussian(), 1 / 0.64), (FULL_RANK, 1.0)]:
-        flat = family.zeros(2)  # the cavity: no prior, so the tilted distribution is the likelihood's
-        q = family.from_loc_scale(jnp.zeros(2), family.identity(2) if family is FULL_RANK else jnp.ones(2))
+        # the cavity: no prior, so the tilted distribution is the likelihood's
+        flat = family.zeros(2)
+        q = family.from_loc_scale(
+            jnp.zeros(2), family.identity(2) if family is FULL_RANK else jnp.ones(2)
+        )
         _, inflation = _laplace_q(family, flat, q, loglik, 5)
         assert float(inflation) == pytest.approx(expected, rel=1e-4)
 
 
 @pytest.mark.slow  # SNEP compiles for 1-3 minutes on the shared 2-core machine
 def test_mean_field_snep_over_correlated_clients_is_flagged():
-    # 120 rows of 3 features correlated 0.8 pairwise in 4 clients: SNEP's (EP's) mean-field fixed point has sds 37 %
-    # below the posterior's and 25 % above mean-field VI's (10 rounds of the sweep's SNEP settings, seed 0). The tilted
-    # distributions' variance inflation (from the Laplace approximation, deterministic) was 1.09-1.23 from round 1.
+    # 120 rows of 3 features correlated 0.8 pairwise in 4 clients: SNEP's (EP's) mean-field fixed
+    # point has sds 37 % below the posterior's and 25 % above mean-field VI's (10 rounds of the
+    # sweep's SNEP settings, seed 0). The tilted distributions' variance inflation (from the Laplace
+    # approximation, deterministic) was 1.09-1.23 from round 1.
     cov = 0.8 * np.ones((3, 3)) + 0.2 * np.eye(3)
     X = random.multivariate_normal(random.PRNGKey(5), jnp.zeros(3), jnp.asarray(cov), (120,))
     y = X @ jnp.array([1.0, -0.5, 0.3]) + 0.5 * random.normal(random.PRNGKey(6), (120,))
     update = pvi.SNEPUpdate(num_inner=20, num_outer=4, num_chains=4)
-    inference = pvi.PVI(linear_model, pvi.MeanFieldGaussian(), pvi.split_iid(random.PRNGKey(1), 120, 4), update,
-                        pvi.Sequential())
+    inference = pvi.PVI(
+        linear_model,
+        pvi.MeanFieldGaussian(),
+        pvi.split_iid(random.PRNGKey(1), 120, 4),
+        update,
+        pvi.Sequential(),
+    )
     with pytest.warns(pvi.PVIWarning, match="FullRankGaussian") as caught:
         result = inference.run(random.PRNGKey(0), 3, X, y=y, progress_bar=False, tol=0.05)
     # on main: no inflation in the history, and no such reason

@@ -1,10 +1,12 @@
-"""A slice of the validation sweep (benchmarks/sweep.py): cells that must be right or flagged, never silent.
+"""A slice of the validation sweep (benchmarks/sweep.py): cells that must be right or flagged, never
+silent.
 
-The whole sweep runs by hand (``python benchmarks/sweep.py --out docs/validation.md``); here, one cheap cell per
-server on the conjugate model, scored against the stored references exactly as the sweep scores it: RIGHT
-(means within 0.25 reference sd, sds within 25 %, or within 0.2 sd of the family's VI optimum) or FLAGGED
-(``converged`` False and a ``PVIWarning``). The thresholds are 10x above the Monte Carlo error of the scoring
-(4,000 draws of q: 0.016 sd on a mean, 1.1 % on an sd; the conjugate reference is exact).
+The whole sweep runs by hand (``python benchmarks/sweep.py --out docs/validation.md``); here, one
+cheap cell per server on the conjugate model, scored against the stored references exactly as the
+sweep scores it: RIGHT (means within 0.25 reference sd, sds within 25 %, or within 0.2 sd of the
+family's VI optimum) or FLAGGED (``converged`` False and a ``PVIWarning``). The thresholds are 10x
+above the Monte Carlo error of the scoring (4,000 draws of q: 0.016 sd on a mean, 1.1 % on an sd;
+the conjugate reference is exact).
 """
 
 import importlib.util
@@ -29,7 +31,12 @@ def test_design_covers_every_valid_pair(sweep):
     design = sweep.all_pairs(sweep.FACTORS, sweep.valid)
     names = list(sweep.FACTORS)
     cells = [dict(zip(names, levels)) for levels in itertools.product(*sweep.FACTORS.values())]
-    wanted = {((a, c[a]), (b, c[b])) for c in cells if sweep.valid(c) for a, b in itertools.combinations(names, 2)}
+    wanted = {
+        ((a, c[a]), (b, c[b]))
+        for c in cells
+        if sweep.valid(c)
+        for a, b in itertools.combinations(names, 2)
+    }
     covered = {((a, c[a]), (b, c[b])) for c in design for a, b in itertools.combinations(names, 2)}
     assert all(sweep.valid(c) for c in design)
     assert wanted <= covered
@@ -58,15 +65,28 @@ def test_classify_names_wrong_and_silent(sweep):
     assert sweep.classify((0.1, 0.5), (0.1, 0.5), False, False) == "WRONG-SILENT"
 
 
-# The synchronous and asynchronous cells compile longer than the sequential one: on the shared 2-core machine
-# (load 15-17) each took over 5 minutes. Since their client update compiles once (one size bucket for the skewed
-# split, the adaptive damping's state no longer changing types after round 1) they took 305 s and 101 s at load
-# 10-15 (`pytest -m slow tests/test_sweep.py --durations=5`), still over a minute, so only the sequential cell
-# runs in the default suite; `pytest -m slow tests/test_sweep.py` runs the others.
-@pytest.mark.parametrize("server", ["sequential", pytest.param("synchronous", marks=pytest.mark.slow),
-                                    pytest.param("asynchronous", marks=pytest.mark.slow)])
+# The synchronous and asynchronous cells compile longer than the sequential one: on the shared
+# 2-core machine (load 15-17) each took over 5 minutes. Since their client update compiles once (one
+# size bucket for the skewed split, the adaptive damping's state no longer changing types after
+# round 1) they took 305 s and 101 s at load 10-15 (`pytest -m slow tests/test_sweep.py
+# --durations=5`), still over a minute, so only the sequential cell runs in the default suite;
+# `pytest -m slow tests/test_sweep.py` runs the others.
+@pytest.mark.parametrize(
+    "server",
+    [
+        "sequential",
+        pytest.param("synchronous", marks=pytest.mark.slow),
+        pytest.param("asynchronous", marks=pytest.mark.slow),
+    ],
+)
 def test_conjugate_cell_right_or_flagged(sweep, server):
-    cell = dict(model="conjugate", split="skewed", prior="wide", update="cvi", family="sitefamilies",
-                server=server)
+    cell = dict(
+        model="conjugate",
+        split="skewed",
+        prior="wide",
+        update="cvi",
+        family="sitefamilies",
+        server=server,
+    )
     outcome = sweep.run_cell(cell, num_rounds=8)
     assert outcome.verdict in ("RIGHT", "FLAGGED"), outcome

@@ -1,4 +1,5 @@
-"""The full-rank guide whitened by the cavity (numpyro_pvi/families/whitened.py, FullRankGaussian's tilted guide)."""
+"""The full-rank guide whitened by the cavity (numpyro_pvi/families/whitened.py, FullRankGaussian's
+tilted guide)."""
 
 import jax
 import jax.numpy as jnp
@@ -23,7 +24,9 @@ from models import NOISE, linear_model
 
 def _random_tril(key, dim):
     off, diag = random.split(key)
-    return 0.5 * jnp.tril(random.normal(off, (dim, dim)), -1) + jnp.diag(jnp.exp(0.4 * random.normal(diag, (dim,))))
+    return 0.5 * jnp.tril(random.normal(off, (dim, dim)), -1) + jnp.diag(
+        jnp.exp(0.4 * random.normal(diag, (dim,)))
+    )
 
 
 def _f32(cov):
@@ -41,22 +44,35 @@ def test_kl_log_prob_and_moments_equal_numpyros_multivariate_normal(seed):
     guide = CavityWhitenedNormal(loc, white, chol)
     cavity = PrecisionMultivariateNormal(cavity_loc, chol)
     cov = np.linalg.inv(np.asarray(chol @ chol.T, np.float64))
-    guide_cov = np.linalg.inv(np.asarray(chol @ jnp.linalg.inv(white) @ jnp.linalg.inv(white).T @ chol.T, np.float64))
+    guide_cov = np.linalg.inv(
+        np.asarray(chol @ jnp.linalg.inv(white) @ jnp.linalg.inv(white).T @ chol.T, np.float64)
+    )
     np.testing.assert_allclose(guide.covariance_matrix, guide_cov, rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(cavity.covariance_matrix, cov, rtol=1e-4, atol=1e-5)
-    mvn_guide, mvn_cavity = MultivariateNormal(loc, _f32(guide_cov)), MultivariateNormal(cavity_loc, _f32(cov))
-    # the O(D^2) path (the guide whitened by this very cavity) and the general one (another precision factor)
-    np.testing.assert_allclose(kl_divergence(guide, cavity), kl_divergence(mvn_guide, mvn_cavity), rtol=1e-4)
+    mvn_guide, mvn_cavity = (
+        MultivariateNormal(loc, _f32(guide_cov)),
+        MultivariateNormal(cavity_loc, _f32(cov)),
+    )
+    # the O(D^2) path (the guide whitened by this very cavity) and the general one (another
+    # precision factor)
+    np.testing.assert_allclose(
+        kl_divergence(guide, cavity), kl_divergence(mvn_guide, mvn_cavity), rtol=1e-4
+    )
     other_cavity = PrecisionMultivariateNormal(cavity_loc, other)
     other_cov = _f32(np.linalg.inv(np.asarray(other @ other.T, np.float64)))
-    np.testing.assert_allclose(kl_divergence(guide, other_cavity),
-                               kl_divergence(mvn_guide, MultivariateNormal(cavity_loc, other_cov)), rtol=1e-4)
-    assert float(kl_divergence(CavityWhitenedNormal(cavity_loc, jnp.eye(dim), chol), cavity)) == pytest.approx(0.0,
-                                                                                                            abs=1e-5)
+    np.testing.assert_allclose(
+        kl_divergence(guide, other_cavity),
+        kl_divergence(mvn_guide, MultivariateNormal(cavity_loc, other_cov)),
+        rtol=1e-4,
+    )
+    assert float(
+        kl_divergence(CavityWhitenedNormal(cavity_loc, jnp.eye(dim), chol), cavity)
+    ) == pytest.approx(0.0, abs=1e-5)
     x = guide.sample(keys[5], (5,))
     np.testing.assert_allclose(guide.log_prob(x), mvn_guide.log_prob(x), rtol=1e-5)
     np.testing.assert_allclose(cavity.log_prob(x), mvn_cavity.log_prob(x), rtol=1e-5)
-    # draws: 100,000 of them match the covariance to within its Monte Carlo error (~0.5 % of the sds here)
+    # draws: 100,000 of them match the covariance to within its Monte Carlo error (~0.5 % of the sds
+    # here)
     draws = np.asarray(guide.sample(keys[6], (100_000,)), np.float64)
     np.testing.assert_allclose(np.cov(draws.T), guide_cov, atol=0.03 * np.max(np.diag(guide_cov)))
 
@@ -64,7 +80,8 @@ def test_kl_log_prob_and_moments_equal_numpyros_multivariate_normal(seed):
 def test_inverse_tril_and_the_dense_parameterisation_are_exact():
     for dim in (1, 7, 8, 37):  # 37: odd sizes at every level of the recursion
         draws = random.normal(random.PRNGKey(dim), (dim, 2 * dim))
-        tril = jnp.linalg.cholesky(draws @ draws.T / dim + 0.1 * jnp.eye(dim))  # a precision's Cholesky factor
+        # a precision's Cholesky factor
+        tril = jnp.linalg.cholesky(draws @ draws.T / dim + 0.1 * jnp.eye(dim))
         np.testing.assert_allclose(inverse_tril(tril) @ tril, np.eye(dim), atol=1e-5)
     tril = _random_tril(random.PRNGKey(5), 37)
     np.testing.assert_allclose(white_tril(white_raw(tril)), tril, atol=1e-5)
@@ -76,19 +93,27 @@ def test_tilted_params_round_trip_to_q():
     q = family.from_loc_scale(random.normal(keys[0], (5,)), _random_tril(keys[1], 5))
     cavity = family.from_loc_scale(random.normal(keys[2], (5,)), _random_tril(keys[3], 5))
     cavity_params, q_params = family.tilted_params(cavity, q)
-    back = family.from_cavity_guide("g_", cavity_params, {"g_loc": q_params[0], "g_white_raw": white_raw(q_params[1])})
+    back = family.from_cavity_guide(
+        "g_", cavity_params, {"g_loc": q_params[0], "g_white_raw": white_raw(q_params[1])}
+    )
     np.testing.assert_allclose(back.eta2, q.eta2, rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(back.eta1, q.eta1, rtol=1e-4, atol=1e-5)
 
 
 @pytest.fixture(scope="module")
 def conjugate_client():
-    """A linear-Gaussian client, a correlated cavity with a non-zero mean, and the exact local optimum."""
+    """A linear-Gaussian client, a correlated cavity with a non-zero mean, and the exact local
+    optimum."""
     X = random.normal(random.PRNGKey(0), (40, 3))
     y = X @ jnp.array([1.0, -0.5, 0.3]) + NOISE * random.normal(random.PRNGKey(1), (40,))
     update = pvi.GradientUpdate(optax.adam(2e-2), num_steps=2000, num_particles=8)
-    inference = pvi.PVI(linear_model, pvi.FullRankGaussian(), [np.arange(20), np.arange(20, 40)], update,
-                        pvi.Sequential())
+    inference = pvi.PVI(
+        linear_model,
+        pvi.FullRankGaussian(),
+        [np.arange(20), np.arange(20, 40)],
+        update,
+        pvi.Sequential(),
+    )
     problem = inference.build(X, y=y)
     client = jax.tree.map(lambda a: a[0], problem.buckets[0].clients)
     family = inference.family
@@ -99,7 +124,9 @@ def conjugate_client():
     precision = -2 * np.asarray(cavity.eta2, np.float64) + X0.T @ X0 / NOISE**2
     exact_cov = np.linalg.inv(precision)
     exact_mean = exact_cov @ (np.asarray(cavity.eta1, np.float64) + X0.T @ y0 / NOISE**2)
-    run = jax.jit(jax.vmap(update.bind(problem.client_problem), in_axes=(0, None, None, None, None)))
+    run = jax.jit(
+        jax.vmap(update.bind(problem.client_problem), in_axes=(0, None, None, None, None))
+    )
     results = run(random.split(random.PRNGKey(2), 8), client, cavity, q, ())
     return family, q, results, exact_mean, exact_cov
 
@@ -111,11 +138,19 @@ def test_full_rank_local_step_reaches_the_exact_local_optimum(conjugate_client):
     for m in range(results.delta.eta1.shape[0]):
         new = q + NatParams(results.delta.eta1[m], results.delta.eta2[m])
         mean, cov = (np.asarray(a, np.float64) for a in family.moments(new))
-        errors.append((np.max(np.abs(mean - exact_mean) / sd), np.max(np.abs(np.sqrt(np.diag(cov)) / sd - 1)),
-                       np.max(np.abs(cov - exact_cov) / np.outer(sd, sd))))
+        errors.append(
+            (
+                np.max(np.abs(mean - exact_mean) / sd),
+                np.max(np.abs(np.sqrt(np.diag(cov)) / sd - 1)),
+                np.max(np.abs(cov - exact_cov) / np.outer(sd, sd)),
+            )
+        )
     errors = np.array(errors)
-    # Over these 8 seeds (2,000 Adam steps of 8 particles, the last 1,000 averaged) the errors were at most 0.03 sd
-    # in the mean, 2 % in the sds and 0.036 in the covariance (in units of sd_i sd_j): the bounds are ~2.5x
-    # those. A wrong KL (e.g. a guide whitened by the wrong factor) moves the optimum by O(1); an unconverged
-    # run (Adam decayed to 1e-2 of its rate over the steps) left the sds 55-70 % too large.
-    assert errors[:, 0].max() < 0.1 and errors[:, 1].max() < 0.08 and errors[:, 2].max() < 0.08, errors
+    # Over these 8 seeds (2,000 Adam steps of 8 particles, the last 1,000 averaged) the errors were
+    # at most 0.03 sd in the mean, 2 % in the sds and 0.036 in the covariance (in units of sd_i
+    # sd_j): the bounds are ~2.5x those. A wrong KL (e.g. a guide whitened by the wrong factor)
+    # moves the optimum by O(1); an unconverged run (Adam decayed to 1e-2 of its rate over the
+    # steps) left the sds 55-70 % too large.
+    assert errors[:, 0].max() < 0.1 and errors[:, 1].max() < 0.08 and errors[:, 2].max() < 0.08, (
+        errors
+    )

@@ -1,14 +1,16 @@
-"""mkdocs hook: execute ``notebooks/*.ipynb`` at build time and put them, with their figures, on the site.
+"""mkdocs hook: execute ``notebooks/*.ipynb`` at build time and put them, with their figures, on the
+site.
 
 Every notebook is executed (``nbclient``, in its fast setting unless ``PVI_FULL=1``) into
-``.cache/notebooks/``; a notebook that raises fails the build, so the site never shows stale or broken
-output. An executed notebook is reused while neither it nor the library's sources (``numpyro_pvi/``,
-``examples/``) nor ``PVI_FULL`` changed. The executed notebooks become the pages ``notebooks/<name>.ipynb`` (rendered by
-``mkdocs-jupyter``, which does not execute them again), and the first figure of every cell tagged
-``gallery-<slug>`` becomes ``gallery/<slug>.png`` for ``gallery.md``.
+``.cache/notebooks/``; a notebook that raises fails the build, so the site never shows stale or
+broken output. An executed notebook is reused while neither it nor the library's sources
+(``numpyro_pvi/``, ``examples/``) nor ``PVI_FULL`` changed. The executed notebooks become the pages
+``notebooks/<name>.ipynb`` (rendered by ``mkdocs-jupyter``, which does not execute them again), and
+the first figure of every cell tagged ``gallery-<slug>`` becomes ``gallery/<slug>.png`` for
+``gallery.md``.
 
-Set ``PVI_DOCS_EXECUTE=0`` to skip execution while editing the docs: the pages then show the newest executed
-copy in the cache, even if stale (or the stored, output-free notebook if there is none).
+Set ``PVI_DOCS_EXECUTE=0`` to skip execution while editing the docs: the pages then show the newest
+executed copy in the cache, even if stale (or the stored, output-free notebook if there is none).
 """
 
 from __future__ import annotations
@@ -38,11 +40,13 @@ _figures: dict[str, Path] = {}  # gallery slug -> png
 
 
 def _key(path: Path) -> str:
-    """A hash of the notebook, the library's sources, this hook and the setting: an executed copy is valid while
-    they hold."""
+    """A hash of the notebook, the library's sources, this hook and the setting: an executed copy is
+    valid while they hold."""
     digest = hashlib.sha256(path.read_bytes())
     digest.update(Path(__file__).read_bytes())
-    for source in sorted([*(ROOT / "numpyro_pvi").rglob("*.py"), *(ROOT / "examples").glob("*.py")]):
+    for source in sorted(
+        [*(ROOT / "numpyro_pvi").rglob("*.py"), *(ROOT / "examples").glob("*.py")]
+    ):
         digest.update(source.read_bytes())
     digest.update(os.environ.get("PVI_FULL", "0").encode())
     return digest.hexdigest()[:16]
@@ -58,12 +62,18 @@ def _execute(path: Path) -> Path:
         return target
     log.info("executing notebook %s", path.name)
     notebook = nbformat.read(path, as_version=4)
-    client = NotebookClient(notebook, timeout=TIMEOUT, kernel_name="python3",
-                            resources={"metadata": {"path": str(path.parent)}})
+    client = NotebookClient(
+        notebook,
+        timeout=TIMEOUT,
+        kernel_name="python3",
+        resources={"metadata": {"path": str(path.parent)}},
+    )
     try:
         client.execute()
     except CellExecutionError as error:
-        raise PluginError(f"notebook {path.name} failed while the docs were built:\n{error}") from error
+        raise PluginError(
+            f"notebook {path.name} failed while the docs were built:\n{error}"
+        ) from error
     CACHE.mkdir(parents=True, exist_ok=True)
     for stale in CACHE.glob(f"{path.stem}-*.ipynb"):
         stale.unlink()
@@ -74,14 +84,25 @@ def _execute(path: Path) -> Path:
 
 
 def _gallery(name: str, path: Path) -> dict[str, Path]:
-    """The first PNG of every cell tagged ``gallery-<slug>``, written to ``gallery/<slug>.png`` of the pages."""
+    """The first PNG of every cell tagged ``gallery-<slug>``, written to ``gallery/<slug>.png`` of
+    the pages."""
     figures = {}
     for cell in nbformat.read(path, as_version=4).cells:
-        slugs = [t[len(GALLERY_TAG):] for t in cell.get("metadata", {}).get("tags", []) if t.startswith(GALLERY_TAG)]
-        pngs = [o["data"]["image/png"] for o in cell.get("outputs", []) if "image/png" in o.get("data", {})]
+        slugs = [
+            t[len(GALLERY_TAG) :]
+            for t in cell.get("metadata", {}).get("tags", [])
+            if t.startswith(GALLERY_TAG)
+        ]
+        pngs = [
+            o["data"]["image/png"]
+            for o in cell.get("outputs", [])
+            if "image/png" in o.get("data", {})
+        ]
         for slug in slugs:
             if not pngs:
-                raise PluginError(f"notebook {name}: the cell tagged {GALLERY_TAG}{slug} shows no figure.")
+                raise PluginError(
+                    f"notebook {name}: the cell tagged {GALLERY_TAG}{slug} shows no figure."
+                )
             png = PAGES / "gallery" / f"{slug}.png"
             png.parent.mkdir(parents=True, exist_ok=True)
             png.write_bytes(base64.b64decode(pngs[0]))
@@ -100,8 +121,11 @@ def on_pre_build(config: dict) -> None:
         _executed.update({p.stem: _newest_copy(p) for p in notebooks})
     else:
         # the kernels import this checkout's numpyro_pvi, whatever version is installed
-        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-        # and draw their figures inline, even where the environment picks a non-interactive backend (CI: Agg)
+        os.environ["PYTHONPATH"] = os.pathsep.join(
+            filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])
+        )
+        # and draw their figures inline, even where the environment picks a non-interactive backend
+        # (CI: Agg)
         os.environ["MPLBACKEND"] = "module://matplotlib_inline.backend_inline"
         with ThreadPoolExecutor(max_workers=2) as pool:  # one kernel per notebook: two run at once
             _executed.update(zip((p.stem for p in notebooks), pool.map(_execute, notebooks)))
@@ -118,6 +142,12 @@ def on_files(files: Files, config: dict) -> Files:
         uris.append(f"notebooks/{name}.ipynb")
     uris += [f"gallery/{slug}.png" for slug in _figures]
     for uri in uris:
-        files.append(File(uri, src_dir=str(PAGES), dest_dir=config["site_dir"],
-                          use_directory_urls=config["use_directory_urls"]))
+        files.append(
+            File(
+                uri,
+                src_dir=str(PAGES),
+                dest_dir=config["site_dir"],
+                use_directory_urls=config["use_directory_urls"],
+            )
+        )
     return files

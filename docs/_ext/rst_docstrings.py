@@ -1,9 +1,9 @@
 """Griffe extension for the docs: render the package's reST (Sphinx-style) docstrings in Markdown.
 
-The docstrings follow NumPyro's conventions (``:param x:`` fields, ``:class:`~pkg.Name``` roles and a
-``**Example:**`` section with a ``.. doctest::`` block, last). Griffe's Sphinx parser would fold
-everything after the first field into that field, and shows directives and roles verbatim, so
-before parsing this extension
+The docstrings follow NumPyro's conventions (``:param x:`` fields, ``:class:`~pkg.Name``` roles and
+a ``**Example:**`` section with a ``.. doctest::`` block, last). Griffe's Sphinx parser would fold
+everything after the first field into that field, and shows directives and roles verbatim, so before
+parsing this extension
 
 * moves the ``**Example:**`` section in front of the fields, as an ``!!! example`` admonition whose
   ``.. doctest::`` / ``.. code-block::`` body becomes a fenced ``python`` block;
@@ -21,7 +21,9 @@ import griffe
 
 import numpyro_pvi
 
-FIELD = re.compile(r"^:(param|parameter|arg|type|return|returns|rtype|raises|raise|ivar|var|cvar|vartype)\b")
+FIELD = re.compile(
+    r"^:(param|parameter|arg|type|return|returns|rtype|raises|raise|ivar|var|cvar|vartype)\b"
+)
 ROLE = re.compile(r":(?:class|func|meth|mod|attr|data|obj|exc):`(~?)([^`<]+?)(?:\s*<([^>]+)>)?`")
 DIRECTIVE = re.compile(r"^\.\. (doctest|code-block|code)::.*$")
 #: modules whose public names are rendered on the API pages (so their anchors exist)
@@ -49,7 +51,7 @@ def _role(match: re.Match) -> str:
 
 def _example_block(lines: list[str]) -> list[str]:
     """The lines of an ``**Example:**`` section as an admonition with fenced code."""
-    head = lines[0].strip()[len("**Example:**"):].strip()
+    head = lines[0].strip()[len("**Example:**") :].strip()
     body: list[str] = []
     i = 1
     if head:
@@ -59,7 +61,7 @@ def _example_block(lines: list[str]) -> list[str]:
             j = i + 1
             while j < len(lines) and (not lines[j].strip() or lines[j].startswith((" ", "\t"))):
                 j += 1
-            code = textwrap.dedent("\n".join(lines[i + 1:j])).strip("\n")
+            code = textwrap.dedent("\n".join(lines[i + 1 : j])).strip("\n")
             body += ["```python", *code.splitlines(), "```"]
             i = j
         else:
@@ -67,7 +69,11 @@ def _example_block(lines: list[str]) -> list[str]:
             i += 1
     while body and not body[-1].strip():
         body.pop()
-    return ['!!! example "Example"', ""] + [("    " + line) if line.strip() else "" for line in body] + [""]
+    return (
+        ['!!! example "Example"', ""]
+        + [("    " + line) if line.strip() else "" for line in body]
+        + [""]
+    )
 
 
 MULTI_PARAM = re.compile(r"^:param ([\w*]+(?:\s*,\s*[\w*]+)+):(.*)$")
@@ -86,9 +92,12 @@ def _split_params(lines: list[str]) -> list[str]:
 
 
 def rewrite(text: str) -> str:
-    """The docstring ``text`` with its example moved before the fields and its roles made Markdown."""
+    """The docstring ``text`` with its example moved before the fields and its roles made
+    Markdown."""
     lines = _split_params(text.splitlines())
-    start = next((i for i, line in enumerate(lines) if line.strip().startswith("**Example:**")), None)
+    start = next(
+        (i for i, line in enumerate(lines) if line.strip().startswith("**Example:**")), None
+    )
     example: list[str] = []
     if start is not None:
         end = next((i for i in range(start + 1, len(lines)) if FIELD.match(lines[i])), len(lines))

@@ -1,4 +1,5 @@
-"""Gaussian families over the flat unconstrained vector ``zeta`` (size ``D``), in natural parameters.
+"""Gaussian families over the flat unconstrained vector ``zeta`` (size ``D``), in natural
+parameters.
 
 A Gaussian ``N(mu, Lambda^{-1})`` has natural parameters ``eta1 = Lambda mu`` and
 ``eta2 = -Lambda / 2``. Products and quotients of factors are sums and differences of natural
@@ -7,13 +8,13 @@ combination. ``MeanFieldGaussian`` stores ``eta2`` as the ``(D,)`` diagonal, ``F
 as a ``(D, D)`` matrix. Factors ``t_m`` may be improper; ``q`` and every cavity must be valid
 (positive definite), which ``is_valid`` checks.
 
-Beyond the Gaussians: :mod:`~numpyro_pvi.families.exponential` (``Gamma``, ``Beta``, ``Dirichlet`` in a
-site's own space) and :class:`SiteFamilies` (a family per site; ``q`` block-diagonal), which implement
-the smaller :class:`FactorFamily` contract.
+Beyond the Gaussians: :mod:`~numpyro_pvi.families.exponential` (``Gamma``, ``Beta``, ``Dirichlet``
+in a site's own space) and :class:`SiteFamilies` (a family per site; ``q`` block-diagonal), which
+implement the smaller :class:`FactorFamily` contract.
 
-:class:`Family` is the contract both Gaussians implement (siblings: neither subclasses the other); all family
-algebra (moments, densities, whitening, sites) lives in the family classes, so a new family is one
-new class.
+:class:`Family` is the contract both Gaussians implement (siblings: neither subclasses the other);
+all family algebra (moments, densities, whitening, sites) lives in the family classes, so a new
+family is one new class.
 """
 
 from numpyro_pvi.families.block_distribution import BlockDistribution
@@ -27,6 +28,19 @@ from numpyro_pvi.families.params import Marginals, NatParams
 from numpyro_pvi.families.protocol import Family
 from numpyro_pvi.families.site_families import SiteFamilies
 
-__all__ = ["Beta", "BlockDistribution", "Dirichlet", "ExponentialFamily", "FactorFamily", "Family",
-           "FullRankGaussian", "Gamma", "Marginals", "MeanFieldGaussian", "MeanParamFamily", "NatParams",
-           "SiteFamilies", "expected_site"]
+__all__ = [
+    "Beta",
+    "BlockDistribution",
+    "Dirichlet",
+    "ExponentialFamily",
+    "FactorFamily",
+    "Family",
+    "FullRankGaussian",
+    "Gamma",
+    "Marginals",
+    "MeanFieldGaussian",
+    "MeanParamFamily",
+    "NatParams",
+    "SiteFamilies",
+    "expected_site",
+]

@@ -1,4 +1,5 @@
-"""``BlockDistribution``: independent distributions over consecutive slices of one flat vector (``SiteFamilies``' q)."""
+"""``BlockDistribution``: independent distributions over consecutive slices of one flat vector
+(``SiteFamilies``' q)."""
 
 from __future__ import annotations
 
@@ -11,9 +12,11 @@ from numpyro.distributions.kl import kl_divergence
 
 
 class BlockDistribution(dist.Distribution):
-    """Independent distributions over consecutive slices of one ``(D,)`` vector (each with event shape ``(k,)``).
+    """Independent distributions over consecutive slices of one ``(D,)`` vector (each with event
+    shape ``(k,)``).
 
-    Reparameterised when every part is; ``kl_divergence`` of two with the same slices is the sum of the parts'.
+    Reparameterised when every part is; ``kl_divergence`` of two with the same slices is the sum of
+    the parts'.
 
     **Example:**
 
@@ -21,7 +24,9 @@ class BlockDistribution(dist.Distribution):
 
         >>> import jax.numpy as jnp, numpyro.distributions as dist
         >>> from numpyro_pvi.families.block_distribution import BlockDistribution
-        >>> d = BlockDistribution([dist.Normal(jnp.zeros(2), 1.0).to_event(1), dist.Gamma(jnp.ones(1)).to_event(1)])
+        >>> d = BlockDistribution(
+        ...     [dist.Normal(jnp.zeros(2), 1.0).to_event(1), dist.Gamma(jnp.ones(1)).to_event(1)]
+        ... )
         >>> d.event_shape, round(float(d.log_prob(jnp.array([0.0, 0.0, 1.0]))), 4)
         ((3,), -2.8379)
     """
@@ -34,7 +39,9 @@ class BlockDistribution(dist.Distribution):
     def __init__(self, parts: list, validate_args: bool | None = None) -> None:
         self.parts = tuple(parts)
         self.sizes = tuple(int(p.event_shape[-1]) for p in self.parts)
-        super().__init__(batch_shape=(), event_shape=(sum(self.sizes),), validate_args=validate_args)
+        super().__init__(
+            batch_shape=(), event_shape=(sum(self.sizes),), validate_args=validate_args
+        )
 
     @property
     def has_rsample(self) -> bool:
@@ -46,11 +53,15 @@ class BlockDistribution(dist.Distribution):
 
     def sample(self, key: jax.Array, sample_shape: tuple = ()) -> jax.Array:
         keys = jax.random.split(key, len(self.parts))
-        return jnp.concatenate([p.sample(k, sample_shape) for p, k in zip(self.parts, keys)], axis=-1)
+        return jnp.concatenate(
+            [p.sample(k, sample_shape) for p, k in zip(self.parts, keys)], axis=-1
+        )
 
     def rsample(self, key: jax.Array, sample_shape: tuple = ()) -> jax.Array:
         keys = jax.random.split(key, len(self.parts))
-        return jnp.concatenate([p.rsample(k, sample_shape) for p, k in zip(self.parts, keys)], axis=-1)
+        return jnp.concatenate(
+            [p.rsample(k, sample_shape) for p, k in zip(self.parts, keys)], axis=-1
+        )
 
     def log_prob(self, value: jax.Array) -> jax.Array:
         return sum(p.log_prob(v) for p, v in zip(self.parts, self._split(value)))

@@ -1,24 +1,26 @@
 """Exponential families in a site's own space: :class:`Gamma`, :class:`Beta`, :class:`Dirichlet`.
 
-A factor is ``t(theta) = exp(eta1 . T1(theta) + eta2 . T2(theta))`` over the site's *constrained* value
-``theta`` (no bijection to unconstrained space: the block's coordinates are ``theta`` itself):
+A factor is ``t(theta) = exp(eta1 . T1(theta) + eta2 . T2(theta))`` over the site's *constrained*
+value ``theta`` (no bijection to unconstrained space: the block's coordinates are ``theta`` itself):
 
-============  =====================================  ==========================  ======================
-family        density of ``q``                       ``(T1, T2)``                ``(eta1, eta2)``
-============  =====================================  ==========================  ======================
-``Gamma``     ``theta^(a-1) exp(-b theta)``           ``(log theta, theta)``      ``(a - 1, -b)``
-``Beta``      ``theta^(a-1) (1 - theta)^(b-1)``       ``(log theta, log(1-theta))``  ``(a - 1, b - 1)``
-``Dirichlet`` ``prod_k theta_k^(a_k - 1)``            ``(log theta, -)``          ``(a - 1, ())``
-============  =====================================  ==========================  ======================
+============  =====================================  ==========================
+====================== family        density of ``q``                       ``(T1, T2)``
+``(eta1, eta2)`` ============  =====================================  ==========================
+====================== ``Gamma``     ``theta^(a-1) exp(-b theta)``           ``(log theta, theta)``
+``(a - 1, -b)`` ``Beta``      ``theta^(a-1) (1 - theta)^(b-1)``       ``(log theta, log(1-theta))``
+``(a - 1, b - 1)`` ``Dirichlet`` ``prod_k theta_k^(a_k - 1)``            ``(log theta, -)``
+``(a - 1, ())`` ============  =====================================  ==========================
+======================
 
 Products and quotients are sums and differences of natural parameters, as for the Gaussians, so the
-merge, cavities and damping are unchanged. ``Gamma`` and ``Beta`` are elementwise over every coordinate;
-``Dirichlet`` is one simplex site of shape ``(K,)`` or ``(..., K)`` (independent simplices). A prior of
-the same family is exact; a conjugate likelihood (Poisson / exponential / Normal-precision for ``Gamma``,
-Bernoulli / binomial for ``Beta``, categorical / multinomial for ``Dirichlet``) has a site that is exactly
-linear in ``T``, which :meth:`ExponentialFamily.site_from_draws` recovers exactly by least squares (the
-natural gradient of ``E_q[f]`` is the regression coefficient of ``f`` on ``T`` under ``q``: Salimans & Knowles 2013).
-So ``NaturalGradientUpdate(step_size=1.0)`` (or EP) is exact in one round of an undamped server,
+merge, cavities and damping are unchanged. ``Gamma`` and ``Beta`` are elementwise over every
+coordinate; ``Dirichlet`` is one simplex site of shape ``(K,)`` or ``(..., K)`` (independent
+simplices). A prior of the same family is exact; a conjugate likelihood (Poisson / exponential /
+Normal-precision for ``Gamma``, Bernoulli / binomial for ``Beta``, categorical / multinomial for
+``Dirichlet``) has a site that is exactly linear in ``T``, which
+:meth:`ExponentialFamily.site_from_draws` recovers exactly by least squares (the natural gradient of
+``E_q[f]`` is the regression coefficient of ``f`` on ``T`` under ``q``: Salimans & Knowles 2013). So
+``NaturalGradientUpdate(step_size=1.0)`` (or EP) is exact in one round of an undamped server,
 ``Sequential()`` or ``Synchronous(1.0)``; the default ``Synchronous()`` damps its first round.
 """
 
@@ -33,7 +35,12 @@ import numpyro.distributions as dist
 from jax.scipy.special import digamma, polygamma
 from numpyro.distributions import constraints
 from numpyro.distributions.kl import kl_divergence
-from numpyro.distributions.transforms import ExpTransform, SigmoidTransform, StickBreakingTransform, biject_to
+from numpyro.distributions.transforms import (
+    ExpTransform,
+    SigmoidTransform,
+    StickBreakingTransform,
+    biject_to,
+)
 
 from numpyro_pvi.families.concentrated import (
     ConcentratedBeta,
@@ -53,7 +60,8 @@ class Gamma(ExponentialFamily):
     Conjugate to Poisson, exponential and gamma (known shape) likelihoods of a rate and to a Normal
     likelihood's precision. Valid when shape and rate are positive.
 
-    **Example:** ``pvi.SiteFamilies({"rate": pvi.Gamma()})``, or ``pvi.Gamma()`` when every global site is positive.
+    **Example:** ``pvi.SiteFamilies({"rate": pvi.Gamma()})``, or ``pvi.Gamma()`` when every global
+    site is positive.
 
     .. doctest::
 
@@ -84,21 +92,31 @@ class Gamma(ExponentialFamily):
         a, b = params
         return jnp.concatenate([digamma(a) - jnp.log(b), a / b])
 
-    def site_from_draws(self, nat: NatParams, zeta: jax.Array, values: jax.Array, grads: jax.Array,
-                        hessians: jax.Array | None) -> NatParams:
-        """``grad_mu E_q[f]`` from pathwise gradients, with the sufficient statistics' as control variates.
+    def site_from_draws(
+        self,
+        nat: NatParams,
+        zeta: jax.Array,
+        values: jax.Array,
+        grads: jax.Array,
+        hessians: jax.Array | None,
+    ) -> NatParams:
+        """``grad_mu E_q[f]`` from pathwise gradients, with the sufficient statistics' as control
+        variates.
 
-        ``d E_q[f] / d eta = E[f'(theta) d theta / d eta]`` (implicit reparameterisation of the Gamma draws:
-        :func:`~numpyro_pvi.families.concentrated.gamma_sample_grad`, which returns at any shape) minus
-        ``a . (mean of d T(theta) / d eta - F)``, ``F = Cov_q(T)`` the
-        Fisher matrix, then ``F^-1``. The coefficients ``a`` are the mean over the draws of ``f``'s local
-        ``(log theta, theta)`` coefficients (from its first and second derivatives) when Hessians are given,
-        else the least-squares site. Unbiased for any ``a`` (but for the ``O(1 / S)`` of estimating it);
-        exact up to the other blocks' noise when ``f`` is affine in ``T`` (a Gamma block conjugate to the
-        likelihood): a Normal precision, a Poisson rate. The regression of ``f`` on ``T`` instead carries the
-        other blocks' variation of ``f`` and the collinearity of ``log theta`` and ``theta`` (issue 23, 7).
+        ``d E_q[f] / d eta = E[f'(theta) d theta / d eta]`` (implicit reparameterisation of the
+        Gamma draws:
+        :func:`~numpyro_pvi.families.concentrated.gamma_sample_grad`, which returns at any shape)
+        minus ``a . (mean of d T(theta) / d eta - F)``, ``F = Cov_q(T)`` the Fisher matrix, then
+        ``F^-1``. The coefficients ``a`` are the mean over the draws of ``f``'s local ``(log theta,
+        theta)`` coefficients (from its first and second derivatives) when Hessians are given, else
+        the least-squares site. Unbiased for any ``a`` (but for the ``O(1 / S)`` of estimating it);
+        exact up to the other blocks' noise when ``f`` is affine in ``T`` (a Gamma block conjugate
+        to the likelihood): a Normal precision, a Poisson rate. The regression of ``f`` on ``T``
+        instead carries the other blocks' variation of ``f`` and the collinearity of ``log theta``
+        and ``theta`` (issue 23, 7).
 
-        **Example:** ``f = 3 log theta - 2 theta`` is conjugate: its site is ``(3, -2)`` from any draws.
+        **Example:** ``f = 3 log theta - 2 theta`` is conjugate: its site is ``(3, -2)`` from any
+        draws.
 
         .. doctest::
 
@@ -107,22 +125,37 @@ class Gamma(ExponentialFamily):
             >>> q = family.from_params(jnp.array([5.0]), jnp.array([2.0]))
             >>> theta = family.draw(q, jax.random.PRNGKey(0), 8)
             >>> f = lambda t: jnp.sum(3.0 * jnp.log(t) - 2.0 * t)
-            >>> site = family.site_from_draws(q, theta, jax.vmap(f)(theta), jax.vmap(jax.grad(f))(theta),
-            ...                               jax.vmap(jax.hessian(f))(theta))
+            >>> site = family.site_from_draws(
+            ...     q,
+            ...     theta,
+            ...     jax.vmap(f)(theta),
+            ...     jax.vmap(jax.grad(f))(theta),
+            ...     jax.vmap(jax.hessian(f))(theta),
+            ... )
             >>> jnp.round(site.eta1, 4), jnp.round(site.eta2, 4)
             (Array([3.], dtype=float32), Array([-2.], dtype=float32))
         """
         shape, rate = self.to_params(nat)
         # d theta / d (eta1, eta2) = (d theta / d shape, -d theta / d rate), each (S, D)
         dtheta = jnp.stack([gamma_sample_grad(shape, zeta * rate) / rate, zeta / rate], axis=-1)
-        dstats = jnp.stack([1.0 / zeta, jnp.ones_like(zeta)], axis=-1)[..., :, None] * dtheta[..., None, :]
-        fisher = jnp.stack([jnp.stack([polygamma(1, shape), 1.0 / rate], -1),
-                            jnp.stack([1.0 / rate, shape / rate**2], -1)], -2)  # (D, 2, 2): Cov(log theta, theta)
+        dstats = (
+            jnp.stack([1.0 / zeta, jnp.ones_like(zeta)], axis=-1)[..., :, None]
+            * dtheta[..., None, :]
+        )
+        fisher = jnp.stack(
+            [
+                jnp.stack([polygamma(1, shape), 1.0 / rate], -1),
+                # (D, 2, 2): Cov(log theta, theta)
+                jnp.stack([1.0 / rate, shape / rate**2], -1),
+            ],
+            -2,
+        )
         if hessians is None:
             coef = super().site_from_draws(nat, zeta, values, grads, None)
             coef = jnp.stack([coef.eta1, coef.eta2], axis=-1)
         else:
-            curv = jnp.diagonal(hessians, axis1=-2, axis2=-1)  # f'' per coordinate; T' = (1/theta, 1)
+            # f'' per coordinate; T' = (1/theta, 1)
+            curv = jnp.diagonal(hessians, axis1=-2, axis2=-1)
             coef = jnp.mean(jnp.stack([-(zeta**2) * curv, grads + zeta * curv], axis=-1), axis=0)
         coef = jax.lax.stop_gradient(coef)
         pathwise = jnp.mean(grads[..., None] * dtheta, axis=0)  # (D, 2)
@@ -131,8 +164,8 @@ class Gamma(ExponentialFamily):
         return NatParams(site[..., 0], site[..., 1])
 
     def laplace_start(self, nat: NatParams) -> jax.Array:
-        """``log(a / b)``: in ``u = log theta`` a ``Gamma(a, b)`` has log density ``a u - b exp(u)``, mode
-        ``log(a / b)``."""
+        """``log(a / b)``: in ``u = log theta`` a ``Gamma(a, b)`` has log density ``a u - b
+        exp(u)``, mode ``log(a / b)``."""
         a, b = self.to_params(nat)
         return jnp.log(a / b)
 
@@ -147,21 +180,25 @@ class Gamma(ExponentialFamily):
         return jnp.diag(self.to_params(nat)[0])
 
     def from_laplace(self, mode: jax.Array, precision: jax.Array) -> NatParams:
-        """``a = diag(precision)``, ``b = a exp(-mode)`` (mode ``log(a / b)``, curvature ``-a`` in ``log theta``).
+        """``a = diag(precision)``, ``b = a exp(-mode)`` (mode ``log(a / b)``, curvature ``-a`` in
+        ``log theta``).
 
         .. doctest::
 
             >>> import jax.numpy as jnp, numpyro_pvi as pvi
             >>> family = pvi.Gamma()
             >>> q = family.from_params(jnp.array([3.0]), jnp.array([2.0]))
-            >>> family.to_params(family.from_laplace(family.laplace_start(q), family.laplace_precision(q)))
+            >>> family.to_params(
+            ...     family.from_laplace(family.laplace_start(q), family.laplace_precision(q))
+            ... )
             (Array([3.], dtype=float32), Array([2.], dtype=float32))
         """
         a = jnp.diagonal(precision)
         return self.from_params(a, a * jnp.exp(-mode))
 
     def base(self, concentration: jax.Array, rate: jax.Array) -> dist.Distribution:
-        """``Gamma(shape, rate)`` over ``(D,)`` (accurate ``log_prob`` and ``entropy`` at any concentration)."""
+        """``Gamma(shape, rate)`` over ``(D,)`` (accurate ``log_prob`` and ``entropy`` at any
+        concentration)."""
         return ConcentratedGamma(concentration, rate).to_event(1)
 
     def mean_var(self, params: tuple) -> tuple[np.ndarray, np.ndarray]:
@@ -170,7 +207,8 @@ class Gamma(ExponentialFamily):
         return a / b, a / b**2
 
     def params_at(self, loc: jax.Array, scale: float) -> tuple:
-        """Mean ``loc`` and coefficient of variation ``scale`` (sd ``scale * loc``): shape ``1 / scale^2``.
+        """Mean ``loc`` and coefficient of variation ``scale`` (sd ``scale * loc``): shape ``1 /
+        scale^2``.
 
         For small ``scale`` this is about a sd of ``scale`` in ``log theta``, as a Gaussian start in
         unconstrained space with the same ``init_scale``.
@@ -238,7 +276,8 @@ class Beta(ExponentialFamily):
         return self.from_params(total * m, total * (1.0 - m))
 
     def base(self, concentration1: jax.Array, concentration0: jax.Array) -> dist.Distribution:
-        """``Beta(a, b)`` over ``(D,)`` (accurate ``log_prob`` and ``entropy`` at any concentration)."""
+        """``Beta(a, b)`` over ``(D,)`` (accurate ``log_prob`` and ``entropy`` at any
+        concentration)."""
         return ConcentratedBeta(concentration1, concentration0).to_event(1)
 
     def mean_var(self, params: tuple) -> tuple[np.ndarray, np.ndarray]:
@@ -247,8 +286,9 @@ class Beta(ExponentialFamily):
         return a / (a + b), a * b / ((a + b) ** 2 * (a + b + 1.0))
 
     def params_at(self, loc: jax.Array, scale: float) -> tuple:
-        """Mean ``loc`` and sd ``scale * sqrt(loc (1 - loc))`` (``scale`` times the largest sd a distribution
-        on ``[0, 1]`` with that mean can have): ``a + b = 1 / scale^2 - 1``; ``scale`` must be below 1."""
+        """Mean ``loc`` and sd ``scale * sqrt(loc (1 - loc))`` (``scale`` times the largest sd a
+        distribution on ``[0, 1]`` with that mean can have): ``a + b = 1 / scale^2 - 1``; ``scale``
+        must be below 1."""
         total = 1.0 / scale**2 - 1.0
         mean = jnp.clip(loc, 1e-6, 1.0 - 1e-6)
         return total * mean, total * (1.0 - mean)
@@ -259,7 +299,8 @@ class Beta(ExponentialFamily):
 
 
 class FlatDirichlets(dist.Distribution):
-    """Independent Dirichlets over the rows of ``(..., K)`` simplices, flattened to one ``(D,)`` event.
+    """Independent Dirichlets over the rows of ``(..., K)`` simplices, flattened to one ``(D,)``
+    event.
 
     **Example:**
 
@@ -278,9 +319,13 @@ class FlatDirichlets(dist.Distribution):
     pytree_data_fields = ("concentration",)
     pytree_aux_fields = ("simplex_size",)
 
-    def __init__(self, concentration: jax.Array, simplex_size: int, validate_args: bool | None = None) -> None:
+    def __init__(
+        self, concentration: jax.Array, simplex_size: int, validate_args: bool | None = None
+    ) -> None:
         self.concentration, self.simplex_size = concentration, int(simplex_size)
-        super().__init__(batch_shape=(), event_shape=concentration.shape[-1:], validate_args=validate_args)
+        super().__init__(
+            batch_shape=(), event_shape=concentration.shape[-1:], validate_args=validate_args
+        )
 
     @property
     def rows(self) -> dist.Dirichlet:
@@ -296,7 +341,9 @@ class FlatDirichlets(dist.Distribution):
         return self.sample(key, sample_shape)
 
     def log_prob(self, value: jax.Array) -> jax.Array:
-        return jnp.sum(self.rows.log_prob(value.reshape(value.shape[:-1] + (-1, self.simplex_size))), axis=-1)
+        return jnp.sum(
+            self.rows.log_prob(value.reshape(value.shape[:-1] + (-1, self.simplex_size))), axis=-1
+        )
 
     def entropy(self) -> jax.Array:
         return jnp.sum(self.rows.entropy(), axis=-1)
@@ -316,11 +363,12 @@ def _kl_flat_dirichlets(p: FlatDirichlets, q: FlatDirichlets) -> jax.Array:
 
 
 class Dirichlet(ExponentialFamily):
-    """Dirichlet factors over one simplex site of shape ``(K,)`` or ``(..., K)`` (a batch of simplices, independent
-    rows): ``eta1 = alpha - 1`` flattened (``eta2`` is empty).
+    """Dirichlet factors over one simplex site of shape ``(K,)`` or ``(..., K)`` (a batch of
+    simplices, independent rows): ``eta1 = alpha - 1`` flattened (``eta2`` is empty).
 
-    Conjugate to categorical and multinomial likelihoods of the probabilities. The site's shape is read when
-    PVI builds its problem: an instance serves one site (give each simplex site its own ``pvi.Dirichlet()``).
+    Conjugate to categorical and multinomial likelihoods of the probabilities. The site's shape is
+    read when PVI builds its problem: an instance serves one site (give each simplex site its own
+    ``pvi.Dirichlet()``).
 
     **Example:** ``pvi.SiteFamilies({"probs": pvi.Dirichlet()})``.
 
@@ -344,11 +392,17 @@ class Dirichlet(ExponentialFamily):
     def check_shapes(self, shapes: list) -> None:
         """One simplex site, of shape ``(K,)`` or ``(..., K)``; records it."""
         if len(shapes) != 1:
-            raise ValueError(f"Dirichlet() holds one simplex site; got {len(shapes)} sites: give each its own "
-                             "Dirichlet() in pvi.SiteFamilies({...}).")
+            raise ValueError(
+                f"Dirichlet() holds one simplex site; got {len(shapes)} sites: give "
+                "each its own "
+                "Dirichlet() in pvi.SiteFamilies({...})."
+            )
         if self.shape is not None and self.shape != tuple(shapes[0]):
-            raise ValueError(f"This Dirichlet() instance holds a simplex site of shape {self.shape}, not "
-                             f"{tuple(shapes[0])}: give each simplex site its own pvi.Dirichlet().")
+            raise ValueError(
+                "This Dirichlet() instance holds a simplex site of shape "
+                f"{self.shape}, not "
+                f"{tuple(shapes[0])}: give each simplex site its own pvi.Dirichlet()."
+            )
         self.shape = tuple(shapes[0])
 
     def _rows(self, x: Any) -> Any:
@@ -361,7 +415,9 @@ class Dirichlet(ExponentialFamily):
 
     def from_params(self, concentration: jax.Array) -> NatParams:
         """From the (flattened) concentrations ``alpha`` ``(D,)``."""
-        return NatParams(concentration - 1.0, jnp.zeros(concentration.shape[:-1] + (0,), concentration.dtype))
+        return NatParams(
+            concentration - 1.0, jnp.zeros(concentration.shape[:-1] + (0,), concentration.dtype)
+        )
 
     def stats(self, theta: jax.Array) -> jax.Array:
         """``log theta``."""
@@ -373,32 +429,38 @@ class Dirichlet(ExponentialFamily):
         return (digamma(rows) - digamma(jnp.sum(rows, axis=-1, keepdims=True))).reshape(-1)
 
     def base(self, concentration: jax.Array) -> dist.Distribution:
-        """``Dirichlet(alpha)`` over ``(K,)``, or :class:`FlatDirichlets` over a batch of simplices."""
+        """``Dirichlet(alpha)`` over ``(K,)``, or :class:`FlatDirichlets` over a batch of
+        simplices."""
         if self.shape is None or len(self.shape) == 1:
             return ConcentratedDirichlet(concentration)
         return FlatDirichlets(concentration, self.shape[-1])
 
     def mean_var(self, params: tuple) -> tuple[np.ndarray, np.ndarray]:
-        """``alpha / alpha_0`` and ``alpha (alpha_0 - alpha) / (alpha_0^2 (alpha_0 + 1))`` per simplex."""
+        """``alpha / alpha_0`` and ``alpha (alpha_0 - alpha) / (alpha_0^2 (alpha_0 + 1))`` per
+        simplex."""
         alpha = self._rows(np.asarray(params[0]))
         total = np.sum(alpha, axis=-1, keepdims=True)
         mean, var = alpha / total, alpha * (total - alpha) / (total**2 * (total + 1.0))
         return mean.reshape(-1), var.reshape(-1)
 
     def params_at(self, loc: jax.Array, scale: float) -> tuple:
-        """Mean ``loc / sum(loc)`` (per simplex) and sd ``scale * sqrt(m_k (1 - m_k))`` in every coordinate (as
+        """Mean ``loc / sum(loc)`` (per simplex) and sd ``scale * sqrt(m_k (1 - m_k))`` in every
+        coordinate (as
         :class:`Beta`): ``alpha_0 = 1 / scale^2 - 1``; ``scale`` must be below 1."""
         mean = self._rows(jnp.clip(loc, 1e-6, None))
-        return ((1.0 / scale**2 - 1.0) * (mean / jnp.sum(mean, axis=-1, keepdims=True)).reshape(-1),)
+        return (
+            (1.0 / scale**2 - 1.0) * (mean / jnp.sum(mean, axis=-1, keepdims=True)).reshape(-1),
+        )
 
     def checked_scale(self, scale: float) -> float:
         """``scale`` in ``(0, 1)``."""
         return unit_scale(self, scale)
 
     def laplace_start(self, nat: NatParams) -> jax.Array:
-        """``log alpha`` centred per simplex. The Laplace coordinates are ``theta = softmax(x)`` per simplex with
-        a gauge term ``-(sum x)^2 / 2`` (``x`` and ``x + c`` are one ``theta``): the log density is
-        ``sum_k alpha_k log theta_k - (sum_k x_k)^2 / 2``, mode ``theta = alpha / alpha_0``, ``sum x = 0``."""
+        """``log alpha`` centred per simplex. The Laplace coordinates are ``theta = softmax(x)`` per
+        simplex with a gauge term ``-(sum x)^2 / 2`` (``x`` and ``x + c`` are one ``theta``): the
+        log density is ``sum_k alpha_k log theta_k - (sum_k x_k)^2 / 2``, mode ``theta = alpha /
+        alpha_0``, ``sum x = 0``."""
         logs = jnp.log(self._rows(self.to_params(nat)[0]))
         return (logs - jnp.mean(logs, axis=-1, keepdims=True)).reshape(-1)
 
@@ -416,12 +478,17 @@ class Dirichlet(ExponentialFamily):
         total = jnp.sum(alpha, axis=-1, keepdims=True)
         mean = alpha / total
         count, size = alpha.shape
-        blocks = total[:, :, None] * (jax.vmap(jnp.diag)(mean) - mean[:, :, None] * mean[:, None, :]) + 1.0
-        return (jnp.eye(count)[:, None, :, None] * blocks[:, :, None, :]).reshape(count * size, count * size)
+        blocks = (
+            total[:, :, None] * (jax.vmap(jnp.diag)(mean) - mean[:, :, None] * mean[:, None, :])
+            + 1.0
+        )
+        return (jnp.eye(count)[:, None, :, None] * blocks[:, :, None, :]).reshape(
+            count * size, count * size
+        )
 
     def from_laplace(self, mode: jax.Array, precision: jax.Array) -> NatParams:
-        """``alpha = alpha_0 softmax(mode)`` per simplex, ``alpha_0`` from the trace of the simplex's block:
-        ``trace = alpha_0 (1 - sum m^2) + K``."""
+        """``alpha = alpha_0 softmax(mode)`` per simplex, ``alpha_0`` from the trace of the
+        simplex's block: ``trace = alpha_0 (1 - sum m^2) + K``."""
         rows = self._rows(mode)
         count, size = rows.shape
         mean = jax.nn.softmax(rows, axis=-1)
@@ -441,7 +508,8 @@ class Dirichlet(ExponentialFamily):
         return x.reshape(x.shape[:-2] + (-1,))
 
     def constrain(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """The simplices of stick-breaking coordinates ``x`` ``(chain_dim(D),)``, flattened, and the log Jacobian."""
+        """The simplices of stick-breaking coordinates ``x`` ``(chain_dim(D),)``, flattened, and the
+        log Jacobian."""
         size = x.shape[-1] if self.shape is None else self.shape[-1] - 1
         transform = biject_to(self.support)
         rows = x.reshape(-1, size)

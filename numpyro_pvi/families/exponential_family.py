@@ -2,8 +2,8 @@
 
 What :class:`~numpyro_pvi.Gamma`, :class:`~numpyro_pvi.Beta` and :class:`~numpyro_pvi.Dirichlet`
 (:mod:`numpyro_pvi.families.exponential`) share: natural parameters, validity, the guide, the
-least-squares natural-gradient site (:func:`regression_site`), moment matching, the chosen start and the
-exact prior.
+least-squares natural-gradient site (:func:`regression_site`), moment matching, the chosen start and
+the exact prior.
 """
 
 from __future__ import annotations
@@ -25,13 +25,16 @@ from numpyro.distributions.transforms import (
 
 from numpyro_pvi.families.params import Marginals, NatParams
 
-NUM_PRIOR_DRAWS = 256  # draws at which an exponential-family block's prior is read off by least squares
+# draws at which an exponential-family block's prior is read off by least squares
+NUM_PRIOR_DRAWS = 256
 NUM_FRAME_DRAWS = 256  # draws of q that standardise SNEP's chain coordinates (chain_frame)
-PRIOR_RESIDUAL = 1e-3  # largest relative residual of that fit: above it, the prior is not of the family
+# largest relative residual of that fit: above it, the prior is not of the family
+PRIOR_RESIDUAL = 1e-3
 
 
 def regression_site(stats: jax.Array, values: jax.Array) -> jax.Array:
-    """Least-squares coefficients of ``values`` ``(S,)`` on ``[1, stats]`` ``(S, P)``, intercept dropped: ``(P,)``.
+    """Least-squares coefficients of ``values`` ``(S,)`` on ``[1, stats]`` ``(S, P)``, intercept
+    dropped: ``(P,)``.
 
     Exact (to float precision) when ``values`` is an affine function of the statistics.
 
@@ -59,10 +62,12 @@ def _base_transform(transform: Any) -> Any:
 
 
 class ExponentialFamily:
-    """What :class:`Gamma`, :class:`Beta` and :class:`Dirichlet` share (a subclass gives the members below).
+    """What :class:`Gamma`, :class:`Beta` and :class:`Dirichlet` share (a subclass gives the members
+    below).
 
-    Subclasses set ``support`` (the constraint of the site values they hold), ``transform_type`` (the type
-    of ``biject_to(support)`` a fitting site has) and ``param_names``, and implement :meth:`to_params`,
+    Subclasses set ``support`` (the constraint of the site values they hold), ``transform_type``
+    (the type of ``biject_to(support)`` a fitting site has) and ``param_names``, and implement
+    :meth:`to_params`,
     :meth:`from_params`, :meth:`stats`, :meth:`base` and :meth:`mean_var`.
     """
 
@@ -83,7 +88,8 @@ class ExponentialFamily:
         raise NotImplementedError
 
     def stats(self, theta: jax.Array) -> jax.Array:
-        """Sufficient statistics ``(S, P)`` of draws ``(S, D)``, ordered as ``concatenate([eta1, eta2])``."""
+        """Sufficient statistics ``(S, P)`` of draws ``(S, D)``, ordered as ``concatenate([eta1,
+        eta2])``."""
         raise NotImplementedError
 
     def base(self, *params: jax.Array) -> dist.Distribution:
@@ -120,9 +126,16 @@ class ExponentialFamily:
         return self.base(*self.to_params(nat))
 
     def marginals(self, nat: Any) -> Marginals:
-        """Marginal means and variances in float64 numpy (NaN where improper); ``precision`` is ``1 / variance``."""
-        params = tuple(np.asarray(p, dtype=np.float64) for p in self.to_params(NatParams(
-            np.asarray(nat.eta1, dtype=np.float64), np.asarray(nat.eta2, dtype=np.float64))))
+        """Marginal means and variances in float64 numpy (NaN where improper); ``precision`` is ``1
+        / variance``."""
+        params = tuple(
+            np.asarray(p, dtype=np.float64)
+            for p in self.to_params(
+                NatParams(
+                    np.asarray(nat.eta1, dtype=np.float64), np.asarray(nat.eta2, dtype=np.float64)
+                )
+            )
+        )
         proper = np.all([np.all(p > 0) for p in params])
         if not proper:
             nan = np.full(np.shape(nat.eta1), np.nan)
@@ -131,13 +144,18 @@ class ExponentialFamily:
         return Marginals(mean, var, 1.0 / var)
 
     def prepare_sites(self, sites: Any) -> Any:
-        """Every global site in its own space (identity transform); ``ValueError`` if one has another support."""
+        """Every global site in its own space (identity transform); ``ValueError`` if one has
+        another support."""
         out = []
         for site in sites.globals:
             if not isinstance(_base_transform(site.transform), self.transform_type):
-                raise ValueError(f"{self!r} holds sites with support {self.support}, but global site '{site.name}' "
-                                 f"has a prior on another support (transform {site.transform}). Give it another "
-                                 "family with pvi.SiteFamilies({...}).")
+                raise ValueError(
+                    f"{self!r} holds sites with support {self.support}, but global "
+                    f"site '{site.name}' "
+                    f"has a prior on another support (transform {site.transform}). "
+                    "Give it another "
+                    "family with pvi.SiteFamilies({...})."
+                )
             out.append(replace(site, flat_shape=tuple(site.shape), transform=IdentityTransform()))
         self.check_shapes([tuple(s.shape) for s in sites.globals])
         gaussian = {k: v for k, v in sites.gaussian_prior.items() if k not in {s.name for s in out}}
@@ -153,9 +171,12 @@ class ExponentialFamily:
         return self.base(*params)
 
     def guide(self, prefix: str, params: tuple) -> dist.Distribution:
-        """``numpyro.param`` sites ``prefix + name`` per parameter, ``positive`` (optimised in log space)."""
-        values = [numpyro.param(prefix + name, value, constraint=constraints.positive)
-                  for name, value in zip(self.param_names, params)]
+        """``numpyro.param`` sites ``prefix + name`` per parameter, ``positive`` (optimised in log
+        space)."""
+        values = [
+            numpyro.param(prefix + name, value, constraint=constraints.positive)
+            for name, value in zip(self.param_names, params)
+        ]
         return self.base(*values)
 
     def from_guide(self, prefix: str, values: dict) -> NatParams:
@@ -164,26 +185,40 @@ class ExponentialFamily:
 
     # ------------------------------------------------------------------ natural-gradient site
     def draw(self, nat: NatParams, rng_key: jax.Array, pairs: int) -> jax.Array:
-        """``pairs`` draws from ``q``, each twice (so that they pair with a Gaussian block's antithetic draws)."""
+        """``pairs`` draws from ``q``, each twice (so that they pair with a Gaussian block's
+        antithetic draws)."""
         half = self.to_dist(nat).sample(rng_key, (pairs,))
         return jnp.concatenate([half, half])
 
-    def site_from_draws(self, nat: NatParams, zeta: jax.Array, values: jax.Array, grads: jax.Array,
-                        hessians: jax.Array | None) -> NatParams:
-        """``grad_mu E_q[f]``: the least-squares coefficients of ``f`` on the sufficient statistics under ``q``."""
+    def site_from_draws(
+        self,
+        nat: NatParams,
+        zeta: jax.Array,
+        values: jax.Array,
+        grads: jax.Array,
+        hessians: jax.Array | None,
+    ) -> NatParams:
+        """``grad_mu E_q[f]``: the least-squares coefficients of ``f`` on the sufficient statistics
+        under ``q``."""
         coef = regression_site(self.stats(zeta), values)
         dim = zeta.shape[-1]
         return NatParams(coef[:dim], coef[dim:])
 
     # ------------------------------------------------------------------ moment matching
     def match_moments(self, proposal: NatParams, zeta: jax.Array, weights: jax.Array) -> NatParams:
-        """The member with ``E[T]`` = the weighted mean of ``T`` (control variate: the proposal's exact ``E[T]``)."""
+        """The member with ``E[T]`` = the weighted mean of ``T`` (control variate: the proposal's
+        exact ``E[T]``)."""
         stats = self.stats(zeta)
-        target = self.mean_stats(self.to_params(proposal)) + (weights - 1.0 / weights.shape[0]) @ stats
+        target = (
+            self.mean_stats(self.to_params(proposal)) + (weights - 1.0 / weights.shape[0]) @ stats
+        )
         return self.from_mean_stats(target, proposal)
 
-    def from_mean_stats(self, target: jax.Array, start: NatParams, num_newton: int = 30) -> NatParams:
-        """The member with ``E[T] = target``, by Newton steps in the log parameters from ``start``."""
+    def from_mean_stats(
+        self, target: jax.Array, start: NatParams, num_newton: int = 30
+    ) -> NatParams:
+        """The member with ``E[T] = target``, by Newton steps in the log parameters from
+        ``start``."""
         count = len(self.param_names)
 
         def residual(x: jax.Array) -> jax.Array:
@@ -193,10 +228,13 @@ class ExponentialFamily:
             step = jnp.linalg.solve(jax.jacfwd(residual)(x), residual(x))
             return x - jnp.clip(step, -1.0, 1.0), None
 
-        x, _ = jax.lax.scan(newton, jnp.log(jnp.concatenate(self.to_params(start))), None, length=num_newton)
+        x, _ = jax.lax.scan(
+            newton, jnp.log(jnp.concatenate(self.to_params(start))), None, length=num_newton
+        )
         return self.from_params(*jnp.split(jnp.exp(x), count))
 
-    # ------------------------------------------------------------------ mean parameters (SNEP; MeanParamFamily)
+    # ------------------------------------------------------------------ mean parameters (SNEP;
+    # MeanParamFamily)
     def log_factor(self, nat: NatParams, theta: jax.Array) -> jax.Array:
         """``eta . T(theta)`` of one point ``theta`` ``(D,)``."""
         return self.stats(theta) @ jnp.concatenate([nat.eta1, nat.eta2], axis=-1)
@@ -231,12 +269,14 @@ class ExponentialFamily:
         return theta, jnp.sum(transform.log_abs_det_jacobian(x, theta))
 
     def chain_frame(self, nat: NatParams) -> tuple[jax.Array, jax.Array]:
-        """``(loc, scale)`` of ``q``'s unconstrained coordinates, from ``NUM_FRAME_DRAWS`` draws (a fixed key)."""
+        """``(loc, scale)`` of ``q``'s unconstrained coordinates, from ``NUM_FRAME_DRAWS`` draws (a
+        fixed key)."""
         x = self.unconstrain(self.to_dist(nat).sample(jax.random.PRNGKey(0), (NUM_FRAME_DRAWS,)))
         return jnp.mean(x, axis=0), jnp.maximum(jnp.std(x, axis=0), jnp.finfo(x.dtype).eps)
 
     def from_chain(self, frame: tuple, u: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """Values at ``loc + scale u`` and the log Jacobian (``log scale``, a constant, left out)."""
+        """Values at ``loc + scale u`` and the log Jacobian (``log scale``, a constant, left
+        out)."""
         loc, scale = frame
         return self.constrain(loc + scale * u)
 
@@ -245,11 +285,10 @@ class ExponentialFamily:
         loc, scale = frame
         return (self.unconstrain(theta) - loc) / scale
 
-
     # ------------------------------------------------------------------ start and prior
     def initial_q(self, loc: jax.Array, scale: float) -> NatParams:
-        """The chosen start, moment-matched: mean ``loc`` (the site's own value) and a spread set by ``scale``
-        (see the subclass's :meth:`params_at`)."""
+        """The chosen start, moment-matched: mean ``loc`` (the site's own value) and a spread set by
+        ``scale`` (see the subclass's :meth:`params_at`)."""
         return self.from_params(*self.params_at(jnp.asarray(loc), self.checked_scale(scale)))
 
     def params_at(self, loc: jax.Array, scale: float) -> tuple:
@@ -263,15 +302,17 @@ class ExponentialFamily:
         return float(scale)
 
     def reference_draws(self, dim: int) -> jax.Array:
-        """``(NUM_PRIOR_DRAWS, dim)`` draws of the member with every parameter 2 (points in the block's support)."""
+        """``(NUM_PRIOR_DRAWS, dim)`` draws of the member with every parameter 2 (points in the
+        block's support)."""
         params = [jnp.full((dim,), 2.0)] * len(self.param_names)
         return self.base(*params).sample(jax.random.PRNGKey(0), (NUM_PRIOR_DRAWS,))
 
     def exact_prior(self, sites: Any, prior_values: Callable) -> tuple[NatParams, tuple]:
-        """The block's prior read off exactly (least squares of its log density on the sufficient statistics).
+        """The block's prior read off exactly (least squares of its log density on the sufficient
+        statistics).
 
-        :param prior_values: ``names -> (values (S,), points (S, D))``: the prior's log density of the sites
-            ``names`` at ``S`` points of the block's space.
+        :param prior_values: ``names -> (values (S,), points (S, D))``: the prior's log density of
+            the sites ``names`` at ``S`` points of the block's space.
         :raises ValueError: if the prior is not a member of this family with fixed parameters.
         """
         names = tuple(s.name for s in sites.globals)
@@ -280,41 +321,59 @@ class ExponentialFamily:
         coef = regression_site(stats, values)
         fitted = (stats - jnp.mean(stats, axis=0)) @ coef
         residual = np.max(np.abs(np.asarray(values - jnp.mean(values) - fitted)))
-        if not np.isfinite(residual) or residual > PRIOR_RESIDUAL * (1.0 + float(np.std(np.asarray(values)))):
+        if not np.isfinite(residual) or residual > PRIOR_RESIDUAL * (
+            1.0 + float(np.std(np.asarray(values)))
+        ):
             kind = type(self).__name__
-            raise ValueError(f"The prior of {list(names)} is not a {kind} distribution with fixed parameters, which "
-                             f"{self!r} needs (its prior enters q exactly; an exponential-family block has no prior "
-                             f"factor t_0). Use a {kind} prior (it is conjugate), or a Gaussian family for this "
-                             "site (pvi.MeanFieldGaussian() or pvi.FullRankGaussian(), which fit any prior).")
+            raise ValueError(
+                f"The prior of {list(names)} is not a {kind} distribution with fixed "
+                "parameters, which "
+                f"{self!r} needs (its prior enters q exactly; an exponential-family "
+                "block has no prior "
+                f"factor t_0). Use a {kind} prior (it is conjugate), or a Gaussian "
+                "family for this "
+                "site (pvi.MeanFieldGaussian() or pvi.FullRankGaussian(), which fit "
+                "any prior)."
+            )
         dim = points.shape[-1]
         return NatParams(coef[:dim], coef[dim:]), ()
 
     def standard_normal(self, mask: Any) -> NatParams:
-        """Flat: an exponential-family block has no prior factor (``ValueError`` if ``mask`` asks for one)."""
+        """Flat: an exponential-family block has no prior factor (``ValueError`` if ``mask`` asks
+        for one)."""
         self._no_prior_factor(mask)
         return self.zeros(int(np.shape(mask)[0]))
 
     def draws_at(self, nat: NatParams, eps: jax.Array) -> jax.Array:
-        """``S`` draws of ``nat`` with a fixed key (a deterministic function of ``nat``), ``eps`` ``(S, D)``."""
+        """``S`` draws of ``nat`` with a fixed key (a deterministic function of ``nat``), ``eps``
+        ``(S, D)``."""
         return self.to_dist(nat).sample(jax.random.PRNGKey(0), (eps.shape[0],))
 
-    def prior_site(self, q: NatParams, eps: jax.Array, log_density: Callable, mask: Any,
-                   use_hessian: bool) -> NatParams:
-        """Flat: an exponential-family block has no prior factor (``ValueError`` if ``mask`` asks for one)."""
+    def prior_site(
+        self, q: NatParams, eps: jax.Array, log_density: Callable, mask: Any, use_hessian: bool
+    ) -> NatParams:
+        """Flat: an exponential-family block has no prior factor (``ValueError`` if ``mask`` asks
+        for one)."""
         self._no_prior_factor(mask)
         return self.zeros(eps.shape[-1])
 
     def _no_prior_factor(self, mask: Any) -> None:
         if np.any(np.asarray(mask)):
-            raise ValueError(f"{self!r} has no prior factor t_0: its sites' prior must be of the family.")
+            raise ValueError(
+                f"{self!r} has no prior factor t_0: its sites' prior must be of the family."
+            )
 
 
 def unit_scale(family: ExponentialFamily, scale: float) -> float:
-    """``scale`` if it is in ``(0, 1)`` (a relative sd on a bounded support); ``ValueError`` otherwise.
+    """``scale`` if it is in ``(0, 1)`` (a relative sd on a bounded support); ``ValueError``
+    otherwise.
 
     **Example:** ``unit_scale(pvi.Beta(), 0.1)`` is ``0.1``.
     """
     if not (np.isfinite(scale) and 0 < scale < 1):
-        raise ValueError(f"{family!r}: init_scale is the sd relative to its largest value sqrt(m (1 - m)) and "
-                         f"must be in (0, 1), got {scale!r}.")
+        raise ValueError(
+            f"{family!r}: init_scale is the sd relative to its largest value sqrt(m "
+            "(1 - m)) and "
+            f"must be in (0, 1), got {scale!r}."
+        )
     return float(scale)

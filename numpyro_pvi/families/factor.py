@@ -1,4 +1,5 @@
-"""The contract of every family of factors: :class:`FactorFamily` (the Gaussian :class:`Family` extends it)."""
+"""The contract of every family of factors: :class:`FactorFamily` (the Gaussian :class:`Family`
+extends it)."""
 
 from __future__ import annotations
 
@@ -12,26 +13,33 @@ from numpyro_pvi.families.params import Marginals, NatParams
 
 @runtime_checkable
 class FactorFamily(Protocol):
-    """What every family of factors implements: what PVI, the servers, the merge and ``GradientUpdate`` use.
+    """What every family of factors implements: what PVI, the servers, the merge and
+    ``GradientUpdate`` use.
 
-    :class:`Family` (the Gaussian families) extends it with Gaussian algebra (whitening, forms, sites)
-    that EP, SNEP and the Gaussian CVI path need. The exponential families in a site's own space
-    (:class:`~numpyro_pvi.Gamma`, :class:`~numpyro_pvi.Beta`, :class:`~numpyro_pvi.Dirichlet`) and
+    :class:`Family` (the Gaussian families) extends it with Gaussian algebra (whitening, forms,
+    sites) that EP, SNEP and the Gaussian CVI path need. The exponential families in a site's own
+    space (:class:`~numpyro_pvi.Gamma`, :class:`~numpyro_pvi.Beta`, :class:`~numpyro_pvi.Dirichlet`)
+    and
     :class:`~numpyro_pvi.SiteFamilies` implement this contract and the mean-parameter contract
     :class:`~numpyro_pvi.families.MeanParamFamily` (SNEP's), as the Gaussian families do.
 
-    * **Core**: :meth:`zeros`, :meth:`is_valid`, :meth:`to_dist`, :meth:`marginals`, :meth:`prepare_sites`.
-    * **Guide** (``GradientUpdate``, ``DPGradientUpdate``): :meth:`guide_params`, :meth:`params_distribution`,
+    * **Core**: :meth:`zeros`, :meth:`is_valid`, :meth:`to_dist`, :meth:`marginals`,
+      :meth:`prepare_sites`.
+    * **Guide** (``GradientUpdate``, ``DPGradientUpdate``): :meth:`guide_params`,
+      :meth:`params_distribution`,
       :meth:`guide`, :meth:`from_guide`.
     * **Natural-gradient site** (CVI): :meth:`draw`, :meth:`site_from_draws`.
     * **Laplace site** (CVI's fallback): :meth:`laplace_start`, :meth:`laplace_log_density`,
-      :meth:`laplace_precision`, :meth:`from_laplace` (the family's unconstrained coordinates ``x``, ``(D,)``:
-      ``zeta`` for a Gaussian, ``log theta`` for a ``Gamma``, ``logit theta`` for a ``Beta``).
+      :meth:`laplace_precision`, :meth:`from_laplace` (the family's unconstrained coordinates ``x``,
+      ``(D,)``: ``zeta`` for a Gaussian, ``log theta`` for a ``Gamma``, ``logit theta`` for a
+      ``Beta``).
     * **Moment matching** (EP): :meth:`match_moments`.
-    * **Start and prior** (PVI's chosen start, the exact prior ``lambda_0`` and the prior factor ``t_0``):
+    * **Start and prior** (PVI's chosen start, the exact prior ``lambda_0`` and the prior factor
+      ``t_0``):
       :meth:`initial_q`, :meth:`reference_draws`, :meth:`exact_prior`, :meth:`standard_normal`,
-      :meth:`draws_at`, :meth:`prior_site`. A family that cannot hold a prior factor (the exponential
-      families) raises ``ValueError`` from :meth:`standard_normal` and :meth:`prior_site` when asked for one.
+      :meth:`draws_at`, :meth:`prior_site`. A family that cannot hold a prior factor (the
+      exponential families) raises ``ValueError`` from :meth:`standard_normal` and
+      :meth:`prior_site` when asked for one.
 
     **Example:**
 
@@ -56,11 +64,13 @@ class FactorFamily(Protocol):
         ...
 
     def marginals(self, nat: Any) -> Marginals:
-        """Per-coordinate means, variances (NaN where improper) and a precision-like diagonal, float64 numpy."""
+        """Per-coordinate means, variances (NaN where improper) and a precision-like diagonal,
+        float64 numpy."""
         ...
 
     def prepare_sites(self, sites: Any) -> Any:
-        """The model's sites as this family lays them out (sites in their own space get an identity transform).
+        """The model's sites as this family lays them out (sites in their own space get an identity
+        transform).
 
         Called once per problem; raises ``ValueError`` if a site does not fit the family.
         """
@@ -75,7 +85,8 @@ class FactorFamily(Protocol):
         ...
 
     def guide(self, prefix: str, params: Any) -> dist.Distribution:
-        """Register ``numpyro.param`` sites named ``prefix...`` initialised at ``params``; their distribution."""
+        """Register ``numpyro.param`` sites named ``prefix...`` initialised at ``params``; their
+        distribution."""
         ...
 
     def from_guide(self, prefix: str, values: dict) -> NatParams:
@@ -83,43 +94,54 @@ class FactorFamily(Protocol):
         ...
 
     def draw(self, nat: NatParams, rng_key: jax.Array, pairs: int) -> jax.Array:
-        """``2 * pairs`` draws ``(2 pairs, D)`` of valid ``nat`` (antithetic where the family allows)."""
+        """``2 * pairs`` draws ``(2 pairs, D)`` of valid ``nat`` (antithetic where the family
+        allows)."""
         ...
 
-    def site_from_draws(self, nat: NatParams, zeta: jax.Array, values: jax.Array, grads: jax.Array,
-                        hessians: jax.Array | None) -> NatParams:
-        """``grad_mu E_q[f]`` (natural parameters) from draws ``zeta`` of ``q``, ``f``'s values ``(S,)``, its
-        gradients ``(S, D)`` and, if computed, Hessians ``(S, D, D)``."""
+    def site_from_draws(
+        self,
+        nat: NatParams,
+        zeta: jax.Array,
+        values: jax.Array,
+        grads: jax.Array,
+        hessians: jax.Array | None,
+    ) -> NatParams:
+        """``grad_mu E_q[f]`` (natural parameters) from draws ``zeta`` of ``q``, ``f``'s values
+        ``(S,)``, its gradients ``(S, D)`` and, if computed, Hessians ``(S, D, D)``."""
         ...
 
     def laplace_start(self, nat: NatParams) -> jax.Array:
-        """The mode ``(D,)`` of valid ``nat`` in the Laplace coordinates ``x`` (where Newton starts)."""
+        """The mode ``(D,)`` of valid ``nat`` in the Laplace coordinates ``x`` (where Newton
+        starts)."""
         ...
 
     def laplace_log_density(self, nat: NatParams, x: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """``(zeta, log density)``: the point ``zeta`` at coordinates ``x`` ``(D,)`` and the log density of the valid
-        ``nat`` in ``x`` (Jacobian included), up to a constant."""
+        """``(zeta, log density)``: the point ``zeta`` at coordinates ``x`` ``(D,)`` and the log
+        density of the valid ``nat`` in ``x`` (Jacobian included), up to a constant."""
         ...
 
     def laplace_precision(self, nat: NatParams) -> jax.Array:
-        """The ``(D, D)`` negative Hessian of :meth:`laplace_log_density` of valid ``nat`` at its mode."""
+        """The ``(D, D)`` negative Hessian of :meth:`laplace_log_density` of valid ``nat`` at its
+        mode."""
         ...
 
     def from_laplace(self, mode: jax.Array, precision: jax.Array) -> NatParams:
-        """The member whose mode is ``mode`` and whose negative Hessian there is ``precision`` ``(D, D)`` in the
-        Laplace coordinates (or the nearest the family holds: a block's diagonal for an elementwise family)."""
+        """The member whose mode is ``mode`` and whose negative Hessian there is ``precision`` ``(D,
+        D)`` in the Laplace coordinates (or the nearest the family holds: a block's diagonal for an
+        elementwise family)."""
         ...
 
     def match_moments(self, proposal: NatParams, zeta: jax.Array, weights: jax.Array) -> NatParams:
-        """The member whose sufficient statistics' means match the weighted draws ``zeta`` ``(S, D)`` of
-        ``proposal`` (self-normalised ``weights`` ``(S,)``), with ``proposal``'s exact moments as control
-        variate: uniform weights give ``proposal`` itself (EP is exact when the tilted distribution is in
-        the family)."""
+        """The member whose sufficient statistics' means match the weighted draws ``zeta`` ``(S,
+        D)`` of ``proposal`` (self-normalised ``weights`` ``(S,)``), with ``proposal``'s exact
+        moments as control variate: uniform weights give ``proposal`` itself (EP is exact when the
+        tilted distribution is in the family)."""
         ...
 
     def initial_q(self, loc: jax.Array, scale: float) -> NatParams:
-        """The chosen start: the member with mean ``loc`` (``(D,)``, the block's coordinates) and spread ``scale``
-        (``ValueError`` if the family cannot take it); see :mod:`numpyro_pvi.start` for each family's meaning."""
+        """The chosen start: the member with mean ``loc`` (``(D,)``, the block's coordinates) and
+        spread ``scale`` (``ValueError`` if the family cannot take it); see :mod:`numpyro_pvi.start`
+        for each family's meaning."""
         ...
 
     def reference_draws(self, dim: int) -> jax.Array:
@@ -127,29 +149,35 @@ class FactorFamily(Protocol):
         ...
 
     def exact_prior(self, sites: Any, prior_values: Callable) -> tuple[NatParams, tuple]:
-        """``(lambda_0, rest)``: the prior over the sites the family holds exactly, and the names of the others
-        (fitted by the prior factor ``t_0``); ``ValueError`` if a site's prior can be neither.
+        """``(lambda_0, rest)``: the prior over the sites the family holds exactly, and the names of
+        the others (fitted by the prior factor ``t_0``); ``ValueError`` if a site's prior can be
+        neither.
 
-        :param sites: the sites (as :meth:`prepare_sites` laid them out) of this family's coordinates.
-        :param prior_values: ``names -> (values (S,), points (S, D))``, the prior's log density of the sites
-            ``names`` at :meth:`reference_draws` points.
+        :param sites: the sites (as :meth:`prepare_sites` laid them out) of this family's
+            coordinates.
+        :param prior_values: ``names -> (values (S,), points (S, D))``, the prior's log density of
+            the sites ``names`` at :meth:`reference_draws` points.
         """
         ...
 
     def standard_normal(self, mask: Any) -> NatParams:
-        """``N(0, 1)`` where the ``(D,)`` boolean ``mask`` is true, flat elsewhere (where ``t_0`` starts)."""
+        """``N(0, 1)`` where the ``(D,)`` boolean ``mask`` is true, flat elsewhere (where ``t_0``
+        starts)."""
         ...
 
     def draws_at(self, nat: NatParams, eps: jax.Array) -> jax.Array:
-        """Draws ``(S, D)`` of valid ``nat`` that are a deterministic function of ``nat`` and the fixed standard-normal
-        points ``eps`` ``(S, D)``."""
+        """Draws ``(S, D)`` of valid ``nat`` that are a deterministic function of ``nat`` and the
+        fixed standard-normal points ``eps`` ``(S, D)``."""
         ...
 
-    def prior_site(self, q: NatParams, eps: jax.Array, log_density: Callable, mask: Any,
-                   use_hessian: bool) -> NatParams:
-        """``grad_mu E_q[log_density(zeta)]`` at :meth:`draws_at` points: the prior factor ``t_0``'s target.
+    def prior_site(
+        self, q: NatParams, eps: jax.Array, log_density: Callable, mask: Any, use_hessian: bool
+    ) -> NatParams:
+        """``grad_mu E_q[log_density(zeta)]`` at :meth:`draws_at` points: the prior factor ``t_0``'s
+        target.
 
-        :param mask: ``(D,)`` boolean, the coordinates ``log_density`` depends on (the sites ``t_0`` fits).
+        :param mask: ``(D,)`` boolean, the coordinates ``log_density`` depends on (the sites ``t_0``
+            fits).
         :param use_hessian: whether to use Hessians (else Stein's lemma from gradients).
         """
         ...

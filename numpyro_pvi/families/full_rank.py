@@ -29,19 +29,22 @@ def _sym(matrix: jax.Array) -> jax.Array:
 
 def _inverse_tril(scale_tril: jax.Array) -> jax.Array:
     """``L^{-1}`` of a lower-triangular ``L``."""
-    return solve_triangular(scale_tril, jnp.eye(scale_tril.shape[-1], dtype=scale_tril.dtype), lower=True)
+    return solve_triangular(
+        scale_tril, jnp.eye(scale_tril.shape[-1], dtype=scale_tril.dtype), lower=True
+    )
 
 
 class FullRankGaussian(GaussianFamily):
     """Full-covariance Gaussian factors and approximation, like ``AutoMultivariateNormal``.
 
     Its guide (:meth:`guide`) is ``MultivariateNormal(loc, scale_tril=L)`` with ``L`` constrained
-    ``scaled_unit_lower_cholesky``, as in NumPyro's ``AutoMultivariateNormal``. ``GradientUpdate``'s client
-    guide is instead whitened by the cavity (:class:`~numpyro_pvi.families.tilted.CavityGuideFamily`):
-    ``zeta = loc + C^{-T} W^T eps`` with ``C C^T`` the cavity's precision and ``W`` lower triangular
-    (``scaled_unit_lower_cholesky``), so that every SVI step costs ``O(D^2)`` and a client visit a few
-    ``O(D^3)`` factorisations (:mod:`numpyro_pvi.families.whitened`). Every matrix is stored ``(D, D)``.
-    Implements :class:`~numpyro_pvi.families.Family`.
+    ``scaled_unit_lower_cholesky``, as in NumPyro's ``AutoMultivariateNormal``. ``GradientUpdate``'s
+    client guide is instead whitened by the cavity
+    (:class:`~numpyro_pvi.families.tilted.CavityGuideFamily`): ``zeta = loc + C^{-T} W^T eps`` with
+    ``C C^T`` the cavity's precision and ``W`` lower triangular (``scaled_unit_lower_cholesky``), so
+    that every SVI step costs ``O(D^2)`` and a client visit a few ``O(D^3)`` factorisations
+    (:mod:`numpyro_pvi.families.whitened`). Every matrix is stored ``(D, D)``. Implements
+    :class:`~numpyro_pvi.families.Family`.
 
     **Example:** ``pvi.PVI(model, family=pvi.FullRankGaussian(), ...)``
 
@@ -66,20 +69,26 @@ class FullRankGaussian(GaussianFamily):
     def is_valid(self, nat: NatParams) -> jax.Array:
         """Whether ``nat`` is a proper, finite Gaussian (precision matrix positive definite)."""
         chol = jnp.linalg.cholesky(self.precision(nat))
-        return jnp.all(jnp.isfinite(chol)) & jnp.all(jnp.isfinite(nat.eta1)) & jnp.all(jnp.diagonal(chol) > 0)
+        return (
+            jnp.all(jnp.isfinite(chol))
+            & jnp.all(jnp.isfinite(nat.eta1))
+            & jnp.all(jnp.diagonal(chol) > 0)
+        )
 
     def precision(self, nat: NatParams) -> jax.Array:
         """Precision matrix ``(D, D)``."""
         return -(nat.eta2 + nat.eta2.T)
 
     def from_mean_precision(self, loc: jax.Array, precision: jax.Array) -> NatParams:
-        """From a mean ``(D,)`` and a precision: a ``(D, D)`` matrix (or, for convenience, its ``(D,)`` diagonal)."""
+        """From a mean ``(D,)`` and a precision: a ``(D, D)`` matrix (or, for convenience, its
+        ``(D,)`` diagonal)."""
         if precision.ndim == loc.ndim:
             precision = jnp.diag(precision)
         return NatParams(precision @ loc, -0.5 * precision)
 
     def loc_scale(self, nat: NatParams) -> tuple[jax.Array, jax.Array]:
-        """To ``(loc, scale_tril)`` of the covariance, by Cholesky solves (no explicit inverse of eta2)."""
+        """To ``(loc, scale_tril)`` of the covariance, by Cholesky solves (no explicit inverse of
+        eta2)."""
         chol = jnp.linalg.cholesky(self.precision(nat))
         loc = cho_solve((chol, True), nat.eta1)
         cov = cho_solve((chol, True), jnp.eye(loc.shape[-1], dtype=loc.dtype))
@@ -95,14 +104,16 @@ class FullRankGaussian(GaussianFamily):
         """``MultivariateNormal(loc, scale_tril=L)``."""
         return dist.MultivariateNormal(loc, scale_tril=scale_tril)
 
-    # ------------------------------------------------------------------ GradientUpdate's guide, whitened by the cavity
+    # ------------------------------------------------------------------ GradientUpdate's guide,
+    # whitened by the cavity
     def tilted_params(self, cavity: NatParams, q: NatParams) -> tuple[tuple, tuple]:
-        """``((mu_c, C, C^{-1}), (mu_q, C_q^{-1} C))``: the cavity in precision form ``Lambda_c = C C^T`` and
-        ``q`` in the guide's whitened form (``W = C_q^{-1} C`` gives ``q``'s covariance ``C^{-T} W^T W C^{-1}``).
+        """``((mu_c, C, C^{-1}), (mu_q, C_q^{-1} C))``: the cavity in precision form ``Lambda_c = C
+        C^T`` and ``q`` in the guide's whitened form (``W = C_q^{-1} C`` gives ``q``'s covariance
+        ``C^{-T} W^T W C^{-1}``).
 
-        One Cholesky, one triangular inverse (:func:`~numpyro_pvi.families.whitened.inverse_tril`, by
-        matrix products) and one product per client; ``q``'s own do not depend on the client (under
-        ``vmap`` over clients with ``q`` shared they are computed once).
+        One Cholesky, one triangular inverse (:func:`~numpyro_pvi.families.whitened.inverse_tril`,
+        by matrix products) and one product per client; ``q``'s own do not depend on the client
+        (under ``vmap`` over clients with ``q`` shared they are computed once).
         """
         chol = jnp.linalg.cholesky(self.precision(cavity))
         chol_inv = inverse_tril(chol)
@@ -115,8 +126,9 @@ class FullRankGaussian(GaussianFamily):
         return PrecisionMultivariateNormal(*cavity_params)
 
     def cavity_guide(self, prefix: str, cavity_params: tuple, params: tuple) -> dist.Distribution:
-        """``numpyro.param`` sites ``prefix + "loc"`` and ``prefix + "white_raw"`` (``W`` as a dense unconstrained
-        matrix, :func:`~numpyro_pvi.families.whitened.white_tril`); ``CavityWhitenedNormal``."""
+        """``numpyro.param`` sites ``prefix + "loc"`` and ``prefix + "white_raw"`` (``W`` as a dense
+        unconstrained matrix, :func:`~numpyro_pvi.families.whitened.white_tril`);
+        ``CavityWhitenedNormal``."""
         loc = numpyro.param(prefix + "loc", params[0])
         raw = numpyro.param(prefix + "white_raw", white_raw(params[1]))
         return CavityWhitenedNormal(loc, white_tril(raw), cavity_params[1], cavity_params[2])
@@ -150,7 +162,8 @@ class FullRankGaussian(GaussianFamily):
         return nat.eta1 @ zeta + zeta @ nat.eta2 @ zeta
 
     def marginals(self, nat: Any) -> Marginals:
-        """Means, variances (the covariance's diagonal) and the precision's diagonal in float64 numpy.
+        """Means, variances (the covariance's diagonal) and the precision's diagonal in float64
+        numpy.
 
         Mean and variance are NaN if the precision is not positive definite.
         """
@@ -206,13 +219,17 @@ class FullRankGaussian(GaussianFamily):
         """``L^{-1} (zeta - loc)`` (rows), by a triangular solve."""
         return solve_triangular(scale_tril, (zeta - loc).T, lower=True).T
 
-    def whitened_to_nat(self, loc: jax.Array, scale_tril: jax.Array, mean: jax.Array, cov: jax.Array) -> NatParams:
+    def whitened_to_nat(
+        self, loc: jax.Array, scale_tril: jax.Array, mean: jax.Array, cov: jax.Array
+    ) -> NatParams:
         """``N(loc + L mean, L cov L^T)``: precision ``L^{-T} cov^{-1} L^{-1}``."""
         inv_tril = _inverse_tril(scale_tril)
         precision = inv_tril.T @ _sym(jnp.linalg.inv(cov)) @ inv_tril
         return self.from_mean_precision(loc + scale_tril @ mean, _sym(precision))
 
-    def nat_to_whitened(self, loc: jax.Array, scale_tril: jax.Array, nat: NatParams) -> tuple[jax.Array, jax.Array]:
+    def nat_to_whitened(
+        self, loc: jax.Array, scale_tril: jax.Array, nat: NatParams
+    ) -> tuple[jax.Array, jax.Array]:
         """``(L^{-1} (mean - loc), L^{-1} Sigma L^{-T})``."""
         mean, tril = self.loc_scale(nat)
         inv_tril = _inverse_tril(scale_tril)
@@ -221,24 +238,30 @@ class FullRankGaussian(GaussianFamily):
 
     # ------------------------------------------------------------------ sites
     def stein_hessian(self, grads: jax.Array, eps: jax.Array, scale_tril: jax.Array) -> jax.Array:
-        """``E_q[Hessian]`` ``(D, D)`` from gradients at ``zeta = loc + L eps``: ``E[g eps^T] L^{-1}``."""
+        """``E_q[Hessian]`` ``(D, D)`` from gradients at ``zeta = loc + L eps``: ``E[g eps^T]
+        L^{-1}``."""
         cross = grads.T @ eps / eps.shape[0]
         hess = solve_triangular(scale_tril, cross.T, lower=True, trans=1).T
         return _sym(hess)
 
     def site_update(self, grad_mean: jax.Array, hess_mean: jax.Array, loc: jax.Array) -> NatParams:
-        """The natural parameters ``grad_mu E_q[f]`` given ``E_q[grad f]``, ``E_q[hess f]`` and ``q``'s mean."""
+        """The natural parameters ``grad_mu E_q[f]`` given ``E_q[grad f]``, ``E_q[hess f]`` and
+        ``q``'s mean."""
         return NatParams(grad_mean - hess_mean @ loc, 0.5 * hess_mean)
 
-    def clamp_precision(self, nat: NatParams, low: float, high: float) -> tuple[NatParams, jax.Array]:
-        """``nat`` with its precision's eigenvalues clipped to ``[low, high]``, and whether any was."""
+    def clamp_precision(
+        self, nat: NatParams, low: float, high: float
+    ) -> tuple[NatParams, jax.Array]:
+        """``nat`` with its precision's eigenvalues clipped to ``[low, high]``, and whether any
+        was."""
         values, vectors = jnp.linalg.eigh(self.precision(nat))
         clipped = jnp.clip(values, low, high)
         new = (vectors * clipped) @ vectors.T
         return NatParams(nat.eta1, -0.25 * (new + new.T)), jnp.any(clipped != values)
 
     def with_block(self, precision: jax.Array, block: slice, values: jax.Array) -> jax.Array:
-        """Set the block ``[block, block]`` to a ``(k, k)`` matrix, or its diagonal to a ``(k,)`` vector."""
+        """Set the block ``[block, block]`` to a ``(k, k)`` matrix, or its diagonal to a ``(k,)``
+        vector."""
         if jnp.ndim(values) == 2:
             return precision.at[block, block].set(values)
         idx = jnp.arange(block.start, block.stop)

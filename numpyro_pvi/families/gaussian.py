@@ -12,22 +12,26 @@ import numpyro.distributions as dist
 
 from numpyro_pvi.families.protocol import Family, NatParams
 
-NUM_PRIOR_DRAWS = 256  # points at which a block's prior is read off (see ExponentialFamily.exact_prior)
+# points at which a block's prior is read off (see ExponentialFamily.exact_prior)
+NUM_PRIOR_DRAWS = 256
 
 
 def variance_inflation(family: Any, cov: jax.Array, num_draws: Any = None) -> jax.Array:
-    """How far the correlations of a dense covariance ``(D, D)`` that ``family``'s form cannot hold inflate a variance.
+    """How far the correlations of a dense covariance ``(D, D)`` that ``family``'s form cannot hold
+    inflate a variance.
 
-    The variance inflation of coordinate ``i`` is ``Sigma_ii (Sigma^{-1})_ii``: its marginal variance over its
-    variance with every other coordinate fixed (``1 / (1 - rho^2)`` for two coordinates of correlation ``rho``).
-    Returned: the largest ratio of that of ``cov`` to that of the part of ``cov`` the family holds
-    (:func:`held_covariance`), so ``1`` for a family that holds every correlation (``FullRankGaussian``) and
-    ``cov``'s own largest variance inflation for ``MeanFieldGaussian``; ``1`` if it is not finite. EP and SNEP
-    report it for their tilted distributions (``ClientResult.inflation``; with ``SiteFamilies`` and the
-    exponential families from the tilted draws' covariance): with more than one client a factorised family's EP
-    fixed point is then neither the posterior's marginals nor mean-field VI's optimum. ``cov`` estimated from
-    ``num_draws`` (effective) draws: each ratio is corrected for the share of variance that many independent
-    coordinates explain by chance (``(n - D) / (n - d_i)``, ``d_i`` the coordinates held with ``i``; an adjusted R^2).
+    The variance inflation of coordinate ``i`` is ``Sigma_ii (Sigma^{-1})_ii``: its marginal
+    variance over its variance with every other coordinate fixed (``1 / (1 - rho^2)`` for two
+    coordinates of correlation ``rho``). Returned: the largest ratio of that of ``cov`` to that of
+    the part of ``cov`` the family holds (:func:`held_covariance`), so ``1`` for a family that holds
+    every correlation (``FullRankGaussian``) and ``cov``'s own largest variance inflation for
+    ``MeanFieldGaussian``; ``1`` if it is not finite. EP and SNEP report it for their tilted
+    distributions (``ClientResult.inflation``; with ``SiteFamilies`` and the exponential families
+    from the tilted draws' covariance): with more than one client a factorised family's EP fixed
+    point is then neither the posterior's marginals nor mean-field VI's optimum. ``cov`` estimated
+    from ``num_draws`` (effective) draws: each ratio is corrected for the share of variance that
+    many independent coordinates explain by chance (``(n - D) / (n - d_i)``, ``d_i`` the coordinates
+    held with ``i``; an adjusted R^2).
 
     **Example:**
 
@@ -42,7 +46,8 @@ def variance_inflation(family: Any, cov: jax.Array, num_draws: Any = None) -> ja
         1.0
     """
     ratio = _inflations(cov) / _inflations(held_covariance(family, cov))
-    if num_draws is not None:  # adjusted R^2: the other coordinates, D - d_i of them not held, explain a share of
+    # adjusted R^2: the other coordinates, D - d_i of them not held, explain a share of
+    if num_draws is not None:
         # coordinate i's variance of about (D - d_i) / n in n draws however independent they are
         held = jnp.sum(held_covariance(family, jnp.ones_like(cov)) != 0, axis=1)
         dim = cov.shape[-1]
@@ -52,56 +57,72 @@ def variance_inflation(family: Any, cov: jax.Array, num_draws: Any = None) -> ja
 
 
 def weighted_covariance(zeta: jax.Array, weights: jax.Array | None = None) -> jax.Array:
-    """The covariance ``(D, D)`` of draws ``zeta`` ``(N, D)`` under normalised ``weights`` ``(N,)`` (equal if ``None``):
-    a tilted distribution's, for :func:`variance_inflation`."""
+    """The covariance ``(D, D)`` of draws ``zeta`` ``(N, D)`` under normalised ``weights`` ``(N,)``
+    (equal if ``None``): a tilted distribution's, for :func:`variance_inflation`."""
     weights = jnp.full(zeta.shape[:1], 1.0 / zeta.shape[0]) if weights is None else weights
     centred = zeta - weights @ zeta
     return centred.T @ (weights[:, None] * centred)
 
 
-def tilted_inflation(family: Any, proposal: NatParams, cavity: NatParams, loglik: Callable, alpha: float,
-                     rng_key: jax.Array, pairs: int = 256) -> jax.Array:
-    """:func:`variance_inflation` of the tilted distribution ``cavity * p(y_m | zeta)^alpha`` from ``2 pairs``
-    draws of ``proposal`` (``family.draw``), importance-weighted, corrected for the weights' effective size
-    (halved: ``draw`` pairs its draws). SNEP's mean-parameter path reports it at the end of a visit, with ``q`` as the
-    proposal (its chains' few draws are too few for a covariance).
+def tilted_inflation(
+    family: Any,
+    proposal: NatParams,
+    cavity: NatParams,
+    loglik: Callable,
+    alpha: float,
+    rng_key: jax.Array,
+    pairs: int = 256,
+) -> jax.Array:
+    """:func:`variance_inflation` of the tilted distribution ``cavity * p(y_m | zeta)^alpha`` from
+    ``2 pairs`` draws of ``proposal`` (``family.draw``), importance-weighted, corrected for the
+    weights' effective size (halved: ``draw`` pairs its draws). SNEP's mean-parameter path reports
+    it at the end of a visit, with ``q`` as the proposal (its chains' few draws are too few for a
+    covariance).
 
     **Example:** ``tilted_inflation(family, q, cavity, loglik, 1.0, key)``.
     """
     zeta = family.draw(proposal, rng_key, pairs)
-    log_w = alpha * jax.vmap(loglik)(zeta) + family.to_dist(cavity).log_prob(zeta) \
+    log_w = (
+        alpha * jax.vmap(loglik)(zeta)
+        + family.to_dist(cavity).log_prob(zeta)
         - family.to_dist(proposal).log_prob(zeta)
+    )
     weights = jax.nn.softmax(jnp.where(jnp.isfinite(log_w), log_w, -jnp.inf))
     return variance_inflation(family, weighted_covariance(zeta, weights), 0.5 / jnp.sum(weights**2))
 
 
 def held_covariance(family: Any, cov: jax.Array) -> jax.Array:
-    """The part of a dense covariance ``(D, D)`` that ``family``'s form holds, as a dense matrix: ``cov`` itself
-    for ``FullRankGaussian``, its diagonal for ``MeanFieldGaussian``; for ``SiteFamilies`` block-diagonal, each block
-    its own family's part (correlations across blocks are never held); for ``Gamma`` and ``Beta`` (independent
-    coordinates) the diagonal, for ``Dirichlet`` the whole block (a simplex's coordinates are the family's own).
+    """The part of a dense covariance ``(D, D)`` that ``family``'s form holds, as a dense matrix:
+    ``cov`` itself for ``FullRankGaussian``, its diagonal for ``MeanFieldGaussian``; for
+    ``SiteFamilies`` block-diagonal, each block its own family's part (correlations across blocks
+    are never held); for ``Gamma`` and ``Beta`` (independent coordinates) the diagonal, for
+    ``Dirichlet`` the whole block (a simplex's coordinates are the family's own).
 
-    **Example:** ``held_covariance(pvi.MeanFieldGaussian(), cov)`` is ``jnp.diag(jnp.diagonal(cov))``.
+    **Example:** ``held_covariance(pvi.MeanFieldGaussian(), cov)`` is
+    ``jnp.diag(jnp.diagonal(cov))``.
     """
     from numpyro_pvi.families.exponential import Dirichlet  # noqa: PLC0415 (they import this module)
     from numpyro_pvi.families.site_families import SiteFamilies  # noqa: PLC0415
 
     if isinstance(family, SiteFamilies):
-        return jax.scipy.linalg.block_diag(*[held_covariance(block, cov[a:b, a:b])
-                                             for block, a, b, _ in family.blocks])
+        return jax.scipy.linalg.block_diag(
+            *[held_covariance(block, cov[a:b, a:b]) for block, a, b, _ in family.blocks]
+        )
     if isinstance(family, Family):
         return family.to_dense(family.from_dense(cov))
     return cov if isinstance(family, Dirichlet) else jnp.diag(jnp.diagonal(cov))
 
 
 def _inflations(cov: jax.Array) -> jax.Array:
-    """``Sigma_ii (Sigma^{-1})_ii`` of every coordinate, from the correlation matrix (scale-free)."""
+    """``Sigma_ii (Sigma^{-1})_ii`` of every coordinate, from the correlation matrix
+    (scale-free)."""
     sd = jnp.sqrt(jnp.diagonal(cov))
     return jnp.diagonal(jnp.linalg.inv(cov / jnp.outer(sd, sd)))
 
 
 class GaussianFamily:
-    """The code every Gaussian family shares; a family subclasses it and implements the rest of :class:`Family`."""
+    """The code every Gaussian family shares; a family subclasses it and implements the rest of
+    :class:`Family`."""
 
     def to_dist(self, nat: NatParams) -> dist.Distribution:
         """``q`` as a NumPyro distribution over ``zeta``."""
@@ -111,14 +132,22 @@ class GaussianFamily:
         """The ``(D, D)`` precision matrix."""
         return self.to_dense(self.precision(nat))
 
-    def mix_moments(self, mean_a: jax.Array, cov_a: jax.Array, mean_b: jax.Array, cov_b: jax.Array,
-                    weight: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """Mean and covariance of the mixture ``(1 - weight) N(mean_a, cov_a) + weight N(mean_b, cov_b)``."""
+    def mix_moments(
+        self,
+        mean_a: jax.Array,
+        cov_a: jax.Array,
+        mean_b: jax.Array,
+        cov_b: jax.Array,
+        weight: jax.Array,
+    ) -> tuple[jax.Array, jax.Array]:
+        """Mean and covariance of the mixture ``(1 - weight) N(mean_a, cov_a) + weight N(mean_b,
+        cov_b)``."""
         d = mean_a - mean_b
         cov = (1.0 - weight) * cov_a + weight * cov_b + weight * (1.0 - weight) * self.outer(d, d)
         return (1.0 - weight) * mean_a + weight * mean_b, self.sym(cov)
 
-    # ------------------------------------------------------------------ mean parameters (SNEP; MeanParamFamily)
+    # ------------------------------------------------------------------ mean parameters (SNEP;
+    # MeanParamFamily)
     def log_factor(self, nat: NatParams, zeta: jax.Array) -> jax.Array:
         """``eta . T(zeta)`` with ``T = (zeta, zeta zeta^T)``: :meth:`quadratic`."""
         return self.quadratic(nat, zeta)
@@ -133,7 +162,8 @@ class GaussianFamily:
         return NatParams(jnp.mean(zeta, axis=0), self.outer_sum(zeta, zeta) / zeta.shape[0])
 
     def from_mean_params(self, mean: NatParams, start: NatParams) -> NatParams:
-        """The Gaussian with these first and second moments (closed form; ``start`` is not needed)."""
+        """The Gaussian with these first and second moments (closed form; ``start`` is not
+        needed)."""
         return self.from_moments(mean.eta1, self.sym(mean.eta2 - self.outer(mean.eta1, mean.eta1)))
 
     def chain_dim(self, dim: int) -> int:
@@ -166,9 +196,12 @@ class GaussianFamily:
         return self.distribution(*params)
 
     def guide(self, prefix: str, params: tuple) -> dist.Distribution:
-        """``numpyro.param`` sites ``prefix + "loc"`` and ``prefix + scale_name``, like NumPyro's autoguides."""
+        """``numpyro.param`` sites ``prefix + "loc"`` and ``prefix + scale_name``, like NumPyro's
+        autoguides."""
         loc = numpyro.param(prefix + "loc", params[0])
-        spread = numpyro.param(prefix + self.scale_name, params[1], constraint=self.scale_constraint)
+        spread = numpyro.param(
+            prefix + self.scale_name, params[1], constraint=self.scale_constraint
+        )
         return self.distribution(loc, spread)
 
     def from_guide(self, prefix: str, values: dict) -> NatParams:
@@ -181,9 +214,16 @@ class GaussianFamily:
         half = jax.random.normal(rng_key, (pairs, loc.shape[-1]), loc.dtype)
         return self.unwhiten(loc, scale, jnp.concatenate([half, -half]))
 
-    def site_from_draws(self, nat: NatParams, zeta: jax.Array, values: jax.Array, grads: jax.Array,
-                        hessians: jax.Array | None) -> NatParams:
-        """Bonnet / Price: ``eta2 = E_q[H] / 2``, ``eta1 = E_q[g] - E_q[H] mu`` (Stein's lemma without Hessians)."""
+    def site_from_draws(
+        self,
+        nat: NatParams,
+        zeta: jax.Array,
+        values: jax.Array,
+        grads: jax.Array,
+        hessians: jax.Array | None,
+    ) -> NatParams:
+        """Bonnet / Price: ``eta2 = E_q[H] / 2``, ``eta1 = E_q[g] - E_q[H] mu`` (Stein's lemma
+        without Hessians)."""
         loc, scale = self.loc_scale(nat)
         if hessians is None:
             hess = self.stein_hessian(grads, self.whiten(loc, scale, zeta), scale)
@@ -191,7 +231,8 @@ class GaussianFamily:
             hess = self.from_dense(jnp.mean(hessians, axis=0))
         return self.site_update(jnp.mean(grads, axis=0), hess, loc)
 
-    # ------------------------------------------------------------------ Laplace site (CVI's fallback)
+    # ------------------------------------------------------------------ Laplace site (CVI's
+    # fallback)
     def laplace_start(self, nat: NatParams) -> jax.Array:
         """The mean: the Laplace coordinates are ``zeta`` itself."""
         return self.loc_scale(nat)[0]
@@ -205,7 +246,8 @@ class GaussianFamily:
         return self.dense_precision(nat)
 
     def from_laplace(self, mode: jax.Array, precision: jax.Array) -> NatParams:
-        """``N(mode, precision^-1)`` (:meth:`from_dense_precision`: mean field keeps its marginal variances)."""
+        """``N(mode, precision^-1)`` (:meth:`from_dense_precision`: mean field keeps its marginal
+        variances)."""
         return self.from_dense_precision(mode, precision)
 
     def match_moments(self, proposal: NatParams, zeta: jax.Array, weights: jax.Array) -> NatParams:
@@ -217,26 +259,30 @@ class GaussianFamily:
         cov = cov + self.outer_sum(d * extra[:, None], d) - self.outer(shift, shift)
         return self.from_moments(loc + shift, self.sym(cov))
 
-
     # ------------------------------------------------------------------ start and prior
     def initial_q(self, loc: jax.Array, scale: float) -> NatParams:
-        """The chosen start: mean ``loc`` (unconstrained) and sd ``scale`` in every coordinate, independent."""
+        """The chosen start: mean ``loc`` (unconstrained) and sd ``scale`` in every coordinate,
+        independent."""
         return self.from_loc_scale(loc, scale * self.identity(loc.shape[-1]))
 
     def reference_draws(self, dim: int) -> jax.Array:
-        """``(NUM_PRIOR_DRAWS, dim)`` standard-normal points (a Gaussian block's prior is read off its sites)."""
+        """``(NUM_PRIOR_DRAWS, dim)`` standard-normal points (a Gaussian block's prior is read off
+        its sites)."""
         return jax.random.normal(jax.random.PRNGKey(0), (NUM_PRIOR_DRAWS, dim))
 
     def exact_prior(self, sites: Any, prior_values: Callable) -> tuple[NatParams, tuple]:
-        """``lambda_0`` over the sites whose prior is Gaussian in unconstrained space and fits the family
-        (:meth:`with_block`), and the names of the others (the prior factor ``t_0`` fits them). The sites' Gaussian
-        priors were read from the model (``sites.gaussian_prior``): ``prior_values`` is not needed."""
+        """``lambda_0`` over the sites whose prior is Gaussian in unconstrained space and fits the
+        family (:meth:`with_block`), and the names of the others (the prior factor ``t_0`` fits
+        them). The sites' Gaussian priors were read from the model (``sites.gaussian_prior``):
+        ``prior_values`` is not needed."""
         slices = sites.slices()
         loc, precision = jnp.zeros(sites.dim), self.precision(self.zeros(sites.dim))
         rest = []
         for site in sites.globals:
             block = sites.gaussian_prior.get(site.name)
-            embedded = None if block is None else self.with_block(precision, slices[site.name], block[1])
+            embedded = (
+                None if block is None else self.with_block(precision, slices[site.name], block[1])
+            )
             if embedded is None:
                 rest.append(site.name)
                 continue
@@ -244,35 +290,42 @@ class GaussianFamily:
         return self.from_mean_precision(loc, precision), tuple(rest)
 
     def standard_normal(self, mask: Any) -> NatParams:
-        """``N(0, 1)`` on the coordinates where ``mask`` ``(D,)`` is true, flat elsewhere (where ``t_0`` starts)."""
+        """``N(0, 1)`` on the coordinates where ``mask`` ``(D,)`` is true, flat elsewhere (where
+        ``t_0`` starts)."""
         mask = jnp.asarray(mask).astype(jnp.result_type(float))
         return self.from_mean_precision(jnp.zeros(mask.shape), self.from_dense(jnp.diag(mask)))
 
     def draws_at(self, nat: NatParams, eps: jax.Array) -> jax.Array:
-        """Draws of valid ``nat`` at fixed standard-normal points ``eps`` ``(S, D)``: ``loc + L eps``."""
+        """Draws of valid ``nat`` at fixed standard-normal points ``eps`` ``(S, D)``: ``loc + L
+        eps``."""
         return self.unwhiten(*self.loc_scale(nat), eps)
 
-    def prior_site(self, q: NatParams, eps: jax.Array, log_density: Callable, mask: Any,
-                   use_hessian: bool) -> NatParams:
-        """``grad_mu E_q[log_density]`` at ``zeta = draws_at(q, eps)`` (:func:`expected_site`): ``t_0``'s target.
+    def prior_site(
+        self, q: NatParams, eps: jax.Array, log_density: Callable, mask: Any, use_hessian: bool
+    ) -> NatParams:
+        """``grad_mu E_q[log_density]`` at ``zeta = draws_at(q, eps)`` (:func:`expected_site`):
+        ``t_0``'s target.
 
-        ``mask`` (the coordinates ``log_density`` depends on) is not needed: the site is zero elsewhere.
+        ``mask`` (the coordinates ``log_density`` depends on) is not needed: the site is zero
+        elsewhere.
         """
         hessian = jax.vmap(jax.hessian(log_density)) if use_hessian else None
         return expected_site(self, q, eps, jax.vmap(jax.grad(log_density)), hessian)
 
 
-def expected_site(family: Family, q: NatParams, eps: jax.Array, grad: Callable,
-                  hessian: Callable | None = None) -> NatParams:
-    """Natural parameters of ``grad_mu E_q[f(zeta)]``, the CVI / natural-gradient site of ``f`` under ``q``.
+def expected_site(
+    family: Family, q: NatParams, eps: jax.Array, grad: Callable, hessian: Callable | None = None
+) -> NatParams:
+    """Natural parameters of ``grad_mu E_q[f(zeta)]``, the CVI / natural-gradient site of ``f``
+    under ``q``.
 
-    By Bonnet's and Price's theorems ``eta2 = E_q[H] / 2`` and ``eta1 = E_q[g] - E_q[H] mu``, estimated at
-    ``zeta = mu + L eps`` (``eps`` ``(S, D)`` standard-normal points; antithetic pairs make it exact
-    for a quadratic ``f``).
+    By Bonnet's and Price's theorems ``eta2 = E_q[H] / 2`` and ``eta1 = E_q[g] - E_q[H] mu``,
+    estimated at ``zeta = mu + L eps`` (``eps`` ``(S, D)`` standard-normal points; antithetic pairs
+    make it exact for a quadratic ``f``).
 
     :param grad: ``(S, D) -> (S, D)``, the gradient of ``f`` at each point.
-    :param hessian: ``(S, D) -> (S, D, D)``, its Hessian; if ``None``, ``E_q[H]`` comes from the gradients by
-        Stein's lemma.
+    :param hessian: ``(S, D) -> (S, D, D)``, its Hessian; if ``None``, ``E_q[H]`` comes from the
+        gradients by Stein's lemma.
 
     **Example:** the site of a Gaussian log density is that Gaussian, whatever ``q`` is.
 

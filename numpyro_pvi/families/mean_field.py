@@ -44,7 +44,11 @@ class MeanFieldGaussian(GaussianFamily):
 
     def is_valid(self, nat: NatParams) -> jax.Array:
         """Whether ``nat`` is a proper, finite Gaussian (all precisions positive)."""
-        return jnp.all(nat.eta2 < 0) & jnp.all(jnp.isfinite(nat.eta1)) & jnp.all(jnp.isfinite(nat.eta2))
+        return (
+            jnp.all(nat.eta2 < 0)
+            & jnp.all(jnp.isfinite(nat.eta1))
+            & jnp.all(jnp.isfinite(nat.eta2))
+        )
 
     def precision(self, nat: NatParams) -> jax.Array:
         """Diagonal precision ``(D,)``."""
@@ -78,7 +82,8 @@ class MeanFieldGaussian(GaussianFamily):
         return self.from_mean_precision(mean, 1.0 / cov)
 
     def from_dense_precision(self, mean: jax.Array, precision: jax.Array) -> NatParams:
-        """Moment matching: ``N(mean, precision^{-1})``'s marginal variances (not the precision's diagonal)."""
+        """Moment matching: ``N(mean, precision^{-1})``'s marginal variances (not the precision's
+        diagonal)."""
         return self.from_mean_precision(mean, 1.0 / jnp.diagonal(jnp.linalg.inv(precision)))
 
     # ------------------------------------------------------------------ densities
@@ -87,7 +92,8 @@ class MeanFieldGaussian(GaussianFamily):
         return nat.eta1 @ zeta + jnp.sum(nat.eta2 * zeta**2)
 
     def marginals(self, nat: Any) -> Marginals:
-        """Means, variances and precisions in float64 numpy (NaN mean and variance where a precision is <= 0)."""
+        """Means, variances and precisions in float64 numpy (NaN mean and variance where a precision
+        is <= 0)."""
         eta1, eta2 = np.asarray(nat.eta1, dtype=np.float64), np.asarray(nat.eta2, dtype=np.float64)
         precision = -2.0 * eta2
         with np.errstate(divide="ignore", invalid="ignore"):
@@ -127,7 +133,8 @@ class MeanFieldGaussian(GaussianFamily):
         """The smallest diagonal entry."""
         return jnp.min(matrix)
 
-    # ------------------------------------------------------------------ whitening: zeta = loc + scale * u
+    # ------------------------------------------------------------------ whitening: zeta = loc +
+    # scale * u
     def unwhiten(self, loc: jax.Array, scale: jax.Array, u: jax.Array) -> jax.Array:
         """``loc + scale * u``."""
         return loc + u * scale
@@ -136,32 +143,41 @@ class MeanFieldGaussian(GaussianFamily):
         """``(zeta - loc) / scale``."""
         return (zeta - loc) / scale
 
-    def whitened_to_nat(self, loc: jax.Array, scale: jax.Array, mean: jax.Array, cov: jax.Array) -> NatParams:
+    def whitened_to_nat(
+        self, loc: jax.Array, scale: jax.Array, mean: jax.Array, cov: jax.Array
+    ) -> NatParams:
         """``N(loc + scale * mean, scale^2 * cov)``."""
         return self.from_mean_precision(loc + scale * mean, 1.0 / (cov * scale**2))
 
-    def nat_to_whitened(self, loc: jax.Array, scale: jax.Array, nat: NatParams) -> tuple[jax.Array, jax.Array]:
+    def nat_to_whitened(
+        self, loc: jax.Array, scale: jax.Array, nat: NatParams
+    ) -> tuple[jax.Array, jax.Array]:
         """``((mean - loc) / scale, (sd / scale)^2)``."""
         mean, sd = self.loc_scale(nat)
         return (mean - loc) / scale, (sd / scale) ** 2
 
     # ------------------------------------------------------------------ sites
     def stein_hessian(self, grads: jax.Array, eps: jax.Array, scale: jax.Array) -> jax.Array:
-        """``E_q[Hessian]`` (its diagonal) from gradients at ``zeta = loc + scale * eps`` (Stein's lemma)."""
+        """``E_q[Hessian]`` (its diagonal) from gradients at ``zeta = loc + scale * eps`` (Stein's
+        lemma)."""
         return jnp.mean(grads * eps, axis=0) / scale
 
     def site_update(self, grad_mean: jax.Array, hess_mean: jax.Array, loc: jax.Array) -> NatParams:
-        """The natural parameters ``grad_mu E_q[f]`` given ``E_q[grad f]``, ``E_q[hess f]`` and ``q``'s mean."""
+        """The natural parameters ``grad_mu E_q[f]`` given ``E_q[grad f]``, ``E_q[hess f]`` and
+        ``q``'s mean."""
         return NatParams(grad_mean - hess_mean * loc, 0.5 * hess_mean)
 
-    def clamp_precision(self, nat: NatParams, low: float, high: float) -> tuple[NatParams, jax.Array]:
+    def clamp_precision(
+        self, nat: NatParams, low: float, high: float
+    ) -> tuple[NatParams, jax.Array]:
         """``nat`` with its precisions clipped to ``[low, high]``, and whether any was."""
         precision = self.precision(nat)
         clipped = jnp.clip(precision, low, high)
         return NatParams(nat.eta1, -0.5 * clipped), jnp.any(clipped != precision)
 
     def with_block(self, precision: jax.Array, block: slice, values: jax.Array) -> jax.Array | None:
-        """Set a diagonal block; ``None`` for a full ``(k, k)`` block, which a diagonal cannot hold."""
+        """Set a diagonal block; ``None`` for a full ``(k, k)`` block, which a diagonal cannot
+        hold."""
         if jnp.ndim(values) == 2:
             return None
         return precision.at[block].set(values)

@@ -1,4 +1,5 @@
-"""Natural parameters (:class:`NatParams`) and per-coordinate summaries (:class:`Marginals`) of every family."""
+"""Natural parameters (:class:`NatParams`) and per-coordinate summaries (:class:`Marginals`) of
+every family."""
 
 from __future__ import annotations
 
@@ -11,10 +12,10 @@ import numpy as np
 class NatParams(NamedTuple):
     """Natural parameters of a Gaussian: ``eta1`` ``(..., D)`` and ``eta2`` in the family's form.
 
-    ``eta2`` is ``(..., D)`` for ``MeanFieldGaussian`` and ``(..., D, D)`` for ``FullRankGaussian``, and a
-    tuple of the blocks' ``eta2`` for :class:`~numpyro_pvi.SiteFamilies` (``eta1`` is always the flat
-    ``(..., D)`` vector). They add and scale like vectors (``q - t_m`` is a cavity, ``q + rho * delta`` a
-    damped update).
+    ``eta2`` is ``(..., D)`` for ``MeanFieldGaussian`` and ``(..., D, D)`` for ``FullRankGaussian``,
+    and a tuple of the blocks' ``eta2`` for :class:`~numpyro_pvi.SiteFamilies` (``eta1`` is always
+    the flat ``(..., D)`` vector). They add and scale like vectors (``q - t_m`` is a cavity, ``q +
+    rho * delta`` a damped update).
 
     **Example:**
 
@@ -31,10 +32,14 @@ class NatParams(NamedTuple):
     eta2: Any
 
     def __add__(self, other: NatParams) -> NatParams:  # type: ignore[override]
-        return NatParams(self.eta1 + other.eta1, jax.tree.map(lambda a, b: a + b, self.eta2, other.eta2))
+        return NatParams(
+            self.eta1 + other.eta1, jax.tree.map(lambda a, b: a + b, self.eta2, other.eta2)
+        )
 
     def __sub__(self, other: NatParams) -> NatParams:
-        return NatParams(self.eta1 - other.eta1, jax.tree.map(lambda a, b: a - b, self.eta2, other.eta2))
+        return NatParams(
+            self.eta1 - other.eta1, jax.tree.map(lambda a, b: a - b, self.eta2, other.eta2)
+        )
 
     def __mul__(self, rho: jax.Array | float) -> NatParams:  # type: ignore[override]
         return NatParams(rho * self.eta1, jax.tree.map(lambda a: rho * a, self.eta2))
@@ -43,7 +48,8 @@ class NatParams(NamedTuple):
 
 
 class Marginals(NamedTuple):
-    """Per-coordinate summaries of a Gaussian in natural parameters, as float64 numpy arrays ``(D,)``.
+    """Per-coordinate summaries of a Gaussian in natural parameters, as float64 numpy arrays
+    ``(D,)``.
 
     :ivar mean: the marginal means (NaN if the Gaussian is improper).
     :ivar variance: the marginal variances (NaN if improper).

@@ -2,10 +2,11 @@
 
 Every family stores its second-order quantities (``eta2``, a precision, a covariance, an expected
 Hessian) in its own **form**: ``MeanFieldGaussian`` a ``(D,)`` diagonal, ``FullRankGaussian`` a
-``(D, D)`` matrix. The local updates, the prior and the plots never look at that form: they only pass
-it between the family's methods, which is why adding a family is adding one class. :class:`NatParams` and
-:class:`Marginals` live in :mod:`numpyro_pvi.families.params`, the smaller contract :class:`FactorFamily`
-in :mod:`numpyro_pvi.families.factor`; both are re-exported here.
+``(D, D)`` matrix. The local updates, the prior and the plots never look at that form: they only
+pass it between the family's methods, which is why adding a family is adding one class.
+:class:`NatParams` and
+:class:`Marginals` live in :mod:`numpyro_pvi.families.params`, the smaller contract
+:class:`FactorFamily` in :mod:`numpyro_pvi.families.factor`; both are re-exported here.
 """
 
 from __future__ import annotations
@@ -24,23 +25,27 @@ __all__ = ["Family", "FactorFamily", "Marginals", "NatParams"]
 
 @runtime_checkable
 class Family(FactorFamily, Protocol):
-    """What a family of Gaussian factors over the flat unconstrained vector ``zeta`` (size ``D``) implements.
+    """What a family of Gaussian factors over the flat unconstrained vector ``zeta`` (size ``D``)
+    implements.
 
     ``q``, the prior and every factor ``t_m`` are :class:`NatParams` of one family; factors may be
     improper, ``q`` and cavities must be valid. "Form" below is the family's own storage of a
     symmetric ``(D, D)`` matrix (a ``(D,)`` diagonal for mean field, the matrix for full rank), and
-    ``scale`` is the guide's scale (a ``(D,)`` sd vector or a ``(D, D)`` lower Cholesky factor ``L``).
-    A new family implements every member below (subclassing ``numpyro_pvi.families.gaussian.GaussianFamily``
-    gives ``to_dist``, ``dense_precision`` and ``mix_moments``):
+    ``scale`` is the guide's scale (a ``(D,)`` sd vector or a ``(D, D)`` lower Cholesky factor
+    ``L``). A new family implements every member below (subclassing
+    ``numpyro_pvi.families.gaussian.GaussianFamily`` gives ``to_dist``, ``dense_precision`` and
+    ``mix_moments``):
 
     * **Guide and core** (used by PVI, the servers and ``GradientUpdate``): ``scale_name``,
       ``scale_constraint``, :meth:`zeros`, :meth:`is_valid`, :meth:`precision`,
       :meth:`from_mean_precision`, :meth:`loc_scale`, :meth:`from_loc_scale`, :meth:`distribution`,
       :meth:`to_dist`.
-    * **Moments**: :meth:`moments`, :meth:`from_moments`, :meth:`from_dense_precision`, :meth:`mix_moments`.
+    * **Moments**: :meth:`moments`, :meth:`from_moments`, :meth:`from_dense_precision`,
+      :meth:`mix_moments`.
     * **Densities**: :meth:`quadratic`, :meth:`dense_precision`, :meth:`marginals`.
     * **Forms** (matrix algebra in the family's form): :meth:`to_dense`, :meth:`from_dense`,
-      :meth:`identity`, :meth:`outer`, :meth:`outer_sum`, :meth:`sym`, :meth:`matvec`, :meth:`min_eig`.
+      :meth:`identity`, :meth:`outer`, :meth:`outer_sum`, :meth:`sym`, :meth:`matvec`,
+          :meth:`min_eig`.
     * **Whitening** ``zeta = loc + L u`` (SNEP, sampling, CVI): :meth:`unwhiten`, :meth:`whiten`,
       :meth:`whitened_to_nat`, :meth:`nat_to_whitened`.
     * **Sites**: :meth:`stein_hessian`, :meth:`site_update` (the CVI site), :meth:`clamp_precision`
@@ -101,7 +106,9 @@ class Family(FactorFamily, Protocol):
         """Mean ``(D,)`` and covariance (in the family's form) of valid natural parameters.
 
         >>> import jax.numpy as jnp, numpyro_pvi as pvi
-        >>> pvi.MeanFieldGaussian().moments(pvi.MeanFieldGaussian().from_loc_scale(jnp.ones(2), jnp.array([2.0, 2.0])))
+        >>> pvi.MeanFieldGaussian().moments(
+        ...     pvi.MeanFieldGaussian().from_loc_scale(jnp.ones(2), jnp.array([2.0, 2.0]))
+        ... )
         (Array([1., 1.], dtype=float32), Array([4., 4.], dtype=float32))
         """
         ...
@@ -121,29 +128,43 @@ class Family(FactorFamily, Protocol):
         For mean field these are the marginal variances, not the precision's diagonal:
 
         >>> import jax.numpy as jnp, numpyro_pvi as pvi
-        >>> nat = pvi.MeanFieldGaussian().from_dense_precision(jnp.zeros(2), jnp.array([[2.0, 1.0], [1.0, 2.0]]))
+        >>> nat = pvi.MeanFieldGaussian().from_dense_precision(
+        ...     jnp.zeros(2), jnp.array([[2.0, 1.0], [1.0, 2.0]])
+        ... )
         >>> pvi.MeanFieldGaussian().precision(nat)  # 1 / (2/3)
         Array([1.5, 1.5], dtype=float32)
         """
         ...
 
-    def mix_moments(self, mean_a: jax.Array, cov_a: jax.Array, mean_b: jax.Array, cov_b: jax.Array,
-                    weight: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """Mean and covariance of the mixture ``(1 - weight) N(mean_a, cov_a) + weight N(mean_b, cov_b)``.
+    def mix_moments(
+        self,
+        mean_a: jax.Array,
+        cov_a: jax.Array,
+        mean_b: jax.Array,
+        cov_b: jax.Array,
+        weight: jax.Array,
+    ) -> tuple[jax.Array, jax.Array]:
+        """Mean and covariance of the mixture ``(1 - weight) N(mean_a, cov_a) + weight N(mean_b,
+        cov_b)``.
 
         >>> import jax.numpy as jnp, numpyro_pvi as pvi
-        >>> pvi.MeanFieldGaussian().mix_moments(jnp.zeros(1), jnp.ones(1), jnp.full(1, 2.0), jnp.ones(1), 0.5)
+        >>> pvi.MeanFieldGaussian().mix_moments(
+        ...     jnp.zeros(1), jnp.ones(1), jnp.full(1, 2.0), jnp.ones(1), 0.5
+        ... )
         (Array([1.], dtype=float32), Array([2.], dtype=float32))
         """
         ...
 
     # ------------------------------------------------------------------ densities
     def quadratic(self, nat: NatParams, zeta: jax.Array) -> jax.Array:
-        """``eta1 . zeta + zeta^T eta2 zeta``, an unnormalised log density (``nat`` may be improper).
+        """``eta1 . zeta + zeta^T eta2 zeta``, an unnormalised log density (``nat`` may be
+        improper).
 
         >>> import jax.numpy as jnp, numpyro_pvi as pvi
         >>> from numpyro_pvi.families import NatParams
-        >>> pvi.FullRankGaussian().quadratic(NatParams(jnp.ones(2), -jnp.eye(2)), jnp.array([1.0, 2.0]))
+        >>> pvi.FullRankGaussian().quadratic(
+        ...     NatParams(jnp.ones(2), -jnp.eye(2)), jnp.array([1.0, 2.0])
+        ... )
         Array(-2., dtype=float32)
         """
         ...
@@ -153,7 +174,9 @@ class Family(FactorFamily, Protocol):
 
         >>> import jax.numpy as jnp, numpyro_pvi as pvi
         >>> from numpyro_pvi.families import NatParams
-        >>> pvi.MeanFieldGaussian().dense_precision(NatParams(jnp.zeros(2), jnp.array([-0.5, -1.0])))
+        >>> pvi.MeanFieldGaussian().dense_precision(
+        ...     NatParams(jnp.zeros(2), jnp.array([-0.5, -1.0]))
+        ... )
         Array([[1., 0.],
                [0., 2.]], dtype=float32)
         """
@@ -244,10 +267,13 @@ class Family(FactorFamily, Protocol):
 
     # ------------------------------------------------------------------ whitening zeta = loc + L u
     def unwhiten(self, loc: jax.Array, scale: jax.Array, u: jax.Array) -> jax.Array:
-        """``loc + L u`` for every row ``u`` of ``(..., D)``; ``(loc, scale)`` as from :meth:`loc_scale`.
+        """``loc + L u`` for every row ``u`` of ``(..., D)``; ``(loc, scale)`` as from
+        :meth:`loc_scale`.
 
         >>> import jax.numpy as jnp, numpyro_pvi as pvi
-        >>> pvi.FullRankGaussian().unwhiten(jnp.zeros(2), jnp.array([[2.0, 0.0], [1.0, 1.0]]), jnp.ones(2))
+        >>> pvi.FullRankGaussian().unwhiten(
+        ...     jnp.zeros(2), jnp.array([[2.0, 0.0], [1.0, 1.0]]), jnp.ones(2)
+        ... )
         Array([2., 2.], dtype=float32)
         """
         ...
@@ -256,22 +282,31 @@ class Family(FactorFamily, Protocol):
         """``L^{-1} (zeta - loc)`` for every row of ``(..., D)``: the inverse of :meth:`unwhiten`.
 
         >>> import jax.numpy as jnp, numpyro_pvi as pvi
-        >>> pvi.FullRankGaussian().whiten(jnp.zeros(2), jnp.array([[2.0, 0.0], [1.0, 1.0]]), jnp.full(2, 2.0))
+        >>> pvi.FullRankGaussian().whiten(
+        ...     jnp.zeros(2), jnp.array([[2.0, 0.0], [1.0, 1.0]]), jnp.full(2, 2.0)
+        ... )
         Array([1., 1.], dtype=float32)
         """
         ...
 
-    def whitened_to_nat(self, loc: jax.Array, scale: jax.Array, mean: jax.Array, cov: jax.Array) -> NatParams:
-        """Natural parameters (in ``zeta``) of the Gaussian with whitened ``mean`` and ``cov`` (in ``u``).
+    def whitened_to_nat(
+        self, loc: jax.Array, scale: jax.Array, mean: jax.Array, cov: jax.Array
+    ) -> NatParams:
+        """Natural parameters (in ``zeta``) of the Gaussian with whitened ``mean`` and ``cov`` (in
+        ``u``).
 
         >>> import jax.numpy as jnp, numpyro_pvi as pvi
         >>> family = pvi.MeanFieldGaussian()  # zeta = 1 + 2 u; u ~ N(1, 1) is zeta ~ N(3, 4)
-        >>> family.moments(family.whitened_to_nat(jnp.ones(1), jnp.full(1, 2.0), jnp.ones(1), jnp.ones(1)))
+        >>> family.moments(
+        ...     family.whitened_to_nat(jnp.ones(1), jnp.full(1, 2.0), jnp.ones(1), jnp.ones(1))
+        ... )
         (Array([3.], dtype=float32), Array([4.], dtype=float32))
         """
         ...
 
-    def nat_to_whitened(self, loc: jax.Array, scale: jax.Array, nat: NatParams) -> tuple[jax.Array, jax.Array]:
+    def nat_to_whitened(
+        self, loc: jax.Array, scale: jax.Array, nat: NatParams
+    ) -> tuple[jax.Array, jax.Array]:
         """Whitened mean and covariance of valid ``nat``: the inverse of :meth:`whitened_to_nat`.
 
         >>> import jax.numpy as jnp, numpyro_pvi as pvi
@@ -284,9 +319,11 @@ class Family(FactorFamily, Protocol):
 
     # ------------------------------------------------------------------ sites
     def stein_hessian(self, grads: jax.Array, eps: jax.Array, scale: jax.Array) -> jax.Array:
-        """``E_q[Hessian]`` (family form) from gradients ``(S, D)`` at ``zeta = unwhiten(loc, scale, eps)``.
+        """``E_q[Hessian]`` (family form) from gradients ``(S, D)`` at ``zeta = unwhiten(loc, scale,
+        eps)``.
 
-        By Stein's lemma, ``E[g eps^T] L^{-1}``; for ``f(z) = -z^2`` (Hessian ``-2``) at ``zeta = 3 eps``:
+        By Stein's lemma, ``E[g eps^T] L^{-1}``; for ``f(z) = -z^2`` (Hessian ``-2``) at ``zeta = 3
+        eps``:
 
         >>> import jax.numpy as jnp, numpyro_pvi as pvi
         >>> eps = jnp.array([[1.0], [-1.0]])
@@ -296,9 +333,11 @@ class Family(FactorFamily, Protocol):
         ...
 
     def site_update(self, grad_mean: jax.Array, hess_mean: jax.Array, loc: jax.Array) -> NatParams:
-        """The CVI site ``grad_mu E_q[f]`` from ``E_q[grad f]``, ``E_q[hess f]`` (family form) and ``q``'s mean.
+        """The CVI site ``grad_mu E_q[f]`` from ``E_q[grad f]``, ``E_q[hess f]`` (family form) and
+        ``q``'s mean.
 
-        ``eta2 = E_q[H] / 2`` and ``eta1 = E_q[g] - E_q[H] mu`` (Bonnet / Price; see :func:`expected_site`):
+        ``eta2 = E_q[H] / 2`` and ``eta1 = E_q[g] - E_q[H] mu`` (Bonnet / Price; see
+        :func:`expected_site`):
 
         >>> import jax.numpy as jnp, numpyro_pvi as pvi
         >>> pvi.MeanFieldGaussian().site_update(jnp.ones(1), jnp.array([-2.0]), jnp.ones(1))
@@ -306,13 +345,16 @@ class Family(FactorFamily, Protocol):
         """
         ...
 
-    def clamp_precision(self, nat: NatParams, low: float, high: float) -> tuple[NatParams, jax.Array]:
+    def clamp_precision(
+        self, nat: NatParams, low: float, high: float
+    ) -> tuple[NatParams, jax.Array]:
         """``nat`` with its precision's eigenvalues clipped to ``[low, high]``, and whether any was.
 
         >>> import jax.numpy as jnp, numpyro_pvi as pvi
         >>> from numpyro_pvi.families import NatParams
-        >>> nat, clamped = pvi.MeanFieldGaussian().clamp_precision(NatParams(jnp.zeros(2), jnp.array([-0.05, -1.0])),
-        ...                                                        0.5, 1.0)
+        >>> nat, clamped = pvi.MeanFieldGaussian().clamp_precision(
+        ...     NatParams(jnp.zeros(2), jnp.array([-0.05, -1.0])), 0.5, 1.0
+        ... )
         >>> nat.eta2, clamped
         (Array([-0.25, -0.5 ], dtype=float32), Array(True, dtype=bool))
         """
@@ -321,8 +363,8 @@ class Family(FactorFamily, Protocol):
     def with_block(self, precision: jax.Array, block: slice, values: jax.Array) -> jax.Array | None:
         """``precision`` (family form) with the block ``[block, block]`` set to ``values``.
 
-        ``values`` is a ``(k,)`` diagonal or a ``(k, k)`` matrix; ``None`` if the family cannot hold it
-        exactly (a full block in a mean-field precision).
+        ``values`` is a ``(k,)`` diagonal or a ``(k, k)`` matrix; ``None`` if the family cannot hold
+        it exactly (a full block in a mean-field precision).
 
         >>> import jax.numpy as jnp, numpyro_pvi as pvi
         >>> pvi.MeanFieldGaussian().with_block(jnp.zeros(3), slice(1, 3), jnp.array([2.0, 3.0]))

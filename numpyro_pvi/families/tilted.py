@@ -1,12 +1,14 @@
-"""The client's guide against its cavity: how ``GradientUpdate`` asks a family for its tilted model and guide.
+"""The client's guide against its cavity: how ``GradientUpdate`` asks a family for its tilted model
+and guide.
 
-Every :class:`~numpyro_pvi.families.FactorFamily` gives ``GradientUpdate`` a guide through its four guide
-methods (``guide_params``, ``params_distribution``, ``guide``, ``from_guide``): the cavity and ``q`` are
-converted independently. A family may instead parameterise the client's guide *relative to the cavity*
-(:class:`CavityGuideFamily`), e.g. :class:`~numpyro_pvi.FullRankGaussian`, whose guide whitened by the
-cavity's precision makes each SVI step ``O(D^2)`` (:mod:`numpyro_pvi.families.whitened`). The four
-functions below are what ``GradientUpdate`` calls; they use the family's cavity-relative methods when it
-has them and its plain guide methods otherwise.
+Every :class:`~numpyro_pvi.families.FactorFamily` gives ``GradientUpdate`` a guide through its four
+guide methods (``guide_params``, ``params_distribution``, ``guide``, ``from_guide``): the cavity and
+``q`` are converted independently. A family may instead parameterise the client's guide *relative to
+the cavity* (:class:`CavityGuideFamily`), e.g. :class:`~numpyro_pvi.FullRankGaussian`, whose guide
+whitened by the cavity's precision makes each SVI step ``O(D^2)``
+(:mod:`numpyro_pvi.families.whitened`). The four functions below are what ``GradientUpdate`` calls;
+they use the family's cavity-relative methods when it has them and its plain guide methods
+otherwise.
 """
 
 from __future__ import annotations
@@ -28,12 +30,16 @@ class CavityGuideFamily(Protocol):
 
         >>> import numpyro_pvi as pvi
         >>> from numpyro_pvi.families.tilted import CavityGuideFamily
-        >>> [isinstance(f, CavityGuideFamily) for f in (pvi.FullRankGaussian(), pvi.MeanFieldGaussian())]
+        >>> [
+        ...     isinstance(f, CavityGuideFamily)
+        ...     for f in (pvi.FullRankGaussian(), pvi.MeanFieldGaussian())
+        ... ]
         [True, False]
     """
 
     def tilted_params(self, cavity: NatParams, q: NatParams) -> tuple[Any, Any]:
-        """``(cavity_params, guide_params)``: the cavity's and the guide's initial (``q``'s) parameters."""
+        """``(cavity_params, guide_params)``: the cavity's and the guide's initial (``q``'s)
+        parameters."""
         ...
 
     def cavity_distribution(self, cavity_params: Any) -> dist.Distribution:
@@ -41,16 +47,19 @@ class CavityGuideFamily(Protocol):
         ...
 
     def cavity_guide(self, prefix: str, cavity_params: Any, params: Any) -> dist.Distribution:
-        """Register ``numpyro.param`` sites ``prefix...`` initialised at ``params``; the guide's distribution."""
+        """Register ``numpyro.param`` sites ``prefix...`` initialised at ``params``; the guide's
+        distribution."""
         ...
 
     def from_cavity_guide(self, prefix: str, cavity_params: Any, values: dict) -> NatParams:
-        """Natural parameters from the constrained values of the sites :meth:`cavity_guide` registered."""
+        """Natural parameters from the constrained values of the sites :meth:`cavity_guide`
+        registered."""
         ...
 
 
 def tilted_params(family: Any, cavity: NatParams, q: NatParams) -> tuple[Any, Any]:
-    """``(cavity_params, guide_params)`` of a client: the tilted model's and the guide's (initial) parameters.
+    """``(cavity_params, guide_params)`` of a client: the tilted model's and the guide's (initial)
+    parameters.
 
     Under ``jax.vmap`` over clients with ``q`` shared, what depends on ``q`` alone is computed once.
 
@@ -72,7 +81,8 @@ def cavity_distribution(family: Any, cavity_params: Any) -> dist.Distribution:
 
 
 def client_guide(family: Any, prefix: str, cavity_params: Any, params: Any) -> dist.Distribution:
-    """The client's guide of ``zeta``, its ``numpyro.param`` sites named ``prefix...`` and initialised at ``params``.
+    """The client's guide of ``zeta``, its ``numpyro.param`` sites named ``prefix...`` and
+    initialised at ``params``.
 
     **Example:** ``numpyro.sample("zeta", client_guide(family, "_pvi_", cavity_params, q_params))``.
     """
@@ -82,9 +92,11 @@ def client_guide(family: Any, prefix: str, cavity_params: Any, params: Any) -> d
 
 
 def from_client_guide(family: Any, prefix: str, cavity_params: Any, values: dict) -> NatParams:
-    """The natural parameters of the guide at the constrained parameter ``values`` (a dict of sites).
+    """The natural parameters of the guide at the constrained parameter ``values`` (a dict of
+    sites).
 
-    **Example:** ``q_new = from_client_guide(family, "_pvi_", cavity_params, svi.get_params(svi_state))``.
+    **Example:** ``q_new = from_client_guide(family, "_pvi_", cavity_params,
+    svi.get_params(svi_state))``.
     """
     if isinstance(family, CavityGuideFamily):
         return family.from_cavity_guide(prefix, cavity_params, values)

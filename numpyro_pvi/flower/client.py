@@ -1,13 +1,15 @@
-"""A PVI site as a Flower ``ClientApp``: it holds its own data and runs the library's ``client_update``.
+"""A PVI site as a Flower ``ClientApp``: it holds its own data and runs the library's
+``client_update``.
 
-The site receives its cavity ``q - t_m``, ``q`` and a random key, runs the local update bound to *its own*
-problem (the model on its data alone: :meth:`PVI.build` with one partition), and answers with the natural-
-parameter delta and its local free energy. Its data and its persistent local state (e.g. local latent
-guides) never leave it: the state lives in Flower's per-node ``context.state``; a new state is kept as
-pending and committed when the server's next message says the update was merged.
+The site receives its cavity ``q - t_m``, ``q`` and a random key, runs the local update bound to
+*its own* problem (the model on its data alone: :meth:`PVI.build` with one partition), and answers
+with the natural- parameter delta and its local free energy. Its data and its persistent local state
+(e.g. local latent guides) never leave it: the state lives in Flower's per-node ``context.state``; a
+new state is kept as pending and committed when the server's next message says the update was
+merged.
 
-Compiled functions are cached per process (per Flower run and node; sites of the same shapes share them), so
-a site compiles once, not once per message.
+Compiled functions are cached per process (per Flower run and node; sites of the same shapes share
+them), so a site compiles once, not once per message.
 """
 
 from __future__ import annotations
@@ -21,33 +23,43 @@ from flwr.clientapp import ClientApp
 
 from numpyro_pvi.backends import failed_result, take
 from numpyro_pvi.families import FactorFamily
-from numpyro_pvi.flower.wire import key_from_record, layout_to_text, tree_from_record, tree_to_record
+from numpyro_pvi.flower.wire import (
+    key_from_record,
+    layout_to_text,
+    tree_from_record,
+    tree_to_record,
+)
 from numpyro_pvi.local_updates.base import Client, LocalUpdate
 from numpyro_pvi.problem import Problem
 from numpyro_pvi.pvi import PVI
 from numpyro_pvi.servers import Synchronous
 
-STATE, PENDING = "pvi.state", "pvi.pending"  # keys of the site's local state in Flower's context.state
+# keys of the site's local state in Flower's context.state
+STATE, PENDING = "pvi.state", "pvi.pending"
 
 LoadData = Callable[[Context], tuple[tuple, dict]]
-"""``load_data(context) -> (args, kwargs)``: the site's own data, e.g. read from a local file named in
-``context.node_config``."""
+"""``load_data(context) -> (args, kwargs)``: the site's own data, e.g. read from a local file named
+in ``context.node_config``."""
 
 
 def partition_id(context: Context) -> int:
-    """The site's client index: ``context.node_config["partition-id"]`` (set by Flower's simulation engine, and by
-    ``flower-supernode --node-config "partition-id=0"`` in a deployment).
+    """The site's client index: ``context.node_config["partition-id"]`` (set by Flower's simulation
+    engine, and by ``flower-supernode --node-config "partition-id=0"`` in a deployment).
 
     **Example:** ``client_app(..., client_id=partition_id)`` (the default).
     """
     if "partition-id" not in context.node_config:
-        raise ValueError("The site has no node_config 'partition-id': start its SuperNode with "
-                         "--node-config \"partition-id=<m>\" (m = 0 .. num_clients - 1) or pass client_id=.")
+        raise ValueError(
+            "The site has no node_config 'partition-id': start its SuperNode with "
+            '--node-config "partition-id=<m>" (m = 0 .. num_clients - 1) or pass '
+            "client_id=."
+        )
     return int(context.node_config["partition-id"])
 
 
 class Prepared(NamedTuple):
-    """What a site builds once from its data: its problem, its (unpadded) data, the jitted local update."""
+    """What a site builds once from its data: its problem, its (unpadded) data, the jitted local
+    update."""
 
     client_id: int
     problem: Problem
@@ -56,23 +68,37 @@ class Prepared(NamedTuple):
 
 
 class Site:
-    """The site's side of PVI (see the module docstring); :func:`client_app` wraps it as a Flower ``ClientApp``.
+    """The site's side of PVI (see the module docstring); :func:`client_app` wraps it as a Flower
+    ``ClientApp``.
 
-    :param model, family, local_update: as in :class:`~numpyro_pvi.PVI` (the same as the server's family).
+    :param model, family, local_update: as in :class:`~numpyro_pvi.PVI` (the same as the server's
+        family).
     :param load_data: ``context -> (args, kwargs)``, the site's data for ``model(*args, **kwargs)``.
     :param client_id: ``context -> m``, the site's client index (default :func:`partition_id`).
 
-    **Example:** ``site = Site(model, pvi.MeanFieldGaussian(), pvi.GradientUpdate(optax.adam(0.05), 100), load)``
+    **Example:** ``site = Site(model, pvi.MeanFieldGaussian(), pvi.GradientUpdate(optax.adam(0.05),
+    100), load)``
     """
 
-    def __init__(self, model: Callable, family: FactorFamily, local_update: LocalUpdate, load_data: LoadData,
-                 client_id: Callable[[Context], int] | None = None) -> None:
+    def __init__(
+        self,
+        model: Callable,
+        family: FactorFamily,
+        local_update: LocalUpdate,
+        load_data: LoadData,
+        client_id: Callable[[Context], int] | None = None,
+    ) -> None:
         if not isinstance(local_update, LocalUpdate):
-            raise TypeError(f"local_update must be a local update such as pvi.GradientUpdate(...), "
-                            f"got {local_update!r}.")
+            raise TypeError(
+                f"local_update must be a local update such as pvi.GradientUpdate(...), "
+                f"got {local_update!r}."
+            )
         if not isinstance(family, FactorFamily):
-            raise TypeError(f"family must be a pvi family such as pvi.MeanFieldGaussian(), pvi.SiteFamilies({{...}}) "
-                            f"or pvi.Gamma(), got {family!r}.")
+            raise TypeError(
+                "family must be a pvi family such as pvi.MeanFieldGaussian(), "
+                f"pvi.SiteFamilies({{...}}) "
+                f"or pvi.Gamma(), got {family!r}."
+            )
         self.model, self.family, self.local_update = model, family, local_update
         self.load_data, self.client_id = load_data, partition_id if client_id is None else client_id
 
@@ -80,40 +106,61 @@ class Site:
         """The site's problem and jitted update, built on the first message of a run and cached."""
         key = (context.run_id, context.node_id)
         if key not in _PREPARED:
-            inference = _INFERENCES.setdefault(context.run_id, PVI(self.model, self.family, None, self.local_update,
-                                                                   Synchronous(1.0)))
+            inference = _INFERENCES.setdefault(
+                context.run_id,
+                PVI(self.model, self.family, None, self.local_update, Synchronous(1.0)),
+            )
             args, kwargs = self.load_data(context)
             problem = inference.build(*args, **kwargs)  # one partition: this site's rows only
             cached = _UPDATES.get(id(problem.client_problem))
             if cached is None or cached[0] is not problem.client_problem:
-                cached = (problem.client_problem, jax.jit(self.local_update.bind(problem.client_problem)))
+                cached = (
+                    problem.client_problem,
+                    jax.jit(self.local_update.bind(problem.client_problem)),
+                )
                 _UPDATES[id(problem.client_problem)] = cached
-            _PREPARED[key] = Prepared(self.client_id(context), problem, take(problem.clients, 0), cached[1])
+            _PREPARED[key] = Prepared(
+                self.client_id(context), problem, take(problem.clients, 0), cached[1]
+            )
         return _PREPARED[key]
 
     def hello(self, message: Message, context: Context) -> Message:
-        """Answer the server's first query of a run: the site's client index and the prior's natural parameters.
+        """Answer the server's first query of a run: the site's client index and the prior's natural
+        parameters.
 
-        The prior is the model's (public, the same at every site): the server starts ``q`` from it and checks
-        that every site agrees. The reply names the sites the server cannot handle (a prior not Gaussian in
-        unconstrained space, hyperparameters) so that it can refuse them before any round.
+        The prior is the model's (public, the same at every site): the server starts ``q`` from it
+        and checks that every site agrees. The reply names the sites the server cannot handle (a
+        prior not Gaussian in unconstrained space, hyperparameters) so that it can refuse them
+        before any round.
         """
         prep = self.prepare(context)
         problem = prep.problem
-        for key in (STATE, PENDING):  # a new run (of this or another strategy) starts from a fresh local state
+        # a new run (of this or another strategy) starts from a fresh local state
+        for key in (STATE, PENDING):
             context.state.pop(key, None)
-        q0 = _INFERENCES[context.run_id].init(jax.random.PRNGKey(0), problem).q  # prior (and t_0): no randomness
-        unsupported = {"fitted-prior-sites": ",".join(problem.rest),
-                       "hyper-sites": ",".join(h.name for h in problem.sites.hyper)}
-        info = ConfigRecord({"client": prep.client_id, "dim": int(problem.sites.dim),
-                             "layout": layout_to_text(problem.client_problem.family, problem.sites),
-                             **{k: v for k, v in unsupported.items() if v}})  # Flower rejects empty strings
+        # prior (and t_0): no randomness
+        q0 = _INFERENCES[context.run_id].init(jax.random.PRNGKey(0), problem).q
+        unsupported = {
+            "fitted-prior-sites": ",".join(problem.rest),
+            "hyper-sites": ",".join(h.name for h in problem.sites.hyper),
+        }
+        info = ConfigRecord(
+            {
+                "client": prep.client_id,
+                "dim": int(problem.sites.dim),
+                "layout": layout_to_text(problem.client_problem.family, problem.sites),
+                # Flower rejects empty strings
+                **{k: v for k, v in unsupported.items() if v},
+            }
+        )
         return Message(RecordDict({"q0": tree_to_record(q0), "pvi": info}), reply_to=message)
 
     def train(self, message: Message, context: Context) -> Message:
-        """One local update against the cavity in ``message``; reply with the delta and the free energy."""
+        """One local update against the cavity in ``message``; reply with the delta and the free
+        energy."""
         prep = self.prepare(context)
-        like = prep.problem.client_problem.family.zeros(prep.problem.sites.dim)  # the family as laid out for the site
+        # the family as laid out for the site
+        like = prep.problem.client_problem.family.zeros(prep.problem.sites.dim)
         content, config = message.content, message.content.config_records["pvi"]
         cavity = tree_from_record(content.array_records["cavity"], like, "cavity")
         q = tree_from_record(content.array_records["q"], like, "q")
@@ -124,34 +171,54 @@ class Site:
         except Exception:  # noqa: BLE001 - a failing update is reported (non-finite delta, RAISED), not fatal
             result = failed_result(cavity, state)
         context.state[PENDING] = tree_to_record(result.state)
-        metrics = MetricRecord({"free-energy": float(result.free_energy), "clamped": int(np.sum(result.clamped)),
-                                "failure": int(result.failure)})
-        return Message(RecordDict({"delta": tree_to_record(result.delta), "pvi": metrics}), reply_to=message)
+        metrics = MetricRecord(
+            {
+                "free-energy": float(result.free_energy),
+                "clamped": int(np.sum(result.clamped)),
+                "failure": int(result.failure),
+            }
+        )
+        return Message(
+            RecordDict({"delta": tree_to_record(result.delta), "pvi": metrics}), reply_to=message
+        )
 
     def _local_state(self, context: Context, prep: Prepared, accepted: bool) -> Any:
-        """The site's persistent local state, after committing its last update's if the server merged it."""
+        """The site's persistent local state, after committing its last update's if the server
+        merged it."""
         if accepted and PENDING in context.state:
             context.state[STATE] = context.state[PENDING]
         like = self.local_update.init_state(prep.problem.client_problem)
-        # through a record even at first, so that every round passes the same (non-weak) types: no recompilation
-        record = context.state.array_records[STATE] if STATE in context.state else tree_to_record(like)
+        # through a record even at first, so that every round passes the same (non-weak) types: no
+        # recompilation
+        record = (
+            context.state.array_records[STATE] if STATE in context.state else tree_to_record(like)
+        )
         return tree_from_record(record, like, "site's local state")
 
 
-_PREPARED: dict[tuple, Prepared] = {}  # (run, node) -> the site's problem: one build per site and process
-_INFERENCES: dict[int, PVI] = {}  # run -> a PVI whose cache lets sites of the same shapes share compiled steps
+# (run, node) -> the site's problem: one build per site and process
+_PREPARED: dict[tuple, Prepared] = {}
+# run -> a PVI whose cache lets sites of the same shapes share compiled steps
+_INFERENCES: dict[int, PVI] = {}
 _UPDATES: dict[int, tuple] = {}  # id(client problem) -> (client problem, jitted client_update)
 
 
-def client_app(model: Callable, family: FactorFamily, local_update: LocalUpdate, load_data: LoadData,
-               client_id: Callable[[Context], int] | None = None) -> ClientApp:
-    """A Flower ``ClientApp`` running PVI's local update at a site that holds its own data (:class:`Site`).
+def client_app(
+    model: Callable,
+    family: FactorFamily,
+    local_update: LocalUpdate,
+    load_data: LoadData,
+    client_id: Callable[[Context], int] | None = None,
+) -> ClientApp:
+    """A Flower ``ClientApp`` running PVI's local update at a site that holds its own data
+    (:class:`Site`).
 
-    It answers the server's query (``"query"`` messages: client index and prior) and its training messages
-    (``"train"``: cavity, q and key in, delta and free energy out).
+    It answers the server's query (``"query"`` messages: client index and prior) and its training
+    messages (``"train"``: cavity, q and key in, delta and free energy out).
 
-    **Example:** ``app = client_app(model, pvi.MeanFieldGaussian(), pvi.GradientUpdate(optax.adam(0.05), 100),
-    load_data=lambda context: ((x_site,), {"y": y_site}))``
+    **Example:** ``app = client_app(model, pvi.MeanFieldGaussian(),
+    pvi.GradientUpdate(optax.adam(0.05), 100), load_data=lambda context: ((x_site,), {"y":
+    y_site}))``
     """
     site = Site(model, family, local_update, load_data, client_id)
     app = ClientApp()
@@ -165,4 +232,3 @@ def client_app(model: Callable, family: FactorFamily, local_update: LocalUpdate,
         return site.train(message, context)
 
     return app
-

@@ -1,6 +1,12 @@
 """How a client improves its factor ``t_m`` against its cavity: one local update per module."""
 
-from numpyro_pvi.local_updates.base import Client, ClientProblem, ClientResult, CountsRejectedUpdates, LocalUpdate
+from numpyro_pvi.local_updates.base import (
+    Client,
+    ClientProblem,
+    ClientResult,
+    CountsRejectedUpdates,
+    LocalUpdate,
+)
 from numpyro_pvi.local_updates.dp_averaging import DPLocalAveraging
 from numpyro_pvi.local_updates.dp_gradient import DPGradientUpdate, DPState
 from numpyro_pvi.local_updates.gradient import GradientUpdate

@@ -3,17 +3,18 @@
 Every local update has the same interface: ``init_state(problem)`` gives a client's persistent
 state and ``bind(problem)`` returns a pure function
 
-``client_update(rng_key, client, cavity, q, state, hyper=()) -> ClientResult(delta, free_energy, state)``
+``client_update(rng_key, client, cavity, q, state, hyper=()) -> ClientResult(delta, free_energy,
+state)``
 
 that a backend ``jit``s and ``vmap``s over clients. ``delta = lambda(q_new) - lambda(q)`` is the
 natural-parameter change the client proposes; the server damps and merges it.
 
-``hyper`` holds the model's hyperparameters (``numpyro.param`` sites outside the partition plate; their
-unconstrained values, the same for every client; ``()`` if there are none). With hyperparameters the
-client also returns ``hyper_grad``, the gradient of its local free energy with respect to them; the
-server sums these and steps its own optimiser. A local update declares what it supports with the class attributes
-``supports_local_latents`` and ``supports_hyperparameters`` (both false if absent); PVI refuses a
-model the update does not support with a clear error.
+``hyper`` holds the model's hyperparameters (``numpyro.param`` sites outside the partition plate;
+their unconstrained values, the same for every client; ``()`` if there are none). With
+hyperparameters the client also returns ``hyper_grad``, the gradient of its local free energy with
+respect to them; the server sums these and steps its own optimiser. A local update declares what it
+supports with the class attributes ``supports_local_latents`` and ``supports_hyperparameters`` (both
+false if absent); PVI refuses a model the update does not support with a clear error.
 """
 
 from __future__ import annotations
@@ -30,13 +31,15 @@ from numpyro_pvi.families import Family, NatParams
 
 @runtime_checkable
 class LocalUpdate(Protocol):
-    r"""How a client improves its factor: ``init_state(problem)`` and ``bind(problem) -> client_update``.
+    r"""How a client improves its factor: ``init_state(problem)`` and ``bind(problem) ->
+    client_update``.
 
-    ``client_update(rng_key, client, cavity, q, state, hyper=()) -> ClientResult`` must be pure (a backend
-    ``jit``\ s and ``vmap``\ s it). Optional class attributes ``supports_local_latents`` and
+    ``client_update(rng_key, client, cavity, q, state, hyper=()) -> ClientResult`` must be pure (a
+    backend ``jit``\ s and ``vmap``\ s it). Optional class attributes ``supports_local_latents`` and
     ``supports_hyperparameters`` (false if absent) declare what models it handles.
 
-    **Example:** ``isinstance(pvi.GradientUpdate(optax.adam(1e-2), num_steps=100), pvi.LocalUpdate)`` is true.
+    **Example:** ``isinstance(pvi.GradientUpdate(optax.adam(1e-2), num_steps=100),
+    pvi.LocalUpdate)`` is true.
     """
 
     def init_state(self, problem: ClientProblem) -> Any: ...
@@ -46,22 +49,27 @@ class LocalUpdate(Protocol):
 
 @runtime_checkable
 class CountsRejectedUpdates(Protocol):
-    """A local update whose state must learn of updates the server rejected, e.g. to count what it released.
+    """A local update whose state must learn of updates the server rejected, e.g. to count what it
+    released.
 
-    The server keeps a client's new state only when its update is merged; for a rejected update that the client
-    did send, it keeps ``rejected_state(old, new)`` instead (e.g. the old guides with the new release count).
+    The server keeps a client's new state only when its update is merged; for a rejected update that
+    the client did send, it keeps ``rejected_state(old, new)`` instead (e.g. the old guides with the
+    new release count).
 
-    **Example:** ``pvi.DPGradientUpdate`` counts every release towards its privacy budget, merged or not.
+    **Example:** ``pvi.DPGradientUpdate`` counts every release towards its privacy budget, merged or
+    not.
     """
 
     def rejected_state(self, old: Any, new: Any) -> Any: ...
 
 
 class Client(NamedTuple):
-    """One client's data as a backend passes it: padded ``arrays``, ``(rows,)`` ``mask`` and ``size``.
+    """One client's data as a backend passes it: padded ``arrays``, ``(rows,)`` ``mask`` and
+    ``size``.
 
-    **Example:** inside ``client_update``, ``problem.log_likelihood(zeta, client, hyper)`` is the client's
-    log-likelihood and ``problem.minibatch(key, client, 100)`` a mini-batch of its real rows.
+    **Example:** inside ``client_update``, ``problem.log_likelihood(zeta, client, hyper)`` is the
+    client's log-likelihood and ``problem.minibatch(key, client, 100)`` a mini-batch of its real
+    rows.
     """
 
     arrays: list
@@ -70,16 +78,18 @@ class Client(NamedTuple):
 
 
 class ClientResult(NamedTuple):
-    """What a client returns: ``delta`` (natural parameters), its local ``free_energy`` and its ``state``.
+    """What a client returns: ``delta`` (natural parameters), its local ``free_energy`` and its
+    ``state``.
 
     ``clamped`` counts the corrections the update made to stay valid (e.g. a step size halved to
     keep ``q`` positive definite, a site variance clamped); it is reported in ``RoundInfo.clamped``.
-    ``hyper_grad`` is ``d F_m / d hyper`` (unconstrained) for models with hyperparameters, else ``()``.
-    ``failure`` is set by a backend whose client could not deliver (a :class:`~numpyro_pvi.Rejection` code:
-    timed out or raised); a local update leaves it 0. ``inflation`` is how far the correlations of the client's
-    tilted distribution that the family cannot hold inflate a variance
-    (:func:`~numpyro_pvi.families.gaussian.variance_inflation`; EP and SNEP report it, 1 if not measured); the
-    run's monitor reads it (``RoundInfo.inflation``) to flag a factorised EP fixed point.
+    ``hyper_grad`` is ``d F_m / d hyper`` (unconstrained) for models with hyperparameters, else
+    ``()``. ``failure`` is set by a backend whose client could not deliver (a
+    :class:`~numpyro_pvi.Rejection` code: timed out or raised); a local update leaves it 0.
+    ``inflation`` is how far the correlations of the client's tilted distribution that the family
+    cannot hold inflate a variance (:func:`~numpyro_pvi.families.gaussian.variance_inflation`; EP
+    and SNEP report it, 1 if not measured); the run's monitor reads it (``RoundInfo.inflation``) to
+    flag a factorised EP fixed point.
 
     **Example:** a client that moves ``q`` to ``q_new`` returns
     ``ClientResult(delta=q_new - q, free_energy=f, state=state)``.
@@ -100,18 +110,20 @@ class ClientProblem:
 
     :ivar family: the Gaussian family (a :class:`~numpyro_pvi.families.Family`).
     :ivar dim: ``D``, the size of the flat unconstrained vector.
-    :ivar log_likelihood: ``(zeta, client, hyper=()) -> log p(y_m | zeta, hyper)``, a scalar; masked rows
-        count 0.
+    :ivar log_likelihood: ``(zeta, client, hyper=()) -> log p(y_m | zeta, hyper)``, a scalar; masked
+        rows count 0.
     :ivar is_row: for each array of ``client.arrays``, whether its leading axis is the row axis.
     :ivar sites: the model's :class:`~numpyro_pvi.sites.ModelSites` (local sites with the padded
         client's shapes), or ``None``.
-    :ivar local_model: ``(zeta, client, hyper) -> None`` runs the model on the client's rows with the
-        global sites set to ``theta(zeta)`` and hidden, leaving its local latents and observations to
-        an outer ELBO (see :func:`numpyro_pvi.sites.local_model`); ``None`` if not needed.
+    :ivar local_model: ``(zeta, client, hyper) -> None`` runs the model on the client's rows with
+        the global sites set to ``theta(zeta)`` and hidden, leaving its local latents and
+        observations to an outer ELBO (see :func:`numpyro_pvi.sites.local_model`); ``None`` if not
+        needed.
 
-    **Example:** :class:`~numpyro_pvi.PVI` builds it from the model and hands it to the local update's
-    ``init_state(problem)`` and ``bind(problem)``; by hand, for a model of ``D`` global coordinates,
-    ``ClientProblem(pvi.MeanFieldGaussian(), D, lambda zeta, client, hyper=(): ..., is_row=(True,))``.
+    **Example:** :class:`~numpyro_pvi.PVI` builds it from the model and hands it to the local
+    update's ``init_state(problem)`` and ``bind(problem)``; by hand, for a model of ``D`` global
+    coordinates, ``ClientProblem(pvi.MeanFieldGaussian(), D, lambda zeta, client, hyper=(): ...,
+    is_row=(True,))``.
     """
 
     family: Family
@@ -131,19 +143,28 @@ class ClientProblem:
         """Whether the model has hyperparameters."""
         return self.sites is not None and bool(self.sites.hyper)
 
-    def minibatch(self, rng_key: jax.Array, client: Client, batch_size: int) -> tuple[Client, jax.Array]:
-        """A batch of ``batch_size`` distinct real rows, and the factor ``size / rows`` that unbiases it.
+    def minibatch(
+        self, rng_key: jax.Array, client: Client, batch_size: int
+    ) -> tuple[Client, jax.Array]:
+        """A batch of ``batch_size`` distinct real rows, and the factor ``size / rows`` that
+        unbiases it.
 
         A batch larger than the client holds all its rows.
         """
         noise = jax.random.uniform(rng_key, client.mask.shape)
-        _, idx = jax.lax.top_k(jnp.where(client.mask, noise, -1.0), min(batch_size, client.mask.shape[0]))
+        _, idx = jax.lax.top_k(
+            jnp.where(client.mask, noise, -1.0), min(batch_size, client.mask.shape[0])
+        )
         arrays = [a[idx] if row else a for a, row in zip(client.arrays, self.is_row)]
         mask = client.mask[idx]
         return Client(arrays, mask, client.size), client.size / jnp.maximum(jnp.sum(mask), 1)
 
 
-def local_free_energy(family: Family, q: NatParams, cavity: NatParams, loglik: Callable,
-                      zeta: jax.Array) -> jax.Array:
-    """``F_m(q) = E_q[log p(y_m | zeta)] - KL(q || cavity)``, the expectation over draws ``zeta`` ``(S, D)`` of q."""
-    return jnp.mean(jax.vmap(loglik)(zeta)) - kl_divergence(family.to_dist(q), family.to_dist(cavity))
+def local_free_energy(
+    family: Family, q: NatParams, cavity: NatParams, loglik: Callable, zeta: jax.Array
+) -> jax.Array:
+    """``F_m(q) = E_q[log p(y_m | zeta)] - KL(q || cavity)``, the expectation over draws ``zeta``
+    ``(S, D)`` of q."""
+    return jnp.mean(jax.vmap(loglik)(zeta)) - kl_divergence(
+        family.to_dist(q), family.to_dist(cavity)
+    )

@@ -1,23 +1,25 @@
 """Per-row clipping of the data term's gradient for DP-SGD, by the reparameterisation's chain rule.
 
-The data term ``E_q[log p(y_i | zeta)]`` of row ``i`` is estimated with draws ``zeta_s = loc + scale @ eps_s``
-shared by the rows (any other family: one reparameterised draw of its guide per fixed key,
+The data term ``E_q[log p(y_i | zeta)]`` of row ``i`` is estimated with draws ``zeta_s = loc + scale
+@ eps_s`` shared by the rows (any other family: one reparameterised draw of its guide per fixed key,
 :mod:`~numpyro_pvi.local_updates.dp_params`), so its gradient with respect to the guide's parameters
-``params`` (``(loc, u)`` for a Gaussian family) is
-``J^T g_i``: ``J`` the Jacobian of ``params -> (zeta_1 .. zeta_S)`` (the same for every row) and ``g_i`` the
-row's gradients in ``zeta``, ``g_is = grad_zeta log p(y_i | zeta_s) / S``. Hence
+``params`` (``(loc, u)`` for a Gaussian family) is ``J^T g_i``: ``J`` the Jacobian of ``params ->
+(zeta_1 .. zeta_S)`` (the same for every row) and ``g_i`` the row's gradients in ``zeta``, ``g_is =
+grad_zeta log p(y_i | zeta_s) / S``. Hence
 
-* only the per-row gradients **in zeta** are taken (``jax.vmap`` over rows, one block per global site: no
-  padding of a site's block into the flat vector);
+* only the per-row gradients **in zeta** are taken (``jax.vmap`` over rows, one block per global
+  site: no padding of a site's block into the flat vector);
 * each row's **norm** ``||J^T g_i||`` follows from them: in closed form for
-  :class:`~numpyro_pvi.MeanFieldGaussian` (``J`` is diagonal per draw: loc's gradient is ``sum_s g_is`` and
-  ``u``'s is ``sum_s g_is * eps_s * dscale/du``), by applying ``J^T`` (``jax.vjp``) to each row otherwise
-  (every other family: full rank, :class:`~numpyro_pvi.SiteFamilies`, ``Gamma``...);
-* the **clipped sum** ``sum_i w_i J^T g_i = J^T sum_i w_i g_i`` (``w_i`` the clip factors) is one ordinary
-  backward pass of the reweighted log-likelihood ``sum_i w_i log p(y_i | zeta_s)`` per draw: no per-row
-  gradient in ``params`` is ever summed.
+  :class:`~numpyro_pvi.MeanFieldGaussian` (``J`` is diagonal per draw: loc's gradient is ``sum_s
+  g_is`` and ``u``'s is ``sum_s g_is * eps_s * dscale/du``), by applying ``J^T`` (``jax.vjp``) to
+  each row otherwise (every other family: full rank, :class:`~numpyro_pvi.SiteFamilies`,
+  ``Gamma``...);
+* the **clipped sum** ``sum_i w_i J^T g_i = J^T sum_i w_i g_i`` (``w_i`` the clip factors) is one
+  ordinary backward pass of the reweighted log-likelihood ``sum_i w_i log p(y_i | zeta_s)`` per
+  draw: no per-row gradient in ``params`` is ever summed.
 
-:func:`row_gradients` keeps the direct per-row gradients in ``params`` (the reference the tests compare with).
+:func:`row_gradients` keeps the direct per-row gradients in ``params`` (the reference the tests
+    compare with).
 """
 
 from __future__ import annotations
@@ -35,14 +37,15 @@ from numpyro_pvi.local_updates.dp_params import parameters_for
 
 
 def clip_factors(grads: Any, clip_norm: float) -> jax.Array:
-    """``(rows,)`` the factors ``min(1, clip_norm / ||row||)`` that clip each row (leading axis) of the pytree
-    ``grads`` (its norm taken over all leaves) to Euclidean norm at most ``clip_norm``.
+    """``(rows,)`` the factors ``min(1, clip_norm / ||row||)`` that clip each row (leading axis) of
+    the pytree ``grads`` (its norm taken over all leaves) to Euclidean norm at most ``clip_norm``.
 
     **Example:** ``clip_factors((jnp.ones((3, 4)),), 1.0)`` is ``[0.5, 0.5, 0.5]``.
     """
     leaves = jax.tree.leaves(grads)
-    return factors_from_squares(sum(jnp.sum(leaf.reshape(leaf.shape[0], -1) ** 2, axis=1) for leaf in leaves),
-                                clip_norm)
+    return factors_from_squares(
+        sum(jnp.sum(leaf.reshape(leaf.shape[0], -1) ** 2, axis=1) for leaf in leaves), clip_norm
+    )
 
 
 def factors_from_squares(squared_norms: jax.Array, clip_norm: float) -> jax.Array:
@@ -51,7 +54,8 @@ def factors_from_squares(squared_norms: jax.Array, clip_norm: float) -> jax.Arra
 
 
 def clip_rows(grads: Any, clip_norm: float) -> Any:
-    """Scale each row (leading axis) of the pytree ``grads`` to Euclidean norm at most ``clip_norm``.
+    """Scale each row (leading axis) of the pytree ``grads`` to Euclidean norm at most
+    ``clip_norm``.
 
     **Example:** ``clip_rows((jnp.ones((3, 4)),), 1.0)`` gives rows of norm 1.
     """
@@ -62,8 +66,8 @@ def clip_rows(grads: Any, clip_norm: float) -> Any:
 def reparameterise(problem: ClientProblem, eps: jax.Array) -> Callable:
     """``params -> zeta`` ``(S, D)``: the guide's draws at the fixed randomness ``eps``.
 
-    A Gaussian family: ``loc + scale @ eps_s`` from ``(loc, u)`` and standard normals ``eps`` ``(S, D)``; any
-    other family: one reparameterised draw of its guide per key of ``eps`` ``(S, 2)``
+    A Gaussian family: ``loc + scale @ eps_s`` from ``(loc, u)`` and standard normals ``eps`` ``(S,
+    D)``; any other family: one reparameterised draw of its guide per key of ``eps`` ``(S, 2)``
     (:mod:`numpyro_pvi.local_updates.dp_params`).
 
     **Example:** ``zeta = reparameterise(problem, eps)((loc, u))``.
@@ -72,21 +76,23 @@ def reparameterise(problem: ClientProblem, eps: jax.Array) -> Callable:
 
 
 def site_cuts(problem: ClientProblem) -> list[int]:
-    """Where the flat ``zeta`` splits into the global sites' blocks (none without ``problem.sites``)."""
+    """Where the flat ``zeta`` splits into the global sites' blocks (none without
+    ``problem.sites``)."""
     if problem.sites is None:
         return []
     return [int(c) for c in np.cumsum([site.size for site in problem.sites.globals])[:-1]]
 
 
 def zeta_row_gradients(problem: ClientProblem, zeta: jax.Array, client: Client) -> list:
-    """``grads[s][k]``, ``(rows, size_k)``: ``grad log p(y_i | zeta_s)`` of every (padded) row at draw ``s``,
-    in the block of global site ``k``.
+    """``grads[s][k]``, ``(rows, size_k)``: ``grad log p(y_i | zeta_s)`` of every (padded) row at
+    draw ``s``, in the block of global site ``k``.
 
-    Each block is differentiated on its own (the others held fixed), so a row's gradient is never padded into
-    the flat vector; the draws stay separate arrays (no stacking along a small middle axis). Masked rows give 0.
+    Each block is differentiated on its own (the others held fixed), so a row's gradient is never
+    padded into the flat vector; the draws stay separate arrays (no stacking along a small middle
+    axis). Masked rows give 0.
 
-    **Example:** ``grads = zeta_row_gradients(problem, zeta, client)``; ``jnp.concatenate(grads[0], -1)`` is
-    ``(rows, D)``.
+    **Example:** ``grads = zeta_row_gradients(problem, zeta, client)``; ``jnp.concatenate(grads[0],
+    -1)`` is ``(rows, D)``.
     """
     rows = [a[:, None] if row else a for a, row in zip(client.arrays, problem.is_row)]
     axes = [0 if row else None for row in problem.is_row]
@@ -96,18 +102,25 @@ def zeta_row_gradients(problem: ClientProblem, zeta: jax.Array, client: Client) 
         zeta = jnp.concatenate([block if j == k else b for j, b in enumerate(blocks)])
         return problem.log_likelihood(zeta, Client(arrays, mask, client.size))
 
-    def block_gradients(z: jax.Array) -> list:  # one block at a time: the others are constants, so the
-        blocks = jnp.split(z, cuts)              # cotangent is never padded into the flat vector
-        return [jax.vmap(jax.grad(row), in_axes=(None, None, None, axes, 0))(
-            blocks[k], k, blocks, rows, client.mask[:, None]) for k in range(len(blocks))]
+    # one block at a time: the others are constants, so the
+    def block_gradients(z: jax.Array) -> list:
+        blocks = jnp.split(z, cuts)  # cotangent is never padded into the flat vector
+        return [
+            jax.vmap(jax.grad(row), in_axes=(None, None, None, axes, 0))(
+                blocks[k], k, blocks, rows, client.mask[:, None]
+            )
+            for k in range(len(blocks))
+        ]
 
     return [block_gradients(z) for z in zeta]  # S is small and static
 
 
 def row_log_likelihoods(problem: ClientProblem, client: Client) -> Callable:
-    """``zeta -> (rows,)``: the log-likelihood of each (padded) row at ``zeta`` (masked rows give 0).
+    """``zeta -> (rows,)``: the log-likelihood of each (padded) row at ``zeta`` (masked rows give
+    0).
 
-    **Example:** ``row_log_likelihoods(problem, client)(zeta).sum()`` is ``problem.log_likelihood(zeta, client)``.
+    **Example:** ``row_log_likelihoods(problem, client)(zeta).sum()`` is
+    ``problem.log_likelihood(zeta, client)``.
     """
     rows = [a[:, None] if row else a for a, row in zip(client.arrays, problem.is_row)]
     axes = [0 if row else None for row in problem.is_row]
@@ -118,14 +131,17 @@ def row_log_likelihoods(problem: ClientProblem, client: Client) -> Callable:
     return lambda zeta: jax.vmap(row, in_axes=(None, axes, 0))(zeta, rows, client.mask[:, None])
 
 
-def row_squared_norms(problem: ClientProblem, params: tuple, eps: jax.Array, client: Client) -> jax.Array:
-    """``(rows,)``: ``||J^T g_i||^2``, each row's squared gradient norm in ``params`` from its gradients in ``zeta``.
+def row_squared_norms(
+    problem: ClientProblem, params: tuple, eps: jax.Array, client: Client
+) -> jax.Array:
+    """``(rows,)``: ``||J^T g_i||^2``, each row's squared gradient norm in ``params`` from its
+    gradients in ``zeta``.
 
     Mean-field: loc's gradient is ``a_i = sum_s g_is / S`` and ``u``'s ``b_i * dscale/du`` with
-    ``b_i = sum_s g_is eps_s / S``, so ``||a_i||^2 + ||b_i dscale||^2 = sum_{s,t} (g_is * g_it) @ (1 + eps_s eps_t
-    dscale^2) / S^2``: one matrix-vector product per pair of draws (one in all for a single draw), from the
-    per-draw gradients of :func:`zeta_row_gradients`. Otherwise ``J^T`` is applied to every row's ``(S, D)``
-    gradients by ``jax.vjp``.
+    ``b_i = sum_s g_is eps_s / S``, so ``||a_i||^2 + ||b_i dscale||^2 = sum_{s,t} (g_is * g_it) @ (1
+    + eps_s eps_t dscale^2) / S^2``: one matrix-vector product per pair of draws (one in all for a
+    single draw), from the per-draw gradients of :func:`zeta_row_gradients`. Otherwise ``J^T`` is
+    applied to every row's ``(S, D)`` gradients by ``jax.vjp``.
 
     **Example:** ``row_squared_norms(problem, (loc, u), eps, client)`` is ``(rows,)``.
     """
@@ -133,25 +149,39 @@ def row_squared_norms(problem: ClientProblem, params: tuple, eps: jax.Array, cli
     zeta, pullback = jax.vjp(draws, params)
     if not isinstance(problem.family, MeanFieldGaussian):
         grads = zeta_row_gradients(problem, zeta, client)
-        stacked = jnp.stack([jnp.concatenate(blocks, axis=-1) for blocks in grads], axis=1) / num_draws
+        stacked = (
+            jnp.stack([jnp.concatenate(blocks, axis=-1) for blocks in grads], axis=1) / num_draws
+        )
         per_row = jax.vmap(lambda g: pullback(g)[0])(stacked)
-        return sum(jnp.sum(leaf.reshape(leaf.shape[0], -1) ** 2, axis=1) for leaf in jax.tree.leaves(per_row))
+        return sum(
+            jnp.sum(leaf.reshape(leaf.shape[0], -1) ** 2, axis=1)
+            for leaf in jax.tree.leaves(per_row)
+        )
     constrain, cuts = biject_to(problem.family.scale_constraint), site_cuts(problem)
-    _, dscale = jax.jvp(constrain, (params[1],), (jnp.ones_like(params[1]),))  # elementwise d scale / d u
+    # elementwise d scale / d u
+    _, dscale = jax.jvp(constrain, (params[1],), (jnp.ones_like(params[1]),))
     grads, eps_blocks = zeta_row_gradients(problem, zeta, client), [jnp.split(e, cuts) for e in eps]
     total = 0.0
     for k, d in enumerate(jnp.split(dscale, cuts)):  # sum over pairs of draws s <= t
         for s in range(num_draws):
             for t in range(s, num_draws):
-                weight = (1.0 + eps_blocks[s][k] * eps_blocks[t][k] * d * d) * ((1.0 if s == t else 2.0) / num_draws**2)
+                weight = (1.0 + eps_blocks[s][k] * eps_blocks[t][k] * d * d) * (
+                    (1.0 if s == t else 2.0) / num_draws**2
+                )
                 total = total + (grads[s][k] * grads[t][k]) @ weight
     return total
 
 
-def clipped_sum(problem: ClientProblem, params: tuple, eps: jax.Array, client: Client, chosen: jax.Array,
-                clip_norm: float) -> tuple:
-    """``sum_{i chosen} clip(grad_i)``: the chosen rows' gradients in ``params`` of the data term, each clipped
-    to norm ``clip_norm`` (see the module docstring for how).
+def clipped_sum(
+    problem: ClientProblem,
+    params: tuple,
+    eps: jax.Array,
+    client: Client,
+    chosen: jax.Array,
+    clip_norm: float,
+) -> tuple:
+    """``sum_{i chosen} clip(grad_i)``: the chosen rows' gradients in ``params`` of the data term,
+    each clipped to norm ``clip_norm`` (see the module docstring for how).
 
     **Example:** ``summed = clipped_sum(problem, (loc, u), eps, client, client.mask, 1.0)``.
     """
@@ -165,14 +195,15 @@ def clipped_sum(problem: ClientProblem, params: tuple, eps: jax.Array, client: C
 
 
 def row_gradients(problem: ClientProblem, params: tuple, eps: jax.Array, client: Client) -> tuple:
-    """Per-row gradients (``jax.vmap`` of ``jax.grad``) of ``E_q[log p(y_i | zeta)]`` with respect to ``params``.
+    """Per-row gradients (``jax.vmap`` of ``jax.grad``) of ``E_q[log p(y_i | zeta)]`` with respect
+    to ``params``.
 
-    The direct computation, each row differentiated through the draws (:func:`reparameterise`):
-    the reference :func:`clipped_sum` and :func:`row_squared_norms` are tested against. Each leaf gains a
-    leading axis of the client's (padded) rows.
+    The direct computation, each row differentiated through the draws (:func:`reparameterise`): the
+    reference :func:`clipped_sum` and :func:`row_squared_norms` are tested against. Each leaf gains
+    a leading axis of the client's (padded) rows.
 
-    **Example:** ``grads = row_gradients(problem, (loc, u), eps, client)``; ``grads[0]`` is ``(rows, D)`` (a
-    Gaussian family).
+    **Example:** ``grads = row_gradients(problem, (loc, u), eps, client)``; ``grads[0]`` is ``(rows,
+    D)`` (a Gaussian family).
     """
     draws = reparameterise(problem, eps)
     rows = [a[:, None] if row else a for a, row in zip(client.arrays, problem.is_row)]

@@ -1,16 +1,17 @@
 """The parameters ``DPGradientUpdate`` optimises, and their reparameterised draws, for every family.
 
 * :class:`GaussianParameters` (a Gaussian :class:`~numpyro_pvi.families.Family`): ``(loc, u)`` with
-  ``scale = biject_to(scale_constraint)(u)``, draws ``zeta_s = loc + scale @ eps_s`` from fixed standard
-  normals ``eps`` ``(S, D)``. The fast path: :mod:`~numpyro_pvi.local_updates.dp_clipping` has closed-form
-  per-row norms for :class:`~numpyro_pvi.MeanFieldGaussian`.
+  ``scale = biject_to(scale_constraint)(u)``, draws ``zeta_s = loc + scale @ eps_s`` from fixed
+  standard normals ``eps`` ``(S, D)``. The fast path: :mod:`~numpyro_pvi.local_updates.dp_clipping`
+  has closed-form per-row norms for :class:`~numpyro_pvi.MeanFieldGaussian`.
 * :class:`GuideParameters` (any other :class:`~numpyro_pvi.families.FactorFamily`:
-  :class:`~numpyro_pvi.SiteFamilies`, :class:`~numpyro_pvi.Gamma`, ...): the unconstrained values of the
-  ``numpyro.param`` sites the family's :meth:`~numpyro_pvi.families.FactorFamily.guide` registers (each
-  site's constraint read once, by tracing the guide), in the pytree of its
-  :meth:`~numpyro_pvi.families.FactorFamily.guide_params`; draws ``params_distribution(params).rsample(key_s)``
-  from fixed per-draw keys ``eps`` ``(S, 2)`` (``jax.random.split(key, S)``). JAX's gamma sampler is
-  implicitly reparameterised, so Gamma, Beta and Dirichlet draws are differentiable in their parameters.
+  :class:`~numpyro_pvi.SiteFamilies`, :class:`~numpyro_pvi.Gamma`, ...): the unconstrained values of
+  the ``numpyro.param`` sites the family's :meth:`~numpyro_pvi.families.FactorFamily.guide`
+  registers (each site's constraint read once, by tracing the guide), in the pytree of its
+  :meth:`~numpyro_pvi.families.FactorFamily.guide_params`; draws
+  ``params_distribution(params).rsample(key_s)`` from fixed per-draw keys ``eps`` ``(S, 2)``
+  (``jax.random.split(key, S)``). JAX's gamma sampler is implicitly reparameterised, so Gamma, Beta
+  and Dirichlet draws are differentiable in their parameters.
 
 Both give the same members, which is all ``DPGradientUpdate`` and the clipping use.
 """
@@ -28,7 +29,8 @@ from numpyro.distributions.transforms import biject_to
 from numpyro_pvi.families import Family, NatParams
 from numpyro_pvi.local_updates.base import ClientProblem
 
-PREFIX = "_pvi_dp_"  # the names of the guide's param sites (only used to call the family's guide methods)
+# the names of the guide's param sites (only used to call the family's guide methods)
+PREFIX = "_pvi_dp_"
 
 
 class GaussianParameters:
@@ -64,30 +66,41 @@ class GaussianParameters:
     def draws(self, eps: jax.Array) -> Callable:
         """``params -> zeta`` ``(S, D)``: ``loc + scale @ eps_s``."""
         family, constrain = self.family, self.constrain
-        return lambda params: jax.vmap(lambda e: family.unwhiten(params[0], constrain(params[1]), e))(eps)
+        return lambda params: jax.vmap(
+            lambda e: family.unwhiten(params[0], constrain(params[1]), e)
+        )(eps)
 
 
 def guide_constraints(family: Any, dim: int) -> tuple[Any, tuple, tuple]:
-    """``(treedef, names, constraints)``: the guide's param sites in the order of ``guide_params``' leaves.
+    """``(treedef, names, constraints)``: the guide's param sites in the order of ``guide_params``'
+    leaves.
 
-    The guide is traced once (shapes only, :func:`jax.eval_shape`); a leaf of ``guide_params`` is matched to
-    the param site initialised with that very array. A guide that registers something else (a transformed
-    initial value) is refused with ``NotImplementedError``.
+    The guide is traced once (shapes only, :func:`jax.eval_shape`); a leaf of ``guide_params`` is
+    matched to the param site initialised with that very array. A guide that registers something
+    else (a transformed initial value) is refused with ``NotImplementedError``.
 
-    **Example:** ``guide_constraints(pvi.Gamma(), 1)[1:]`` is ``(("_pvi_dp_concentration", "_pvi_dp_rate"),
-    (positive, positive))``.
+    **Example:** ``guide_constraints(pvi.Gamma(), 1)[1:]`` is ``(("_pvi_dp_concentration",
+    "_pvi_dp_rate"), (positive, positive))``.
     """
     found: list = []
 
     def trace() -> Any:
         params = family.guide_params(family.zeros(dim))
         leaves, treedef = jax.tree.flatten(params)
-        sites = [s for s in handlers.trace(family.guide).get_trace(PREFIX, params).values() if s["type"] == "param"]
+        sites = [
+            s
+            for s in handlers.trace(family.guide).get_trace(PREFIX, params).values()
+            if s["type"] == "param"
+        ]
         names = [next((s["name"] for s in sites if s["args"][0] is leaf), None) for leaf in leaves]
         if None in names or len(sites) != len(leaves):
-            raise NotImplementedError(f"DPGradientUpdate: the guide of {family!r} does not register one param site "
-                                      "per leaf of its guide_params (initialised at that leaf), which the DP "
-                                      "parameterisation of a non-Gaussian family needs.")
+            raise NotImplementedError(
+                f"DPGradientUpdate: the guide of {family!r} does not "
+                "register one param site "
+                "per leaf of its guide_params (initialised at that leaf), "
+                "which the DP "
+                "parameterisation of a non-Gaussian family needs."
+            )
         by_name = {s["name"]: s["kwargs"].get("constraint", constraints.real) for s in sites}
         found.append((treedef, tuple(names), tuple(by_name[n] for n in names)))
         return params
@@ -143,4 +156,8 @@ def parameters_for(problem: ClientProblem) -> GaussianParameters | GuideParamete
     **Example:** ``zeta = parameters_for(problem).draws(eps)(params)``.
     """
     family = problem.family
-    return GaussianParameters(family) if isinstance(family, Family) else GuideParameters(family, problem.dim)
+    return (
+        GaussianParameters(family)
+        if isinstance(family, Family)
+        else GuideParameters(family, problem.dim)
+    )

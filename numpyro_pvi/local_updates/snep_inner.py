@@ -1,4 +1,5 @@
-"""SNEP's inner loop: persistent NUTS chains on the tilted distribution and mirror-descent steps in ``q``'s moments.
+"""SNEP's inner loop: persistent NUTS chains on the tilted distribution and mirror-descent steps in
+``q``'s moments.
 
 One client visit of :class:`~numpyro_pvi.SNEPUpdate` runs :func:`run_inner`: a ``lax.scan`` of
 :func:`inner_step` over a :class:`SNEPCarry`. Moments are kept in the coordinates ``u`` whitened by
@@ -41,7 +42,8 @@ class SNEPVisit(NamedTuple):
     count: jax.Array
 
     def to_nat(self, mean: jax.Array, cov: jax.Array) -> NatParams:
-        """Natural parameters (in ``zeta``) of the Gaussian with whitened moments ``(mean, cov)``."""
+        """Natural parameters (in ``zeta``) of the Gaussian with whitened moments ``(mean,
+        cov)``."""
         return self.family.whitened_to_nat(self.loc, self.scale, mean, cov)
 
 
@@ -51,7 +53,8 @@ class SNEPCarry(NamedTuple):
     :ivar mean: the local ``q``'s mean.
     :ivar cov: the local ``q``'s covariance.
     :ivar centre: the previous step's tilted-mean estimate, the control variates' centre.
-    :ivar theta_aux: the auxiliary natural parameter ``theta'`` (the local ``q`` when last refreshed).
+    :ivar theta_aux: the auxiliary natural parameter ``theta'`` (the local ``q`` when last
+        refreshed).
     :ivar chains: the chains' states ``(C, D)``.
     :ivar log_step: the log of NUTS's step size.
     :ivar weight: how many iterates the Polyak-Ruppert average holds so far.
@@ -59,8 +62,8 @@ class SNEPCarry(NamedTuple):
     :ivar sum_second: the sum of their second moments ``cov + mean mean^T``.
     :ivar clamped: fallbacks on plain moments and site clamps so far.
 
-    **Example:** at EP's fixed point (``q`` is the tilted distribution, here Gaussian) the control variates
-    are exact, so the inner steps leave ``q`` where it is.
+    **Example:** at EP's fixed point (``q`` is the tilted distribution, here Gaussian) the control
+    variates are exact, so the inner steps leave ``q`` where it is.
 
     .. doctest::
 
@@ -68,11 +71,17 @@ class SNEPCarry(NamedTuple):
         >>> from numpyro_pvi.local_updates.snep_inner import SNEPVisit, averaged_site, run_inner
         >>> family = pvi.MeanFieldGaussian()
         >>> cavity = family.from_loc_scale(jnp.zeros(2), jnp.ones(2))
-        >>> loglik = lambda z: -0.5 * jnp.sum((z - 1.0) ** 2)  # the tilted distribution is N(0.5, 0.5)
+        >>> loglik = lambda z: (
+        ...     -0.5 * jnp.sum((z - 1.0) ** 2)
+        ... )  # the tilted distribution is N(0.5, 0.5)
         >>> q = family.from_moments(jnp.full(2, 0.5), jnp.full(2, 0.5))
-        >>> visit = SNEPVisit(family, cavity, *family.loc_scale(q), loglik, jnp.zeros((), jnp.int32))
+        >>> visit = SNEPVisit(
+        ...     family, cavity, *family.loc_scale(q), loglik, jnp.zeros((), jnp.int32)
+        ... )
         >>> update = pvi.SNEPUpdate(num_inner=20, num_chains=4, max_tree_depth=3)
-        >>> carry = run_inner(update, visit, q, jnp.zeros((4, 2)), jnp.log(0.5), jax.random.PRNGKey(0))
+        >>> carry = run_inner(
+        ...     update, visit, q, jnp.zeros((4, 2)), jnp.log(0.5), jax.random.PRNGKey(0)
+        ... )
         >>> carry.chains.shape, int(carry.weight)  # the last half of the 20 iterates are averaged
         ((4, 2), 10)
         >>> site, clamped = averaged_site(update, visit, carry)
@@ -93,10 +102,11 @@ class SNEPCarry(NamedTuple):
 
 
 def nuts_transition(visit: SNEPVisit, alpha: float, max_tree_depth: int) -> Callable:
-    """``(key, u, tau, step_size) -> (u, grad log p(u), accept prob)``: one NUTS transition in ``u``.
+    """``(key, u, tau, step_size) -> (u, grad log p(u), accept prob)``: one NUTS transition in
+    ``u``.
 
-    The target is the tilted ``exp(tau . s(zeta)) p(y_m | zeta)^alpha`` in the whitened coordinates (where
-    a unit mass matrix fits). :class:`SNEPCarry` has an example of the inner loop.
+    The target is the tilted ``exp(tau . s(zeta)) p(y_m | zeta)^alpha`` in the whitened coordinates
+    (where a unit mass matrix fits). :class:`SNEPCarry` has an example of the inner loop.
     """
     family = visit.family
 
@@ -111,13 +121,22 @@ def nuts_transition(visit: SNEPVisit, alpha: float, max_tree_depth: int) -> Call
 
 
 def nuts_kernel(potential_gen: Callable, max_tree_depth: int) -> Callable:
-    """``(key, u, tau, step_size) -> (u, grad log p(u), accept prob)``: one NUTS transition (unit mass matrix, fixed
-    step size) of the target ``exp(-potential_gen(tau)(u))``; both SNEP paths' sampler."""
+    """``(key, u, tau, step_size) -> (u, grad log p(u), accept prob)``: one NUTS transition (unit
+    mass matrix, fixed step size) of the target ``exp(-potential_gen(tau)(u))``; both SNEP paths'
+    sampler."""
     init_kernel, sample_kernel = hmc(potential_fn_gen=potential_gen, algo="NUTS")
 
     def transition(key: jax.Array, u: jax.Array, tau: NatParams, step_size: jax.Array) -> tuple:
-        hmc_state = init_kernel(u, 0, step_size=step_size, adapt_step_size=False, adapt_mass_matrix=False,
-                                max_tree_depth=max_tree_depth, model_args=(tau,), rng_key=key)
+        hmc_state = init_kernel(
+            u,
+            0,
+            step_size=step_size,
+            adapt_step_size=False,
+            adapt_mass_matrix=False,
+            max_tree_depth=max_tree_depth,
+            model_args=(tau,),
+            rng_key=key,
+        )
         hmc_state = sample_kernel(hmc_state, model_args=(tau,))
         return hmc_state.z, -hmc_state.z_grad, hmc_state.mean_accept_prob
 
@@ -125,23 +144,31 @@ def nuts_kernel(potential_gen: Callable, max_tree_depth: int) -> Callable:
 
 
 def adapted_log_step(log_step: jax.Array, accept: jax.Array) -> jax.Array:
-    """The log step size after one Robbins-Monro step towards 80 % mean acceptance of the chains ``accept`` ``(C,)``."""
+    """The log step size after one Robbins-Monro step towards 80 % mean acceptance of the chains
+    ``accept`` ``(C,)``."""
     return log_step + 0.1 * (jnp.mean(accept) - 0.8)
 
 
-def tilted_moments(family: Family, u: jax.Array, grad: jax.Array, cov_q: jax.Array, centre: jax.Array,
-                   control_variates: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
+def tilted_moments(
+    family: Family,
+    u: jax.Array,
+    grad: jax.Array,
+    cov_q: jax.Array,
+    centre: jax.Array,
+    control_variates: bool,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Estimates of the tilted mean and covariance from the chains ``u`` (``grad``: of log p there).
 
-    With control variates: ``E_p[grad log p] = 0`` and ``E_p[grad log p (u - c)^T] = -I`` for a ``c``
-    that does not depend on ``u`` (the previous step's estimate of the mean), with the coefficients
-    (``q``'s covariance ``cov_q``) that make the estimates exact when ``p`` is Gaussian with covariance
-    ``cov_q`` (the mean at once, the covariance once ``c`` is ``p``'s mean). An estimate that is not
-    positive definite falls back on the plain moments.
+    With control variates: ``E_p[grad log p] = 0`` and ``E_p[grad log p (u - c)^T] = -I`` for a
+    ``c`` that does not depend on ``u`` (the previous step's estimate of the mean), with the
+    coefficients (``q``'s covariance ``cov_q``) that make the estimates exact when ``p`` is Gaussian
+    with covariance ``cov_q`` (the mean at once, the covariance once ``c`` is ``p``'s mean). An
+    estimate that is not positive definite falls back on the plain moments.
 
     :return: ``(mean, cov, fell_back)``.
 
-    **Example:** chains of ``N(1, 1)`` (``grad log p = 1 - u``) with ``cov_q = 1``: exact whatever the draws.
+    **Example:** chains of ``N(1, 1)`` (``grad log p = 1 - u``) with ``cov_q = 1``: exact whatever
+    the draws.
 
     .. doctest::
 
@@ -166,15 +193,20 @@ def tilted_moments(family: Family, u: jax.Array, grad: jax.Array, cov_q: jax.Arr
     return jnp.where(ok, cv_mean, mean), jnp.where(ok, cv_cov, cov), ~ok
 
 
-def _clamp_site(family: Family, site: NatParams, site_variance: tuple) -> tuple[NatParams, jax.Array]:
-    """The site with its precision's eigenvalues clipped to ``[1 / v_max, 1 / v_min]``; whether they were."""
+def _clamp_site(
+    family: Family, site: NatParams, site_variance: tuple
+) -> tuple[NatParams, jax.Array]:
+    """The site with its precision's eigenvalues clipped to ``[1 / v_max, 1 / v_min]``; whether they
+    were."""
     v_min, v_max = site_variance
     return family.clamp_precision(site, 1.0 / v_max, 1.0 / v_min)
 
 
-def _project(visit: SNEPVisit, site_variance: tuple | None, mean: jax.Array,
-            cov: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """The whitened moments of ``q`` with its site clamped (if ``site_variance``), and whether the clamp acted."""
+def _project(
+    visit: SNEPVisit, site_variance: tuple | None, mean: jax.Array, cov: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The whitened moments of ``q`` with its site clamped (if ``site_variance``), and whether the
+    clamp acted."""
     if site_variance is None:
         return mean, cov, jnp.zeros((), bool)
     site, clamped = _clamp_site(visit.family, visit.to_nat(mean, cov) - visit.cavity, site_variance)
@@ -182,54 +214,101 @@ def _project(visit: SNEPVisit, site_variance: tuple | None, mean: jax.Array,
     return jnp.where(clamped, mean_c, mean), jnp.where(clamped, cov_c, cov), clamped
 
 
-def inner_step(update: SNEPUpdate, visit: SNEPVisit, transition: Callable, carry: SNEPCarry,
-               xs: tuple[jax.Array, jax.Array]) -> tuple[SNEPCarry, None]:
-    """One NUTS transition of every chain and one mirror-descent step ``E_q[s] <- (1 - eps) E_q[s] + eps E_p[s]``.
+def inner_step(
+    update: SNEPUpdate,
+    visit: SNEPVisit,
+    transition: Callable,
+    carry: SNEPCarry,
+    xs: tuple[jax.Array, jax.Array],
+) -> tuple[SNEPCarry, None]:
+    """One NUTS transition of every chain and one mirror-descent step ``E_q[s] <- (1 - eps) E_q[s] +
+    eps E_p[s]``.
 
-    The ``lax.scan`` body of :func:`run_inner` (``xs``: the step's index and key); :class:`SNEPCarry` has an example.
+    The ``lax.scan`` body of :func:`run_inner` (``xs``: the step's index and key);
+    :class:`SNEPCarry` has an example.
     """
     family, (i, key) = visit.family, xs
     tau = carry.theta_aux - update.alpha * (visit.to_nat(carry.mean, carry.cov) - visit.cavity)
     keys = jax.random.split(key, carry.chains.shape[0])
     step_size = jnp.exp(carry.log_step)
-    u, grad, accept = jax.vmap(transition, in_axes=(0, 0, None, None))(keys, carry.chains, tau, step_size)
+    u, grad, accept = jax.vmap(transition, in_axes=(0, 0, None, None))(
+        keys, carry.chains, tau, step_size
+    )
     log_step = adapted_log_step(carry.log_step, accept)
     eps = update.inner_step_size(visit.count + i)
-    mean, cov, fell_back = tilted_moments(family, u, grad, carry.cov, carry.centre, update.control_variates)
+    mean, cov, fell_back = tilted_moments(
+        family, u, grad, carry.cov, carry.centre, update.control_variates
+    )
     a, b = family.mix_moments(carry.mean, carry.cov, mean, cov, eps)
     a, b, was_clamped = _project(visit, update.site_variance, a, b)
     refresh = (i + 1) % update.num_outer == 0
-    theta_aux = jax.tree.map(lambda new, old: jnp.where(refresh, new, old), visit.to_nat(a, b), carry.theta_aux)
-    w = (i >= update.first_averaged).astype(a.dtype)  # Polyak-Ruppert: the mean parameters' running sums
-    return SNEPCarry(a, b, mean, theta_aux, u, log_step, carry.weight + w, carry.sum_mean + w * a,
-                     carry.sum_second + w * (b + family.outer(a, a)), carry.clamped + fell_back + was_clamped), None
+    theta_aux = jax.tree.map(
+        lambda new, old: jnp.where(refresh, new, old), visit.to_nat(a, b), carry.theta_aux
+    )
+    # Polyak-Ruppert: the mean parameters' running sums
+    w = (i >= update.first_averaged).astype(a.dtype)
+    return SNEPCarry(
+        a,
+        b,
+        mean,
+        theta_aux,
+        u,
+        log_step,
+        carry.weight + w,
+        carry.sum_mean + w * a,
+        carry.sum_second + w * (b + family.outer(a, a)),
+        carry.clamped + fell_back + was_clamped,
+    ), None
 
 
-def run_inner(update: SNEPUpdate, visit: SNEPVisit, q_local: NatParams, chains: jax.Array, log_step: jax.Array,
-              rng_key: jax.Array) -> SNEPCarry:
-    """``update.num_inner`` inner steps from the local ``q`` (whitened: mean 0, covariance I) and the chains.
+def run_inner(
+    update: SNEPUpdate,
+    visit: SNEPVisit,
+    q_local: NatParams,
+    chains: jax.Array,
+    log_step: jax.Array,
+    rng_key: jax.Array,
+) -> SNEPCarry:
+    """``update.num_inner`` inner steps from the local ``q`` (whitened: mean 0, covariance I) and
+    the chains.
 
     :class:`SNEPCarry` has an example.
     """
     dim = visit.loc.shape[-1]
     eye = visit.family.identity(dim)
-    carry = SNEPCarry(jnp.zeros(dim), eye, jnp.zeros(dim), q_local, chains, log_step, jnp.zeros(()), jnp.zeros(dim),
-                      jnp.zeros_like(eye), jnp.zeros((), jnp.int32))
-    step = partial(inner_step, update, visit, nuts_transition(visit, update.alpha, update.max_tree_depth))
+    carry = SNEPCarry(
+        jnp.zeros(dim),
+        eye,
+        jnp.zeros(dim),
+        q_local,
+        chains,
+        log_step,
+        jnp.zeros(()),
+        jnp.zeros(dim),
+        jnp.zeros_like(eye),
+        jnp.zeros((), jnp.int32),
+    )
+    step = partial(
+        inner_step, update, visit, nuts_transition(visit, update.alpha, update.max_tree_depth)
+    )
     xs = (jnp.arange(update.num_inner), jax.random.split(rng_key, update.num_inner))
     carry, _ = jax.lax.scan(step, carry, xs)
     return carry
 
 
 def averaged_site(update: SNEPUpdate, visit: SNEPVisit, carry: SNEPCarry) -> tuple[NatParams, Any]:
-    """The site of the Polyak-Ruppert average (the moments of the averaged iterates' mixture), and the clamp count.
+    """The site of the Polyak-Ruppert average (the moments of the averaged iterates' mixture), and
+    the clamp count.
 
     With ``site_variance`` the averaged site is clamped in natural parameters (no round trip).
     :class:`SNEPCarry` has an example.
     """
     family = visit.family
     a = carry.sum_mean / carry.weight
-    site = visit.to_nat(a, family.sym(carry.sum_second / carry.weight - family.outer(a, a))) - visit.cavity
+    site = (
+        visit.to_nat(a, family.sym(carry.sum_second / carry.weight - family.outer(a, a)))
+        - visit.cavity
+    )
     clamped = carry.clamped
     if update.site_variance is not None:
         site, was_clamped = _clamp_site(family, site, update.site_variance)
