@@ -230,18 +230,6 @@ def test_mean_field_ep_over_correlated_clients_is_flagged_and_uncorrelated_is_no
     assert result.converged and result.stopped_because == "converged"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "issue 23, open: from the prior every client's importance weights have fewer than "
-        "MIN_EFFECTIVE_DRAWS (10) "
-        "effective draws of 512, so SiteFamilies EP takes no step (flagged 'not_merged') and "
-        "cannot "
-        "measure the "
-        "correlation; before the few-draws rule the steps were taken and this test passed (branch "
-        "mon2)"
-    ),
-)
 def test_mean_field_site_families_ep_over_correlated_clients_is_flagged_and_uncorrelated_is_not():
     """``SiteFamilies`` EP measures its tilted draws' variance inflation too
     (``RoundInfo.inflation``; main reported 1).

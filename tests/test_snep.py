@@ -15,7 +15,8 @@ import pytest
 from jax import random
 
 import numpyro_pvi as pvi
-from numpyro_pvi.local_updates.moment_matching import importance_moments, laplace
+from numpyro_pvi.local_updates.laplace import laplace
+from numpyro_pvi.local_updates.moment_matching import importance_moments
 from numpyro_pvi.local_updates.snep import _laplace_q
 
 from models import (

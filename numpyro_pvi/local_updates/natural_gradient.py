@@ -34,7 +34,7 @@ from numpyro_pvi.backtracking import backtrack
 from numpyro_pvi.families import FactorFamily, NatParams
 from numpyro_pvi.local_updates.base import Client, ClientProblem, ClientResult, local_free_energy
 from numpyro_pvi.local_updates.gradient import check_hyper_particles
-from numpyro_pvi.local_updates.moment_matching import laplace
+from numpyro_pvi.local_updates.laplace import laplace_site
 
 
 class NaturalGradientUpdate:
@@ -144,10 +144,10 @@ class NaturalGradientUpdate:
         ) -> ClientResult:
             loglik = lambda z: problem.log_likelihood(z, client, hyper)  # noqa: E731
             hessian = jax.vmap(jax.hessian(loglik)) if use_hessian else None
-            laplace_site = (
-                _laplace_site(family, cavity, q, loglik, self.num_newton) if fallback else None
+            fallback_site = (
+                laplace_site(family, cavity, q, loglik, self.num_newton) if fallback else None
             )
-            step = self._step(family, cavity, loglik, hessian, laplace_site, pairs)
+            step = self._step(family, cavity, loglik, hessian, fallback_site, pairs)
             t_old = q - cavity
             (t_new, clamped), _ = jax.lax.scan(
                 step, (t_old, 0), jax.random.split(rng_key, self.num_steps)
@@ -172,7 +172,7 @@ class NaturalGradientUpdate:
         cavity: NatParams,
         loglik: Callable,
         hessian: Callable | None,
-        laplace_site: NatParams | None,
+        fallback_site: NatParams | None,
         pairs: int,
     ) -> Callable:
         """One natural-gradient step ``(t, clamped), key -> (t_new, clamped + corrections)`` for
@@ -204,17 +204,17 @@ class NaturalGradientUpdate:
             # none acceptable: t unchanged
             out = backtrack(propose, beta, max_halvings=max_backtracks)
             new = jax.tree.map(lambda a, b: jnp.where(out.valid, a, b), out.value[0], t)
-            if laplace_site is None:
+            if fallback_site is None:
                 return (new, clamped + out.halvings), None
             # The Laplace site when no halving passes, or when it beats the step by more than
             # ``tolerance``: from a wide q the site of a log link sees exp(huge) curvature and
             # collapses q's variance at a wrong mean, a step that still raises F_m (issue 23,
             # problem 3), or every step is refused and q stays at the prior (a Gamma block from a
             # wide prior). Counted as one clamp.
-            laplace_value = free_energy(laplace_site)
+            laplace_value = free_energy(fallback_site)
             better = laplace_value > jnp.where(out.valid, out.value[1], current) + tolerance
             use = (~out.valid | better) & jnp.isfinite(laplace_value) & (laplace_value >= floor)
-            new = jax.tree.map(lambda a, b: jnp.where(use, a, b), laplace_site, new)
+            new = jax.tree.map(lambda a, b: jnp.where(use, a, b), fallback_site, new)
             return (new, clamped + out.halvings + (use & out.valid)), None
 
         return step
@@ -254,20 +254,3 @@ def _draws_free_energy(
     safe = jax.tree.map(lambda a, b: jnp.where(valid, a, b), q, cavity)
     value = local_free_energy(family, safe, cavity, loglik, family.draw(safe, key, pairs))
     return jnp.where(valid, value, jnp.nan)
-
-
-def _laplace_site(
-    family: FactorFamily, cavity: NatParams, q: NatParams, loglik: Callable, num_newton: int
-) -> NatParams:
-    """The site ``from_laplace(mode, P) / cavity`` of the Laplace approximation of ``cavity * p(y_m
-    | theta)``: its mode and negative Hessian ``P`` by Newton in the family's Laplace coordinates
-    ``x`` (from ``q``'s mode)."""
-
-    def log_tilted(x: jax.Array) -> jax.Array:
-        zeta, log_cavity = family.laplace_log_density(cavity, x)
-        return log_cavity + loglik(zeta)
-
-    mode, precision, _ = laplace(
-        log_tilted, family.laplace_start(q), family.laplace_precision(cavity), num_newton
-    )
-    return family.from_laplace(mode, precision) - cavity
