@@ -51,7 +51,10 @@ def start_ray(ray: Any, num_cpus: int | None, **init_args: Any) -> None:
     program (no JAX, no thread of ours in it); and Ray leaves the ``/dev/null`` handles it opened
     for them to the garbage collector (``ResourceWarning``). Neither is about this process's state,
     so both are silenced during ``ray.init`` only; the actors are started by the raylet, not forked
-    from this process.
+    from this process. So is Ray's ``FutureWarning`` "Tip: In future versions of Ray, Ray will no
+    longer override accelerator visible devices ...": a notice about a future default, not about
+    this run (setting ``RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO=0`` instead would let every CPU actor see
+    the GPUs, and JAX in each would reserve GPU memory).
 
     **Example:** ``start_ray(ray, 2)`` (what ``RayBackend(num_workers=2)`` does when Ray is not
     running).
@@ -59,6 +62,7 @@ def start_ray(ray: Any, num_cpus: int | None, **init_args: Any) -> None:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", r"os\.fork\(\) was called", RuntimeWarning)
         warnings.filterwarnings("ignore", category=ResourceWarning)
+        warnings.filterwarnings("ignore", r"Tip: In future versions of Ray", FutureWarning)
         ray.init(
             **{
                 "num_cpus": num_cpus,

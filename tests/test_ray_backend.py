@@ -522,3 +522,35 @@ def test_starting_ray_raises_no_alarm_and_nothing_else_is_silenced():
     assert loud.kwargs == {"num_cpus": 2, "include_dashboard": False, "log_to_driver": False}
     with pytest.warns(RuntimeWarning, match="os.fork"):  # only ray.init's own are silenced
         loud.init()
+
+
+class _NoisyRay:
+    """A stand-in for the ``ray`` module whose ``init`` warns as Ray's does beside JAX, and once in
+    a way of its own (which must still reach the user)."""
+
+    def init(self, **kwargs):
+        warnings.warn(
+            "os.fork() was called. os.fork() is incompatible with ...", RuntimeWarning, stacklevel=2
+        )
+        warnings.warn(
+            "unclosed file <_io.TextIOWrapper name='/dev/null'>", ResourceWarning, stacklevel=2
+        )
+        warnings.warn(
+            "Tip: In future versions of Ray, Ray will no longer override accelerator visible "
+            "devices env var if num_gpus=0 or num_gpus=None (default).",
+            FutureWarning,
+            stacklevel=2,
+        )
+        warnings.warn("a warning of the user's own", UserWarning, stacklevel=2)
+        self.kwargs = kwargs
+
+
+def test_start_ray_silences_only_rays_start_up_notices():
+    """Ray's start-up notices beside JAX (the fork alarm, its /dev/null handles, the accelerator
+    tip) are not about the run: ``start_ray`` silences exactly those, and passes ``init_args``."""
+    fake = _NoisyRay()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        start_ray(fake, 2, namespace="pvi")
+    assert [str(w.message) for w in caught] == ["a warning of the user's own"]
+    assert fake.kwargs["num_cpus"] == 2 and fake.kwargs["namespace"] == "pvi"
