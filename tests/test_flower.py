@@ -70,7 +70,7 @@ def by_value():
     value (and run the workers at the tests' priority)."""
     import ray.cloudpickle
 
-    modules = [sys.modules[__name__], sys.modules["conftest"]]
+    modules = [sys.modules[name] for name in [__name__, "conftest", "models", "fakes"]]
     for module in modules:
         ray.cloudpickle.register_pickle_by_value(module)
     with pytest.MonkeyPatch.context() as env:

@@ -12,7 +12,7 @@ from jax import random
 
 import numpyro_pvi as pvi
 from numpyro_pvi.families import NatParams
-from numpyro_pvi.local_updates import natural_gradient
+from numpyro_pvi.local_updates.laplace import laplace_site
 
 from conftest import (
     exact_linear_posterior,
@@ -301,7 +301,7 @@ def test_laplace_site_of_a_gamma_block_is_the_conjugate_posterior():
     # a start far from the mode (80 against 17 / 5.1)
     q = gamma.from_params(jnp.array([40.0]), jnp.array([0.5]))
     loglik = lambda lam: jnp.sum(y * jnp.log(lam[0]) - lam[0])  # noqa: E731
-    site = natural_gradient._laplace_site(gamma, cavity, q, loglik, 20)
+    site = laplace_site(gamma, cavity, q, loglik, 20)
     np.testing.assert_allclose(np.concatenate([site.eta1, site.eta2]), [17.0, -5.0], rtol=1e-4)
     # SiteFamilies: a Gaussian block w (likelihood N(w; 2, 0.5^2): site eta1 = 8, eta2 = -2) and the
     # Gamma block
@@ -311,7 +311,7 @@ def test_laplace_site_of_a_gamma_block_is_the_conjugate_posterior():
     cavity = family.join([gauss.from_loc_scale(jnp.zeros(1), 10.0 * jnp.eye(1)), cavity])
     q = family.join([gauss.from_loc_scale(jnp.full(1, -20.0), 10.0 * jnp.eye(1)), q])
     loglik = lambda z: jnp.sum(y * jnp.log(z[1]) - z[1]) - 2.0 * (z[0] - 2.0) ** 2  # noqa: E731
-    site = natural_gradient._laplace_site(family, cavity, q, loglik, 20)
+    site = laplace_site(family, cavity, q, loglik, 20)
     w_site, lam_site = family.split(site)
     np.testing.assert_allclose(
         [float(w_site.eta1[0]), float(w_site.eta2[0, 0])], [8.0, -2.0], rtol=1e-4

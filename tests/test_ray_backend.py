@@ -36,8 +36,8 @@ pytestmark = pytest.mark.xdist_group("ray")
 def ray_cluster():
     import sys
 
-    # the workers cannot import the test modules
-    for name in ["conftest", __name__]:
+    # the workers cannot import the test modules (nor the shared models and fakes they use)
+    for name in ["conftest", "models", "fakes", __name__]:
         ray.cloudpickle.register_pickle_by_value(sys.modules[name])
     with pytest.MonkeyPatch.context() as env:
         # Ray starts its workers at nice 15: beside a busy process (CI's other xdist worker) the
