@@ -59,8 +59,7 @@ def main(num_seeds: int = 5) -> None:
     )
     print(
         f"SiteFamilies w (FullRank) + tau (Gamma), 1 client, 2 rounds: w mean <= {worst[0]:.4f} "
-        "sd, "
-        f"w sds <= {100 * worst[1]:.2f} %, tau mean <= {100 * worst[2]:.2f} %, tau sd <= "
+        f"sd, w sds <= {100 * worst[1]:.2f} %, tau mean <= {100 * worst[2]:.2f} %, tau sd <= "
         f"{100 * worst[3]:.2f} %"
     )
 

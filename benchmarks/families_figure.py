@@ -76,8 +76,7 @@ def main(path: str) -> None:
     for label, x in draws.items():
         kl = float(jnp.mean(_log_q(label, gamma_q, gauss_q, x) - exact.log_prob(x)))
         print(
-            f"{label}: mean {float(x.mean()):.4f} sd {float(x.std()):.4f} KL(q || exact) "
-            f"{kl:.4f} "
+            f"{label}: mean {float(x.mean()):.4f} sd {float(x.std()):.4f} KL(q || exact) {kl:.4f} "
             f"(exact mean {float(exact.mean):.4f} sd {float(jnp.sqrt(exact.variance)):.4f})"
         )
     ax.set_xlabel("Poisson rate")

@@ -51,10 +51,10 @@ def halfnormal(num_seeds: int = 5) -> None:
         w_mean, w_cov = pvi.FullRankGaussian().moments(w_block)
         log_mean, log_var = pvi.MeanFieldGaussian().moments(sigma_block)
         print(
-            f"seed={seed}: w mean/sd {np.max(np.abs(np.asarray(w_mean) - m) / sd):.4f} "
-            f"w sd {np.max(np.abs(np.sqrt(np.diag(np.asarray(w_cov))) / sd - 1)):.4f} "
-            f"log sigma mean/sd {abs(float(log_mean[0]) - mu) / s:.4f} "
-            f"log sigma sd {abs(float(np.sqrt(log_var[0])) / s - 1):.4f}",
+            f"seed={seed}: w mean/sd {np.max(np.abs(np.asarray(w_mean) - m) / sd):.4f} w sd "
+            f"{np.max(np.abs(np.sqrt(np.diag(np.asarray(w_cov))) / sd - 1)):.4f} log sigma "
+            f"mean/sd {abs(float(log_mean[0]) - mu) / s:.4f} log sigma sd "
+            f"{abs(float(np.sqrt(log_var[0])) / s - 1):.4f}",
             flush=True,
         )
 
@@ -90,8 +90,7 @@ def main() -> None:
             sd_error = np.max(np.abs(np.sqrt(np.diag(np.asarray(w_cov))) / sd - 1))
             print(
                 f"{type(server).__name__} rounds={rounds} seed={seed}: E[tau] {tau_error:+.4f} "
-                f"shape {shape_error:+.4f} "
-                f"w mean/sd {mean_error:.4f} w sd {sd_error:.4f}",
+                f"shape {shape_error:+.4f} w mean/sd {mean_error:.4f} w sd {sd_error:.4f}",
                 flush=True,
             )
 

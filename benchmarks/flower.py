@@ -60,8 +60,8 @@ def main():
         in_process = time.perf_counter() - start
         print(f"\n{name}: Flower s/round {np.round(strategy.history.time, 3).tolist()}")
         print(
-            f"{name}: in process s/round {np.round(reference.history.time, 3).tolist()} "
-            f"(whole run with compilation {in_process:.1f} s)"
+            f"{name}: in process s/round {np.round(reference.history.time, 3).tolist()} (whole "
+            f"run with compilation {in_process:.1f} s)"
         )
         print(f"{name}: bytes per round (down, up): {strategy.traffic}")
         difference = largest_difference(strategy.state, reference.state)

@@ -120,9 +120,8 @@ def main():
         ),
     }
     print(
-        f"global mean-field VI optimum ELBO {target:.2f} (SVI, {optimum_steps} full-batch "
-        "steps); 1 % = "
-        f"{0.01 * abs(target):.2f} nats"
+        f"global mean-field VI optimum ELBO {target:.2f} (SVI, {optimum_steps} full-batch steps); "
+        f"1 % = {0.01 * abs(target):.2f} nats"
     )
     print(
         f"{'update':<52} {'rounds (s) to 1%':>17} {'rounds (s) to 1 nat':>20} {'s/round':>8} "
@@ -141,8 +140,7 @@ def main():
     if grad and nat:
         print(
             f"to 1 nat, GradientUpdate / NaturalGradientUpdate(0.5): {grad[0] / nat[0]:.1f}x "
-            "rounds, "
-            f"{grad[1] / nat[1]:.1f}x seconds"
+            f"rounds, {grad[1] / nat[1]:.1f}x seconds"
         )
 
     # 2. EP / SNEP error against NUTS, against seconds

@@ -183,36 +183,31 @@ def main():
         "# scale_model on make_linear_data(): (w[0], w[1], w[2], log sigma)\n"
         + constant("SCALE_MODEL_MEAN", scale[0])
         + constant("SCALE_MODEL_SD", scale[1])
-        + f"SCALE_MODEL_ESS = {scale[2]:.0f}\n\n"
-        "# robust_model (Cauchy noise) on make_heavy_tailed_data(): (w[0], w[1])\n"
+        + f"SCALE_MODEL_ESS = {scale[2]:.0f}\n\n# robust_model (Cauchy noise) on "
+        "make_heavy_tailed_data(): (w[0], w[1])\n"
         + constant("ROBUST_MODEL_MEAN", robust[0])
         + constant("ROBUST_MODEL_SD", robust[1])
-        + f"ROBUST_MODEL_ESS = {robust[2]:.0f}\n\n"
-        "# NumPyro SVI on logistic_model and make_logistic_data() (TraceMeanField_ELBO(8), Adam "
-        "2e-2 decayed\n"
-        "# to 2 % over 6,000 steps, key 0), in PVI's flat order (w[0], w[1], w[2], b):\n"
-        "# AutoDiagonalNormal's and AutoMultivariateNormal's mean and covariance\n"
+        + f"ROBUST_MODEL_ESS = {robust[2]:.0f}\n\n# NumPyro SVI on logistic_model and "
+        "make_logistic_data() (TraceMeanField_ELBO(8), Adam 2e-2 decayed\n# to 2 % over 6,000 "
+        "steps, key 0), in PVI's flat order (w[0], w[1], w[2], b):\n# AutoDiagonalNormal's and "
+        "AutoMultivariateNormal's mean and covariance\n"
         + constant("SVI_LOGISTIC_MEAN_FIELD_MEAN", mf[0])
         + constant("SVI_LOGISTIC_MEAN_FIELD_COV", mf[1])
         + constant("SVI_LOGISTIC_FULL_RANK_MEAN", fr[0])
         + constant("SVI_LOGISTIC_FULL_RANK_COV", fr[1])
-        + "\n"
-        "# online VI by hand on make_logistic_data()'s rows 0-99, 100-249, 250-399 (AutoNormal, "
-        "4,000 steps per task,\n"
-        "# keys 10, 11, 12): the final (w[0], w[1], w[2], b) means and sds\n"
+        + "\n# online VI by hand on make_logistic_data()'s rows 0-99, 100-249, 250-399 "
+        "(AutoNormal, 4,000 steps per task,\n# keys 10, 11, 12): the final (w[0], w[1], w[2], "
+        "b) means and sds\n"
         + constant("ONLINE_VI_LOGISTIC_LOC", online[0])
         + constant("ONLINE_VI_LOGISTIC_SCALE", online[1])
-        + "\n"
-        "# global mean-field VI's optimum on sklearn's breast cancer data, standardised (30 "
-        "weights, then the\n"
-        "# intercept): 64-point Gauss-Hermite expectations, BFGS in float64 (deterministic)\n"
+        + "\n# global mean-field VI's optimum on sklearn's breast cancer data, standardised (30 "
+        "weights, then the\n# intercept): 64-point Gauss-Hermite expectations, BFGS in float64 "
+        "(deterministic)\n"
         + constant("BREAST_CANCER_MEAN_FIELD_VI_MEAN", breast_cancer[0])
         + constant("BREAST_CANCER_MEAN_FIELD_VI_SD", breast_cancer[1])
-        + "\n"
-        "# NumPyro SVI on intercept_model and make_intercept_data() (AutoNormal, "
-        "TraceMeanField_ELBO(8), Adam 2e-2\n"
-        "# decayed to 2 % over 6,000 steps, key 0): its parameters (b, w scalars; u per group)\n"
-        "INTERCEPT_SVI_AUTONORMAL = {\n"
+        + "\n# NumPyro SVI on intercept_model and make_intercept_data() (AutoNormal, "
+        "TraceMeanField_ELBO(8), Adam 2e-2\n# decayed to 2 % over 6,000 steps, key 0): its "
+        "parameters (b, w scalars; u per group)\nINTERCEPT_SVI_AUTONORMAL = {\n"
         + "".join(entry(k, v) for k, v in sorted(intercept.items()))
         + "}\n"
     )

@@ -83,8 +83,7 @@ def main() -> None:
     for design, rho, m, skewed, e_post, e_vi, score in rows:
         print(
             f"{design:7s} {rho:5.2f} {m:3d} {'skewed' if skewed else 'iid':7s} {e_post:7.3f} "
-            f"{e_vi:6.3f} "
-            f"{score:7.3f} {'yes' if score > THRESHOLD else ''}"
+            f"{e_vi:6.3f} {score:7.3f} {'yes' if score > THRESHOLD else ''}"
         )
     worst = np.array([min(r[4], r[5]) for r in rows])
     score = np.array([r[6] for r in rows])

@@ -149,9 +149,8 @@ def main():
     X, y = make_data(num_data, 10)
     print(
         f"logistic regression N={num_data}, d=10+1, {args.epochs} local epochs of batches of "
-        f"{args.batch_size}, "
-        f"10 particles, Adam(1e-2), {rounds} synchronous rounds; {jax.device_count()} CPU "
-        "device(s)\n"
+        f"{args.batch_size}, 10 particles, Adam(1e-2), {rounds} synchronous rounds; "
+        f"{jax.device_count()} CPU device(s)\n"
     )
 
     opt_loc, opt_scale = global_optimum(X, y, optimum_steps)
@@ -186,8 +185,7 @@ def main():
     for r in rows:
         speedup = REFERENCE_SECONDS[r["M"]] / r["round"]
         print(
-            f"{r['M']:>4} {r['backend']:>8} {r['steps']:>6} {r['damping']:>5} "
-            f"{r['first']:>12.2f} "
+            f"{r['M']:>4} {r['backend']:>8} {r['steps']:>6} {r['damping']:>5} {r['first']:>12.2f} "
             f"{r['round']:>9.4f} {speedup:>7.0f}x"
         )
     vmap = {r["M"]: r for r in rows if r["backend"] == "vmap"}
@@ -203,14 +201,14 @@ def main():
     print("targets: vmap >= 30x faster than the reference at M=10, >= 100x at M=100")
 
     print(
-        "\nfinal global ELBO vs the global mean-field optimum (4000 common draws; target: "
-        "within 1 nat)"
+        "\nfinal global ELBO vs the global mean-field optimum (4000 common draws; target: within "
+        "1 nat)"
     )
     for m, r in vmap.items():
         print(
             f"  M={m:<4} ELBO {r['elbo']:.2f}, optimum {r['elbo'] + r['gap']:.2f}, short by "
-            f"{r['gap']:.2f} nats; "
-            f"ELBO per round: {' '.join(f'{e:.1f}' for e in r['history'][-5:])} (last 5)"
+            f"{r['gap']:.2f} nats; ELBO per round: "
+            f"{' '.join(f'{e:.1f}' for e in r['history'][-5:])} (last 5)"
         )
 
     steps = local_steps(num_data, 1, args.epochs, args.batch_size)

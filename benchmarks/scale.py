@@ -163,9 +163,8 @@ def main() -> None:
     names = args.only or [n for n, c in CONFIGS.items() if not (args.quick and c[2] > 1000)]
     print(
         f"{'configuration':>25} {'M':>6} {'N':>9} {'largest':>8} {'buckets':>7} "
-        f"{'start-up s':>10} "
-        f"{'s/round':>8} {'peak MB':>8} {'+MB':>7} {'ran':>6} {'MB sent+received':>16} "
-        f"{'masked %':>8}"
+        f"{'start-up s':>10} {'s/round':>8} {'peak MB':>8} {'+MB':>7} {'ran':>6} "
+        f"{'MB sent+received':>16} {'masked %':>8}"
     )
     for name in names:
         rounds = args.full_rank_rounds if CONFIGS[name][0] == "fr" else args.rounds
@@ -184,8 +183,7 @@ def main() -> None:
         print(
             f"{name:>25} {r['clients']:>6} {r['rows']:>9} {r['largest']:>8} {r['buckets']:>7} "
             f"{r['startup_s']:>10.2f} {r['round_s']:>8.3f} {r['peak_mb']:>8.0f} "
-            f"{r['delta_mb']:>7.0f} "
-            f"{r['ran']:>6} {r['sent_mb'] or float('nan'):>16.3f} "
+            f"{r['delta_mb']:>7.0f} {r['ran']:>6} {r['sent_mb'] or float('nan'):>16.3f} "
             f"{'-' if r['masked'] is None else format(100 * r['masked'], '.1f'):>8}",
             flush=True,
         )

@@ -170,14 +170,12 @@ def main():
     warm_up.backend.close()
     print(
         f"logistic regression N={num_data}, {NUM_CLIENTS} Ray clients on 2 workers, the last "
-        f"{SLOWDOWN:.0f}x "
-        f"slower (+{delay:.3f} s per update); {args.steps} local steps per update; global MF "
-        "optimum ELBO "
-        f"{best:.1f}\n"
+        f"{SLOWDOWN:.0f}x slower (+{delay:.3f} s per update); {args.steps} local steps per "
+        f"update; global MF optimum ELBO {best:.1f}\n"
     )
     print(
-        f"{'server':>12}  {'s to 1 %':>9}  {'s to 2 nats':>11}  rounds  updates per client "
-        "(slow one last)"
+        f"{'server':>12}  {'s to 1 %':>9}  {'s to 2 nats':>11}  rounds  updates per client (slow "
+        "one last)"
     )
     results = {}
     for name, server in [
@@ -189,13 +187,12 @@ def main():
         updates = np.sum([t[2] for t in trace], axis=0)
         print(
             f"{name:>12}  {reached[0]:9.1f}  {reached[1]:11.1f}  {len(trace):6d}  "
-            f"{updates.tolist()}  "
-            f"(last ELBO {trace[-1][1]:.1f})"
+            f"{updates.tolist()}  (last ELBO {trace[-1][1]:.1f})"
         )
     ratios = [a / s for a, s in zip(results["asynchronous"], results["synchronous"])]
     print(
-        f"\nasynchronous / synchronous wall time: {ratios[0]:.2f} (to 1 %), {ratios[1]:.2f} (to "
-        "2 nats)"
+        f"\nasynchronous / synchronous wall time: {ratios[0]:.2f} (to 1 %), {ratios[1]:.2f} (to 2 "
+        "nats)"
     )
     ray.shutdown()
 

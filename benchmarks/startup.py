@@ -149,13 +149,11 @@ def main():
         return child(args.child, args.rounds, args.cache)
     print(
         "fresh process per configuration and mode; seconds from PVI(...) (imports and data "
-        "excluded); "
-        f"{args.rounds} rounds\n"
+        f"excluded); {args.rounds} rounds\n"
     )
     print(
         f"{'configuration':>14} {'mode':>6} {'init':>7} {'round 1':>8} "
-        f"{f'{args.rounds} rounds':>10} "
-        f"{'s/round after':>14}  target"
+        f"{f'{args.rounds} rounds':>10} {'s/round after':>14}  target"
     )
     for config in CONFIGS:
         for mode in ["cold", "cache", "O0"]:

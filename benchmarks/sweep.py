@@ -645,9 +645,8 @@ def main() -> None:
         minutes, num_cells = (time.perf_counter() - start) / 60, len(cells)
     num_probes = sum(o.cell not in design for o in outcomes)
     header = (
-        f"Sweep of {datetime.date.today()} at commit {git_commit()}: {num_cells} of "
-        f"{len(design)} design "
-        f"cells and {num_probes} refusal probes in {minutes:.1f} min on {os.cpu_count()} "
+        f"Sweep of {datetime.date.today()} at commit {git_commit()}: {num_cells} of {len(design)} "
+        f"design cells and {num_probes} refusal probes in {minutes:.1f} min on {os.cpu_count()} "
         f"CPU cores (rounds <= {NUM_ROUNDS}, tol = {TOL})."
     )
     text = table(outcomes, header)

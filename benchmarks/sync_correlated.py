@@ -140,9 +140,8 @@ def main(rounds):
     lam = spectrum(mean)
     best = 2 / (lam.max() + lam.min())
     print(
-        f"spectrum of the linearised synchronous round: [{lam.min():.3f}, {lam.max():.2f}]; "
-        "best fixed damping "
-        f"{best:.2f} shrinks the error by {1 - best * lam.min():.3f} per round "
+        f"spectrum of the linearised synchronous round: [{lam.min():.3f}, {lam.max():.2f}]; best "
+        f"fixed damping {best:.2f} shrinks the error by {1 - best * lam.min():.3f} per round "
         f"({np.log(0.1) / np.log(1 - best * lam.min()):.0f} rounds per tenfold)"
     )
 
@@ -168,8 +167,7 @@ def main(rounds):
         within = next((r + 1 for r, e in enumerate(errors) if e <= THRESHOLD), None)
         print(
             f"{name:36s} first round within {THRESHOLD} sd: {within}; error after rounds "
-            f"10/20/{rounds}: "
-            f"{errors[9]:.2f} / {errors[19]:.2f} / {errors[-1]:.2f}",
+            f"10/20/{rounds}: {errors[9]:.2f} / {errors[19]:.2f} / {errors[-1]:.2f}",
             flush=True,
         )
 

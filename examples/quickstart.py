@@ -120,17 +120,16 @@ def main():
     mean_gap = np.max(np.abs(pvi_loc - svi_loc) / svi_scale)
     sd_gap = np.max(np.abs(pvi_scale / svi_scale - 1))
     print(
-        f"\nPVI vs SVI over all {len(pvi_loc)} coefficients: max |mean diff| = {mean_gap:.3f} "
-        "SVI sd, "
-        f"max |sd ratio - 1| = {sd_gap:.3f}"
+        f"\nPVI vs SVI over all {len(pvi_loc)} coefficients: max |mean diff| = {mean_gap:.3f} SVI "
+        f"sd, max |sd ratio - 1| = {sd_gap:.3f}"
     )
     print(
-        f"PVI rejected updates: {int(result.history.num_rejected.sum())}; "
-        f"final ELBO {result.history.elbo[-1]:.2f}"
+        f"PVI rejected updates: {int(result.history.num_rejected.sum())}; final ELBO "
+        f"{result.history.elbo[-1]:.2f}"
     )
     print(
-        "Mean-field VI (PVI and SVI alike) under-estimates the sds of correlated coefficients "
-        "vs NUTS."
+        "Mean-field VI (PVI and SVI alike) under-estimates the sds of correlated coefficients vs "
+        "NUTS."
     )
     if mean_gap > 0.25:
         raise SystemExit(f"PVI and SVI disagree: {mean_gap:.3f} posterior sd > 0.25")

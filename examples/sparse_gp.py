@@ -332,9 +332,8 @@ def main(argv=None):
 
     print(
         f"\nSparse GP regression: N={args.num_data} sorted points in {args.num_clients} "
-        "contiguous client batches, "
-        f"M={args.num_inducing} inducing points, {args.rounds} sequential PVI rounds "
-        f"({args.num_particles} draws per client)\n"
+        f"contiguous client batches, M={args.num_inducing} inducing points, {args.rounds} "
+        f"sequential PVI rounds ({args.num_particles} draws per client)\n"
     )
     print(
         f"{'':24}{'lengthscale':>12}{'variance':>10}{'noise':>8}"
@@ -351,30 +350,27 @@ def main(argv=None):
             f"{name:24}{h[0]:12.4f}{h[1]:10.4f}{h[2]:8.4f}{ev:18.3f}" + (f"{t:10.1f}" if t else "")
         )
     print(
-        "(the last column: the exact log evidence for the exact GP, else Titsias' bound at "
-        "those hyperparameters)"
+        "(the last column: the exact log evidence for the exact GP, else Titsias' bound at those "
+        "hyperparameters)"
     )
     print(
         f"\nPVI's last ELBO estimate {out['evidence']['pvi_elbo']:.3f} (MC, "
-        f"{inference.num_elbo_particles} "
-        f"draws); rejected updates: {out['rejected']}"
+        f"{inference.num_elbo_particles} draws); rejected updates: {out['rejected']}"
     )
     print(
         f"Predictive f on {xs.shape[0]} grid points in [-0.5, 10.5], PVI vs exact GP: max |mean "
-        "diff| = "
-        f"{out['mean_err_vs_exact']:.4f} exact sd, max |sd ratio - 1| = "
+        f"diff| = {out['mean_err_vs_exact']:.4f} exact sd, max |sd ratio - 1| = "
         f"{out['sd_err_vs_exact']:.4f}"
     )
     print(
         "  (Titsias' sparse GP at its optimum vs exact GP: "
-        f"{out['titsias_mean_err_vs_exact']:.4f} sd; "
-        f"PVI vs Titsias: {out['mean_err_vs_titsias']:.4f} sd; at the initial hyperparameters: "
+        f"{out['titsias_mean_err_vs_exact']:.4f} sd; PVI vs Titsias: "
+        f"{out['mean_err_vs_titsias']:.4f} sd; at the initial hyperparameters: "
         f"{out['init_mean_err_vs_exact']:.4f} sd)"
     )
     print(
         "Round 1 = one streaming pass over the batches at the initial hyperparameters, vs "
-        "Titsias' closed-form "
-        f"q(u): max |mean diff| = {stream_loc_err:.1e} sd, max |cov diff| = "
+        f"Titsias' closed-form q(u): max |mean diff| = {stream_loc_err:.1e} sd, max |cov diff| = "
         f"{stream_cov_err:.1e} sd_i sd_j"
     )
 

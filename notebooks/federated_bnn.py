@@ -179,8 +179,8 @@ from_prior = global_vi.run(random.PRNGKey(1), 1, X_train, y=y_train, progress_ba
 from_prior_score = evaluate(from_prior.sample_posterior(random.PRNGKey(7), 200))
 print(
     f"global VI from q = prior, {GLOBAL_STEPS} steps: test accuracy, log-lik = "
-    f"{np.round(from_prior_score, 3)}, "
-    f"ELBO {from_prior.history.elbo[-1]:.0f} ({time.perf_counter() - start:.1f} s)"
+    f"{np.round(from_prior_score, 3)}, ELBO {from_prior.history.elbo[-1]:.0f} "
+    f"({time.perf_counter() - start:.1f} s)"
 )
 
 
@@ -236,8 +236,8 @@ results["global VI"] = run(global_vi, random.PRNGKey(1), 1)
 times["global VI"] = time.perf_counter() - start
 scores["global VI"] = evaluate(results["global VI"].sample_posterior(random.PRNGKey(7), 200))
 print(
-    f"global VI: test accuracy, log-lik = {np.round(scores['global VI'], 3)}, "
-    f"ELBO {results['global VI'].history.elbo[-1]:.0f} ({times['global VI']:.1f} s)"
+    f"global VI: test accuracy, log-lik = {np.round(scores['global VI'], 3)}, ELBO "
+    f"{results['global VI'].history.elbo[-1]:.0f} ({times['global VI']:.1f} s)"
 )
 
 # %% [markdown]
@@ -263,8 +263,8 @@ for split, parts in splits.items():
         scores[name] = evaluate(results[name].sample_posterior(random.PRNGKey(7), 200))
         print(
             f"{name}: test accuracy, log-lik = {np.round(scores[name], 3)}, "
-            f"{int(results[name].history.num_rejected.sum())} rejected updates "
-            f"({times[name]:.1f} s)"
+            f"{int(results[name].history.num_rejected.sum())} rejected updates ({times[name]:.1f} "
+            "s)"
         )
 
 # %%

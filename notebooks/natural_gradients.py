@@ -364,8 +364,7 @@ elbo_gap = abs(
 )
 print(
     f"federated: mean gap {mean_gap:.3f} sd, sd ratio in [{sd_ratio.min():.3f}, "
-    f"{sd_ratio.max():.3f}], "
-    f"ELBO gap {elbo_gap:.2f}"
+    f"{sd_ratio.max():.3f}], ELBO gap {elbo_gap:.2f}"
 )
 assert mean_gap < 0.15 and np.all(np.abs(sd_ratio - 1) < 0.1) and elbo_gap < 1.0
 assert all(int(r.history.num_rejected.sum()) == 0 for r in federated.values())

@@ -279,9 +279,8 @@ samples["PVI (synchronous)"] = sync_result.sample_posterior(random.PRNGKey(6), 4
 accuracy, log_lik = predictive_metrics(samples["PVI (synchronous)"])
 sync_w = np.asarray(samples["PVI (synchronous)"]["w"])
 print(
-    f"synchronous PVI: test accuracy {accuracy:.3f}, test log-lik {log_lik:.3f}, "
-    "max |mean - NUTS| / sd "
-    f"{np.max(np.abs(sync_w.mean(0) - nuts_w.mean(0)) / nuts_w.std(0)):.3f}, "
+    f"synchronous PVI: test accuracy {accuracy:.3f}, test log-lik {log_lik:.3f}, max |mean - "
+    f"NUTS| / sd {np.max(np.abs(sync_w.mean(0) - nuts_w.mean(0)) / nuts_w.std(0)):.3f}, "
     f"{times['PVI (synchronous)']:.1f} s"
 )
 

@@ -188,15 +188,13 @@ def get_backend(backend: str | Backend) -> Backend:
             return RayBackend()
         if backend not in BACKENDS:
             raise ValueError(
-                f"Unknown backend {backend!r}; choose one of "
-                f"{sorted(BACKENDS) + ['ray']} or pass an "
-                "instance."
+                f"Unknown backend {backend!r}; choose one of {sorted(BACKENDS) + ['ray']} or pass "
+                "an instance."
             )
         return BACKENDS[backend]()
     if not isinstance(backend, Backend):
         raise TypeError(
-            f"backend must be a name {sorted(BACKENDS) + ['ray']} or a pvi.Backend "
-            "(an object with "
-            f"`jit_group` and `prepare(local_update, problem)`), got {backend!r}."
+            f"backend must be a name {sorted(BACKENDS) + ['ray']} or a pvi.Backend (an object "
+            f"with `jit_group` and `prepare(local_update, problem)`), got {backend!r}."
         )
     return backend

@@ -114,8 +114,8 @@ def save(
         state = obj
     else:
         raise TypeError(
-            f"save expects a PVIState or a PVIRunResult, got {type(obj).__name__}; "
-            "nothing was written."
+            f"save expects a PVIState or a PVIRunResult, got {type(obj).__name__}; nothing was "
+            "written."
         )
     if inference is not None and problem is not None:
         current = MadeFor.of(inference, problem)
@@ -123,17 +123,16 @@ def save(
             state = state._replace(made_for=current)
         elif differences := state.made_for.differences(current):
             raise ValueError(
-                "save: the state was made for another set-up than the inference and "
-                "problem given: " + "; ".join(differences) + "; nothing was written."
+                "save: the state was made for another set-up than the inference and problem "
+                "given: " + "; ".join(differences) + "; nothing was written."
             )
     leaves: list = []
     structure = _describe(state, leaves)
     rebuilt = _build(json.loads(json.dumps(structure)), leaves, lambda leaf, _: leaf)
     if jax.tree_util.tree_structure(rebuilt) != jax.tree_util.tree_structure(state):
         raise TypeError(
-            "save: the state's tree holds a node that loading would not rebuild as it "
-            "is (a custom "
-            "pytree node?); nothing was written."
+            "save: the state's tree holds a node that loading would not rebuild as it is (a "
+            "custom pytree node?); nothing was written."
         )
     arrays = {f"leaf_{i}": leaf for i, leaf in enumerate(leaves)}
     folder = os.path.dirname(os.path.abspath(os.fspath(path)))
@@ -189,13 +188,10 @@ def load(
     found = _text(data, "_format")
     if found in PICKLED_FORMATS:
         raise ValueError(
-            f"{name} is a checkpoint of the earlier format {found}, which stores the "
-            "state's tree "
-            "structure as a pickle: unpickling can run any code the file holds, so "
-            "it is refused. Load "
-            "it with the numpyro_pvi version that wrote it, in a trusted "
-            "environment, and save it "
-            "again with this one."
+            f"{name} is a checkpoint of the earlier format {found}, which stores the state's tree "
+            "structure as a pickle: unpickling can run any code the file holds, so it is "
+            "refused. Load it with the numpyro_pvi version that wrote it, in a trusted "
+            "environment, and save it again with this one."
         )
     if found != FORMAT or "_structure" not in data:
         raise ValueError(
@@ -223,9 +219,8 @@ def load(
 def _check_made_for(made_for: MadeFor, inference: Any, problem: Problem | None, name: str) -> None:
     if not made_for.known:
         raise ValueError(
-            f"{name} does not record what it was made for (a state built by hand): "
-            "load it without "
-            "inference and problem to skip the check."
+            f"{name} does not record what it was made for (a state built by hand): load it "
+            "without inference and problem to skip the check."
         )
     if problem is not None:
         current = MadeFor.of(inference, problem)
@@ -277,9 +272,8 @@ def _describe(tree: Any, leaves: list) -> Any:
         name = _type_name(type(tree))
         if name not in _REGISTERED and type(tree).__module__.split(".")[0] not in ALLOWED_PACKAGES:
             raise TypeError(
-                f"save: the state holds a {name}, which a checkpoint does not load "
-                "(only the NamedTuple "
-                f"types of {', '.join(ALLOWED_PACKAGES)}): allow it with "
+                f"save: the state holds a {name}, which a checkpoint does not load (only the "
+                f"NamedTuple types of {', '.join(ALLOWED_PACKAGES)}): allow it with "
                 "pvi.checkpoint.register_state_type; nothing was written."
             )
         return {
@@ -294,17 +288,14 @@ def _describe(tree: Any, leaves: list) -> Any:
             isinstance(k, str) or (isinstance(k, int) and not isinstance(k, bool)) for k in tree
         ):
             raise TypeError(
-                f"save: a dict of the state has keys {list(tree)}; a checkpoint holds "
-                "string or integer "
-                "keys only; nothing was written."
+                f"save: a dict of the state has keys {list(tree)}; a checkpoint holds string or "
+                "integer keys only; nothing was written."
             )
         return {"dict": [[k, _describe(v, leaves)] for k, v in tree.items()]}
     if not jax.tree_util.all_leaves([tree]):
         raise TypeError(
-            f"save: the state holds a {type(tree).__name__} node, which a checkpoint "
-            "does not hold "
-            "(tuples, lists, dicts, None, NamedTuples and arrays); nothing was "
-            "written."
+            f"save: the state holds a {type(tree).__name__} node, which a checkpoint does not "
+            "hold (tuples, lists, dicts, None, NamedTuples and arrays); nothing was written."
         )
     array = _stored(tree)  # one transfer from the device
     leaves.append(array)
@@ -350,9 +341,8 @@ def _named_tuple_type(name: Any, fields: list) -> type:
         module_name, _, qualname = name.partition(":")
         if module_name.split(".")[0] not in ALLOWED_PACKAGES:
             raise ValueError(
-                f"it names the type {name!r}, which is not a state type a checkpoint "
-                "may hold (the "
-                f"NamedTuples of {', '.join(ALLOWED_PACKAGES)}, or "
+                f"it names the type {name!r}, which is not a state type a checkpoint may hold "
+                f"(the NamedTuples of {', '.join(ALLOWED_PACKAGES)}, or "
                 "pvi.checkpoint.register_state_type's)"
             )
         # never imported here: only what the running program has imported
@@ -361,9 +351,8 @@ def _named_tuple_type(name: Any, fields: list) -> type:
             cls = vars(cls).get(part) if isinstance(cls, (type, types.ModuleType)) else None
         if not (isinstance(cls, type) and _is_named_tuple(cls)):
             raise ValueError(
-                f"it names the type {name!r}, which is not a NamedTuple of a module "
-                "imported now (import "
-                "the module that defines it before loading)"
+                f"it names the type {name!r}, which is not a NamedTuple of a module imported now "
+                "(import the module that defines it before loading)"
             )
     if list(cls._fields) != fields:
         raise ValueError(
@@ -420,8 +409,7 @@ def _restored(array: np.ndarray, node: dict) -> Any:
         shape + list(array.shape[len(shape) :]) if key else shape
     ):
         raise ValueError(
-            f"array {node['leaf']} is {array.dtype}{list(array.shape)}, its "
-            "description says "
+            f"array {node['leaf']} is {array.dtype}{list(array.shape)}, its description says "
             f"{dtype}{shape}"
         )
     if key is not None:
@@ -433,8 +421,8 @@ def _stored(leaf: Any) -> np.ndarray:
     array = np.asarray(jax.device_get(jax.random.key_data(leaf) if _is_key(leaf) else leaf))
     if array.dtype.hasobject:
         raise TypeError(
-            f"save: the state holds an array of Python objects ({array.dtype}); "
-            "nothing was written."
+            f"save: the state holds an array of Python objects ({array.dtype}); nothing was "
+            "written."
         )
     return array
 

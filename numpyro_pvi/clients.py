@@ -51,9 +51,8 @@ def split_pooled(
     is_row = tuple(np.ndim(x) >= 1 and np.shape(x)[0] == num_data for x in arrays)
     if not any(is_row):
         raise ValueError(
-            f"No model argument has a leading axis of size {num_data} (the size of "
-            "partition plate "
-            f"'{plate}'), so there are no rows to split across clients."
+            f"No model argument has a leading axis of size {num_data} (the size of partition "
+            f"plate '{plate}'), so there are no rows to split across clients."
         )
     index = [np.asarray(p) for p in partitions]
     columns = [
@@ -77,11 +76,9 @@ def split_client_data(
     for m, (_, other) in enumerate(flat):
         if other != treedef:
             raise ValueError(
-                f"ClientData: client {m}'s arguments have structure {other}, but "
-                "client 0's have "
-                f"{treedef}; every client must pass the same arguments (a missing "
-                "observation, e.g. "
-                "y=None, or an extra argument makes a different model call)."
+                f"ClientData: client {m}'s arguments have structure {other}, but client 0's have "
+                f"{treedef}; every client must pass the same arguments (a missing observation, "
+                "e.g. y=None, or an extra argument makes a different model call)."
             )
     leaves = [f[0] for f in flat]
     static = []
@@ -89,9 +86,8 @@ def split_client_data(
         if not is_array(value):
             if any(not same_static(c[i], value) for c in leaves[1:]):
                 raise ValueError(
-                    f"ClientData: non-array argument leaf {i} differs between "
-                    f"clients ({value!r} vs "
-                    "...); give per-client values as arrays."
+                    f"ClientData: non-array argument leaf {i} differs between clients ({value!r} "
+                    "vs ...); give per-client values as arrays."
                 )
             static.append((i, value))
     positions = [i for i, v in enumerate(leaves[0]) if is_array(v)]
@@ -104,11 +100,9 @@ def split_client_data(
         if not row and len({np.shape(x) for x in col}) > 1:
             m = next(m for m, x in enumerate(col) if np.shape(x) != np.shape(col[0]))
             raise ValueError(
-                f"ClientData: client {m}'s array argument {i} has shape "
-                f"{np.shape(col[m])}, but it is "
-                f"neither a row array of plate '{plate}' ({sizes[m]} rows in that "
-                "client) nor of "
-                f"client 0's shape {np.shape(col[0])}."
+                f"ClientData: client {m}'s array argument {i} has shape {np.shape(col[m])}, but "
+                f"it is neither a row array of plate '{plate}' ({sizes[m]} rows in that client) "
+                f"nor of client 0's shape {np.shape(col[0])}."
             )
     return ClientColumns(
         columns, is_row, sizes, ArgsLayout(treedef, tuple(static)), _unsure(columns, sizes)
@@ -130,15 +124,11 @@ def check_row_shapes(split: ClientColumns, clients: Sequence[int], plate: str) -
         for m in clients if row else ():
             if np.shape(column[m])[1:] != want:
                 raise ValueError(
-                    f"Client {m}'s data does not fit the model: its row argument "
-                    f"'{name}' has shape "
-                    f"{np.shape(column[m])}, rows of shape "
-                    f"{np.shape(column[m])[1:]}, but client 0's "
-                    f"rows are of shape {want} ({np.shape(column[0])} in all). Every "
-                    "client's row "
-                    f"arguments of plate '{plate}' must have the same shape past the "
-                    "rows axis (e.g. y "
-                    "of shape (n,) in every client, not (n, 1))."
+                    f"Client {m}'s data does not fit the model: its row argument '{name}' has "
+                    f"shape {np.shape(column[m])}, rows of shape {np.shape(column[m])[1:]}, but "
+                    f"client 0's rows are of shape {want} ({np.shape(column[0])} in all). Every "
+                    f"client's row arguments of plate '{plate}' must have the same shape past the "
+                    "rows axis (e.g. y of shape (n,) in every client, not (n, 1))."
                 )
 
 
@@ -161,10 +151,8 @@ def _client_sizes(columns: list, first_size: int, plate: str) -> tuple:
     ]
     if not candidates:
         raise ValueError(
-            f"No model argument of client 0 has a leading axis of size {first_size} "
-            "(the size of "
-            f"partition plate '{plate}'): size the plate from the data (e.g. "
-            "X.shape[0])."
+            f"No model argument of client 0 has a leading axis of size {first_size} (the size of "
+            f"partition plate '{plate}'): size the plate from the data (e.g. X.shape[0])."
         )
     anchor = next((col for col in candidates if len({np.shape(x) for x in col}) > 1), candidates[0])
     sizes = tuple(int(np.shape(x)[0]) if np.ndim(x) >= 1 else -1 for x in anchor)
@@ -172,10 +160,8 @@ def _client_sizes(columns: list, first_size: int, plate: str) -> tuple:
         for m, (x, n) in enumerate(zip(col, sizes)):
             if np.shape(x) != np.shape(col[0]) and (np.ndim(x) < 1 or np.shape(x)[0] != n):
                 raise ValueError(
-                    f"ClientData: client {m}'s row arguments disagree on its number "
-                    "of rows "
-                    f"({np.shape(x)[0] if np.ndim(x) else 'a scalar'} vs {n}): every "
-                    "row argument "
+                    f"ClientData: client {m}'s row arguments disagree on its number of rows "
+                    f"({np.shape(x)[0] if np.ndim(x) else 'a scalar'} vs {n}): every row argument "
                     f"of plate '{plate}' must have one row per datum."
                 )
     if min(sizes) < 1:

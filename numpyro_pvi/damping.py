@@ -57,13 +57,12 @@ class AdaptiveDamping:
         if not 0.0 < minimum <= initial <= maximum <= 1.0:
             raise ValueError(
                 "AdaptiveDamping: need 0 < minimum <= initial <= maximum <= 1, got "
-                f"minimum={minimum}, "
-                f"initial={initial}, maximum={maximum}."
+                f"minimum={minimum}, initial={initial}, maximum={maximum}."
             )
         if not (grow >= 1.0 and 0.0 < shrink < 1.0):
             raise ValueError(
-                "AdaptiveDamping: need grow >= 1 and 0 < shrink < 1, got "
-                f"grow={grow}, shrink={shrink}."
+                f"AdaptiveDamping: need grow >= 1 and 0 < shrink < 1, got grow={grow}, "
+                f"shrink={shrink}."
             )
         self.initial, self.grow, self.shrink, self.minimum, self.maximum = (
             initial,
@@ -121,17 +120,15 @@ def checked_damping(
         return damping
     if isinstance(damping, HeavyBall):
         raise ValueError(
-            f"{owner}: pvi.HeavyBall needs synchronous rounds (every client against "
-            "the same q); use "
-            "a float or a pvi.AdaptiveDamping."
+            f"{owner}: pvi.HeavyBall needs synchronous rounds (every client against the same q); "
+            "use a float or a pvi.AdaptiveDamping."
         )
     if not (
         isinstance(damping, (int, float)) and not isinstance(damping, bool) and 0.0 < damping <= 1.0
     ):
         raise ValueError(
             f"{owner}: damping must be in (0, 1], None (the default), a "
-            "pvi.AdaptiveDamping"
-            f"{' or a pvi.HeavyBall' if heavy_ball else ''}, got {damping!r}."
+            f"pvi.AdaptiveDamping{' or a pvi.HeavyBall' if heavy_ball else ''}, got {damping!r}."
         )
     return float(damping)
 
@@ -215,27 +212,20 @@ def warning(damping: Damping, state: Any) -> tuple[str, str] | None:
     if isinstance(state, FixedDampingState) and int(state.swings) >= SWING_ROUNDS:
         return (
             "oscillating",
-            f"The fixed damping {damping} is oscillating: each of the last "
-            f"{int(state.swings)} "
-            "rounds moved q back against the round before (by "
-            f"{float(state.change):.2g} posterior "
-            "sds in the last), a limit cycle, not convergence: the clients' "
-            "deltas overlap (a "
-            "correlated posterior) and the damping overshoots. Use damping <= "
-            f"{damping / 2:.3g}, "
-            "Synchronous() (heavy ball, which restarts on an ELBO drop) or "
+            f"The fixed damping {damping} is oscillating: each of the last {int(state.swings)} "
+            f"rounds moved q back against the round before (by {float(state.change):.2g} "
+            "posterior sds in the last), a limit cycle, not convergence: the clients' deltas "
+            "overlap (a correlated posterior) and the damping overshoots. Use damping <= "
+            f"{damping / 2:.3g}, Synchronous() (heavy ball, which restarts on an ELBO drop) or "
             "Sequential().",
         )
     if isinstance(state, HeavyBallState) and int(state.drops) >= DROP_ROUNDS:
         return (
             "elbo falling",
-            "Synchronous(): the ELBO fell in each of the last "
-            f"{int(state.drops)} rounds although "
+            f"Synchronous(): the ELBO fell in each of the last {int(state.drops)} rounds although "
             "every drop restarted the momentum and halved the damping (now "
-            f"{float(state.rho):.3g}): the clients' updates do not improve q "
-            "from here (too "
-            "noisy, or far from linear). Try more local steps or particles, a "
-            "smaller local step "
+            f"{float(state.rho):.3g}): the clients' updates do not improve q from here (too "
+            "noisy, or far from linear). Try more local steps or particles, a smaller local step "
             "size, or Sequential().",
         )
     return None

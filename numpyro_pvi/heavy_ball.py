@@ -114,8 +114,7 @@ class HeavyBall:
     ) -> None:
         if not 0.0 < minimum <= initial <= maximum <= 1.0:
             raise ValueError(
-                "HeavyBall: need 0 < minimum <= initial <= maximum <= 1, got "
-                f"minimum={minimum}, "
+                f"HeavyBall: need 0 < minimum <= initial <= maximum <= 1, got minimum={minimum}, "
                 f"initial={initial}, maximum={maximum}."
             )
         if not (isinstance(elbo_tolerance, (int, float)) and elbo_tolerance >= 0.0):

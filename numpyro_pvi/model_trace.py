@@ -72,10 +72,8 @@ def checked_trace(model: Callable, args: tuple, kwargs: dict, who: str) -> dict:
                 site_log_prob(site)
     except Exception as e:  # noqa: BLE001 - any failure of the user's model on these data is reported as such
         raise ValueError(
-            f"{who} does not fit the model: {type(e).__name__}: {e}. (The partition "
-            "plate must be "
-            "sized from the data, e.g. X.shape[0], and every row argument must have "
-            "that many "
+            f"{who} does not fit the model: {type(e).__name__}: {e}. (The partition plate must be "
+            "sized from the data, e.g. X.shape[0], and every row argument must have that many "
             "rows.)"
         ) from e
     return trace

@@ -81,9 +81,8 @@ STOP_REASONS = {
     "noise_floor": "q jittering at the Monte Carlo noise floor: more particles or steps help, not "
     "rounds",
     "factorised_correlation": "q settled at the EP / SNEP fixed point of a factorised family over "
-    "correlated clients: "
-    "its sds are neither the posterior's nor mean-field VI's "
-    "(FullRankGaussian() helps)",
+    "correlated clients: its sds are neither the posterior's nor "
+    "mean-field VI's (FullRankGaussian() helps)",
     "swinging": "q swinging back and forth: a smaller damping or Sequential() helps",
     "not_settled": "q moved more than tol; too few rounds to tell why",
 }
@@ -318,10 +317,8 @@ class RunMonitor:
         for client in budget.tolist():
             self.warn(
                 f"budget {client}",
-                f"Client {client} has spent its privacy budget: its "
-                "next update would exceed "
-                "privacy_budget, so it sends nothing from now on "
-                "(Rejection.BUDGET).",
+                f"Client {client} has spent its privacy budget: its next update would exceed "
+                "privacy_budget, so it sends nothing from now on (Rejection.BUDGET).",
             )
         if (
             attempts.any()
@@ -348,12 +345,9 @@ class RunMonitor:
         if self.still >= STALL_ROUNDS:
             self.warn(
                 "stalled",
-                f"q has not moved for {self.still} rounds while client updates "
-                "were rejected or "
-                "clamped: the run is stalled, not converged. RoundInfo.rejection "
-                "says why updates "
-                "were rejected; RoundInfo.clamped counts steps halved to stay "
-                "valid.",
+                f"q has not moved for {self.still} rounds while client updates were rejected or "
+                "clamped: the run is stalled, not converged. RoundInfo.rejection says why "
+                "updates were rejected; RoundInfo.clamped counts steps halved to stay valid.",
             )
 
     def _failing(self, rejection: np.ndarray, attempts: np.ndarray) -> None:
@@ -365,10 +359,8 @@ class RunMonitor:
         if late.size:
             self.warn(
                 "timeouts",
-                f"Client(s) {late.tolist()} timed out (or their actors died) in "
-                "each of the last "
-                f"{STALL_ROUNDS} rounds: their data never reach q. Raise "
-                "RayBackend(timeout=...) "
+                f"Client(s) {late.tolist()} timed out (or their actors died) in each of the last "
+                f"{STALL_ROUNDS} rounds: their data never reach q. Raise RayBackend(timeout=...) "
                 "or give the clients less local work.",
             )
         failed = (rejection == Rejection.RAISED) | (rejection == Rejection.NON_FINITE)
@@ -385,13 +377,10 @@ class RunMonitor:
             )
             self.warn(
                 "failing",
-                f"Client(s) {bad.tolist()} failed in each of their last "
-                f"{STALL_ROUNDS} updates "
-                f"({how}; RAISED: the update raised an exception, NON_FINITE: "
-                "its change or free "
-                "energy was NaN or inf): their data never reach q. Check those "
-                "clients' data, or use "
-                "a smaller step size or more particles.",
+                f"Client(s) {bad.tolist()} failed in each of their last {STALL_ROUNDS} updates "
+                f"({how}; RAISED: the update raised an exception, NON_FINITE: its change or free "
+                "energy was NaN or inf): their data never reach q. Check those clients' data, or "
+                "use a smaller step size or more particles.",
             )
 
     def _elbo(self, elbo: float) -> None:
@@ -415,14 +404,10 @@ class RunMonitor:
         if self.falling:
             self.warn(
                 "elbo falling",
-                f"The ELBO fell in each of the last {STALL_ROUNDS} rounds, "
-                f"by {self.fallen:.4g} "
-                "in all (RoundInfo.elbo uses the same draws every round: "
-                "the falls are real, "
-                "not sampling noise): the server overshoots or the run "
-                "diverges. Use a smaller "
-                "damping or Sequential(); the run is not converged unless q "
-                "settles after.",
+                f"The ELBO fell in each of the last {STALL_ROUNDS} rounds, by {self.fallen:.4g} "
+                "in all (RoundInfo.elbo uses the same draws every round: the falls are real, not "
+                "sampling noise): the server overshoots or the run diverges. Use a smaller "
+                "damping or Sequential(); the run is not converged unless q settles after.",
             )
 
     def _nothing_merged(self, info: RoundInfo, staleness: list) -> None:
@@ -431,24 +416,19 @@ class RunMonitor:
             limit = getattr(self.server, "max_staleness", None)
             self.warn(
                 "stale",
-                f"Asynchronous(max_staleness={limit}) rejected every update: they "
-                "were "
+                f"Asynchronous(max_staleness={limit}) rejected every update: they were "
                 f"{min(staleness)}-{max(staleness)} merges stale; max_staleness >= "
-                f"{min(staleness)} "
-                "would admit the freshest (with M clients of equal speed updates "
-                "are about M - 1 "
-                "merges stale).",
+                f"{min(staleness)} would admit the freshest (with M clients of equal speed "
+                "updates are about M - 1 merges stale).",
             )
             return
         reasons = _reasons(codes)
         clamped = int(np.asarray(info.clamped).sum())
         self.warn(
             "nothing merged",
-            "Every client update of a round was rejected or clamped away: "
-            "q did not move ("
-            f"rejected: {reasons or 'none'}; steps clamped: {clamped}). "
-            "Try a smaller "
-            "step size or damping, more particles, or check the data.",
+            "Every client update of a round was rejected or clamped away: q did not move "
+            f"(rejected: {reasons or 'none'}; steps clamped: {clamped}). Try a smaller step size "
+            "or damping, more particles, or check the data.",
         )
 
     def at_end(self) -> tuple[bool | None, str]:
@@ -471,45 +451,36 @@ class RunMonitor:
         if tol is not None and not self.all_merged:
             codes = np.asarray(info.rejection)[lost(info) & (np.asarray(info.attempts) > 0)]
             return "not_merged", (
-                f"The run did not converge in {self.rounds} rounds: updates of "
-                "its last round were "
-                "rejected or clamped away (rejected: "
-                f"{_reasons(codes) or 'none'}; steps clamped: "
-                f"{int(np.asarray(info.clamped).sum())}), so q's small change "
-                "is not convergence."
+                f"The run did not converge in {self.rounds} rounds: updates of its last round "
+                f"were rejected or clamped away (rejected: {_reasons(codes) or 'none'}; steps "
+                f"clamped: {int(np.asarray(info.clamped).sum())}), so q's small change is not "
+                "convergence."
             )
         if tol is not None and self.clamped:
             attempted = np.asarray(info.attempts) > 0
             clients = np.flatnonzero(attempted & (np.asarray(info.clamped) > 0)).tolist()
             return "clamped", (
-                f"The run did not converge in {self.rounds} rounds: the updates of "
-                "client(s) "
+                f"The run did not converge in {self.rounds} rounds: the updates of client(s) "
                 f"{clients[:10]} in its last round were clamped "
-                f"({int(np.asarray(info.clamped).sum())} "
-                "steps halved or replaced to keep q valid), so q stopped where the "
-                "clamps held it, not "
-                "where the clients agree. Use a smaller local step size, more "
-                "particles or chains, or "
-                "start nearer the answer (init_loc_fn)."
+                f"({int(np.asarray(info.clamped).sum())} steps halved or replaced to keep q "
+                "valid), so q stopped where the clamps held it, not where the clients agree. Use "
+                "a smaller local step size, more particles or chains, or start nearer the answer "
+                "(init_loc_fn)."
             )
         if self.falling:
             return "elbo_falling", (
-                f"The run did not converge in {self.rounds} rounds: the ELBO "
-                "fell in each of its "
-                f"last {STALL_ROUNDS} rounds (by {self.fallen:.4g}). Use a "
-                "smaller damping or "
+                f"The run did not converge in {self.rounds} rounds: the ELBO fell in each of its "
+                f"last {STALL_ROUNDS} rounds (by {self.fallen:.4g}). Use a smaller damping or "
                 "Sequential()."
             )
         if tol is not None and not np.all(self.merged):
             never = np.flatnonzero(~self.merged)
             return "unmerged_clients", (
                 f"The run did not converge in {self.rounds} rounds: {never.size} of "
-                f"{self.merged.size} clients were "
-                f"never merged (e.g. {never[:10].tolist()}), so q does not hold their data yet. "
-                "With client sampling "
-                "(clients_per_round) run more rounds until every client has been drawn; "
-                "continuing from a bare state, "
-                "pass init_history= so the run knows which clients were merged before."
+                f"{self.merged.size} clients were never merged (e.g. {never[:10].tolist()}), so q "
+                "does not hold their data yet. With client sampling (clients_per_round) run more "
+                "rounds until every client has been drawn; continuing from a bare state, pass "
+                "init_history= so the run knows which clients were merged before."
             )
         limit = FAR if tol is None else tol
         drifting = tol is not None and self.drifting
@@ -522,17 +493,13 @@ class RunMonitor:
     def _correlation_message(self) -> str:
         m, v = self.num_clients, self.inflation
         return (
-            f"The run did not converge in {self.rounds} rounds: the clients' tilted "
-            "distributions are correlated "
-            f"(mean variance inflation {v:.3g}: a coordinate's variance is {v:.3g} times what "
-            "fixing the others "
-            "leaves it), and the factorised family cannot represent the correlation. With "
-            f"{m} clients the EP / SNEP fixed point's sds are then neither the posterior's "
-            "marginals (they are "
-            f"smaller) nor mean-field VI's (about {50 * m * (v - 1.0):.0f} % larger). Use "
-            "FullRankGaussian() for "
-            "the posterior's sds, or GradientUpdate / NaturalGradientUpdate for the "
-            "mean-field VI optimum."
+            f"The run did not converge in {self.rounds} rounds: the clients' tilted distributions "
+            f"are correlated (mean variance inflation {v:.3g}: a coordinate's variance is {v:.3g} "
+            "times what fixing the others leaves it), and the factorised family cannot represent "
+            f"the correlation. With {m} clients the EP / SNEP fixed point's sds are then neither "
+            "the posterior's marginals (they are smaller) nor mean-field VI's (about "
+            f"{50 * m * (v - 1.0):.0f} % larger). Use FullRankGaussian() for the posterior's sds, "
+            "or GradientUpdate / NaturalGradientUpdate for the mean-field VI optimum."
         )
 
     def _moving(self, change: float, tol: float | None) -> tuple[str, str]:
@@ -540,16 +507,15 @@ class RunMonitor:
         moving."""
         head = (
             f"The run did not converge in {self.rounds} rounds: its last round moved q by "
-            f"{change:.3g} posterior "
-            f"sds (tol={tol})"
+            f"{change:.3g} posterior sds (tol={tol})"
             if tol is not None
             else f"The run ended far from converged: its last round moved q by {change:.3g} "
             "posterior sds"
         )
         if tol is not None and change <= tol:
             head += (
-                ", a small step but one of many in the same direction: q is still drifting "
-                "toward its fixed point"
+                ", a small step but one of many in the same direction: q is still drifting toward "
+                "its fixed point"
             )
         more = (
             "Run more rounds (run(..., init_state=result) continues; a DP run spends privacy "
@@ -559,44 +525,35 @@ class RunMonitor:
         seen = trend(list(self.moves))
         if seen is None:
             return "not_settled", (
-                f"{head}; too few rounds (moves of q) to tell a q still moving "
-                "from one "
-                "jittering at the Monte Carlo noise floor (see "
-                "result.history.change, "
-                f"plot_history). {more}"
+                f"{head}; too few rounds (moves of q) to tell a q still moving from one jittering "
+                f"at the Monte Carlo noise floor (see result.history.change, plot_history). {more}"
             )
         kind, shrink, cosine = seen
         numbers = (
-            f"over the last rounds the change shrank x{shrink:.2f} a round and consecutive "
-            "moves had a mean "
-            f"cosine of {cosine:.2f}"
+            f"over the last rounds the change shrank x{shrink:.2f} a round and consecutive moves "
+            f"had a mean cosine of {cosine:.2f}"
         )
         to_go, coordinate = self._slow_coordinate()
         if coordinate >= 0 and to_go > self._limit:  # one slow coordinate, under the others' noise
             kind = "still_moving"
             numbers += (
-                f"; coordinate {coordinate} of q (means, then log sds, in the family's "
-                "order) drifted one "
-                f"way over the last {TREND_ROUNDS} rounds, about {to_go:.2g} sds still to "
-                "go"
+                f"; coordinate {coordinate} of q (means, then log sds, in the family's order) "
+                f"drifted one way over the last {TREND_ROUNDS} rounds, about {to_go:.2g} sds "
+                "still to go"
             )
         if kind == "still_moving":
             return kind, f"{head}, and q is still moving ({numbers}). {more}"
         if kind == "swinging":
             return kind, (
-                f"{head}, and q swings back and forth ({numbers}): the server "
-                "overshoots. Use a smaller "
-                "damping or Sequential(); more rounds will not help."
+                f"{head}, and q swings back and forth ({numbers}): the server overshoots. Use a "
+                "smaller damping or Sequential(); more rounds will not help."
             )
         return kind, (
-            f"{head}, and q is jittering at the Monte Carlo noise floor of the local "
-            f"updates ({numbers}: "
-            "moves of a steady size in unrelated directions). More rounds will not help "
-            "(and a DP run "
-            "spends privacy budget every round): use more particles or local steps (e.g. "
-            "GradientUpdate(num_particles=...)), a tol above the floor, or the averaged "
-            "posterior "
-            "(run(..., average_rounds=k), then result.averaged())."
+            f"{head}, and q is jittering at the Monte Carlo noise floor of the local updates "
+            f"({numbers}: moves of a steady size in unrelated directions). More rounds will not "
+            "help (and a DP run spends privacy budget every round): use more particles or local "
+            "steps (e.g. GradientUpdate(num_particles=...)), a tol above the floor, or the "
+            "averaged posterior (run(..., average_rounds=k), then result.averaged())."
         )
 
 

@@ -172,8 +172,8 @@ class ClientData(Sequence):
                 and isinstance(entry[1], dict)
             ):
                 raise TypeError(
-                    f"ClientData entry {m} must be a pair (args: tuple, kwargs: "
-                    f"dict), got {type(entry)}."
+                    f"ClientData entry {m} must be a pair (args: tuple, kwargs: dict), got "
+                    f"{type(entry)}."
                 )
         self._clients = clients
 
@@ -240,8 +240,7 @@ def check_partitions(partitions: Sequence, num_data: int, plate_name: str) -> No
         idx = np.asarray(idx)
         if idx.ndim != 1 or idx.size == 0 or not np.issubdtype(idx.dtype, np.integer):
             raise ValueError(
-                f"partition {m} must be a non-empty 1-d integer index array, got "
-                "shape "
+                f"partition {m} must be a non-empty 1-d integer index array, got shape "
                 f"{idx.shape} and dtype {idx.dtype}."
             )
         if idx.min() < 0 or idx.max() >= num_data:
@@ -252,15 +251,14 @@ def check_partitions(partitions: Sequence, num_data: int, plate_name: str) -> No
     if (seen > 1).any():
         rows = np.flatnonzero(seen > 1)
         raise ValueError(
-            f"partitions overlap: {len(rows)} rows of plate '{plate_name}' belong to "
-            "more than "
+            f"partitions overlap: {len(rows)} rows of plate '{plate_name}' belong to more than "
             f"one client (first: {rows[:5].tolist()})."
         )
     if (seen == 0).any():
         rows = np.flatnonzero(seen == 0)
         raise ValueError(
-            f"partitions miss {len(rows)} rows of plate '{plate_name}' "
-            f"(first: {rows[:5].tolist()}); every row must belong to one client."
+            f"partitions miss {len(rows)} rows of plate '{plate_name}' (first: "
+            f"{rows[:5].tolist()}); every row must belong to one client."
         )
 
 

@@ -419,9 +419,8 @@ def _as_samples(posterior: Any, num_samples: int) -> dict:
     if isinstance(posterior, Mapping):
         return {k: np.asarray(v) for k, v in posterior.items()}
     raise TypeError(
-        f"plot_compare: cannot read samples from {type(posterior).__name__}; give a "
-        "dict "
-        "site -> samples, a PVIRunResult, an MCMC object or an arviz.InferenceData."
+        f"plot_compare: cannot read samples from {type(posterior).__name__}; give a dict site -> "
+        "samples, a PVIRunResult, an MCMC object or an arviz.InferenceData."
     )
 
 

@@ -219,9 +219,8 @@ def releases(result: PVIRunResult) -> np.ndarray:
 def _private(update: Any) -> PrivateUpdate:
     if not isinstance(update, PrivateUpdate):
         raise TypeError(
-            f"privacy_spent: the run's local update {type(update).__name__} is not "
-            "differentially private "
-            "(use pvi.DPGradientUpdate or pvi.DPLocalAveraging)."
+            f"privacy_spent: the run's local update {type(update).__name__} is not differentially "
+            "private (use pvi.DPGradientUpdate or pvi.DPLocalAveraging)."
         )
     return update
 
@@ -241,13 +240,10 @@ def _rounds_covering(result: PVIRunResult, released: np.ndarray) -> int:
         seen = np.sum(np.where(silent, 0, attempts), axis=0)
     if not np.array_equal(seen, released):
         raise ValueError(
-            "client_sampling='secret' credits every round of the run, but this "
-            "result's history holds "
-            f"{seen.tolist()} releases where the clients' states count "
-            f"{released.tolist()} (a run "
-            "resumed without its earlier rounds): pass init_history=<the earlier "
-            "result's history> when "
-            "resuming, or use client_sampling='known'."
+            "client_sampling='secret' credits every round of the run, but this result's history "
+            f"holds {seen.tolist()} releases where the clients' states count {released.tolist()} "
+            "(a run resumed without its earlier rounds): pass init_history=<the earlier result's "
+            "history> when resuming, or use client_sampling='known'."
         )
     return 0 if history is None else len(np.asarray(history.attempts))
 
@@ -355,8 +351,8 @@ def _calibrate_client_sampled(
         raise ValueError(f"num_rounds must be a positive integer, got {num_rounds!r}.")
     if num_steps % num_rounds:
         raise ValueError(
-            f"num_steps={num_steps} must be a multiple of num_rounds={num_rounds} "
-            "(steps per release)."
+            f"num_steps={num_steps} must be a multiple of num_rounds={num_rounds} (steps per "
+            "release)."
         )
 
     def eps(sigma: float) -> float:
@@ -398,8 +394,7 @@ def client_sampling_rates(result: PVIRunResult, client_rates: Any = None) -> np.
     server, num_clients = result.inference.server, result.num_clients
     if not isinstance(server, Synchronous):
         raise ValueError(
-            "client_sampling='secret' is derived for Synchronous rounds (a fresh "
-            "draw of clients "
+            "client_sampling='secret' is derived for Synchronous rounds (a fresh draw of clients "
             f"each round), not {type(server).__name__}."
         )
     if client_rates is not None:
@@ -411,9 +406,7 @@ def client_sampling_rates(result: PVIRunResult, client_rates: Any = None) -> np.
         return rates
     if server.sampling.client_weights is not None:
         raise ValueError(
-            "client_sampling='secret' with client_weights: pass client_rates=, each "
-            "client's "
-            "probability of being drawn in a round (weighted sampling without "
-            "replacement)."
+            "client_sampling='secret' with client_weights: pass client_rates=, each client's "
+            "probability of being drawn in a round (weighted sampling without replacement)."
         )
     return np.full(num_clients, server.sampling.num_sampled(num_clients) / num_clients)

@@ -179,8 +179,7 @@ def _read(inference: PVI, args: tuple, kwargs: dict) -> tuple[ModelSites, Client
     if isinstance(partitions, ClientData):
         if args or kwargs:
             raise TypeError(
-                "partitions=ClientData: each client holds its own data, so pass no "
-                "data arguments "
+                "partitions=ClientData: each client holds its own data, so pass no data arguments "
                 "to init/update/run."
             )
         first_args, first_kwargs = partitions[0]
@@ -253,10 +252,8 @@ def _check_unsure(
         )
         if size != split.sizes[m]:
             raise ValueError(
-                f"Client {m}'s data does not fit the model: partition_plate "
-                f"'{sites.plate}' has size "
-                f"{size} in its model call, but its row arguments have "
-                f"{split.sizes[m]} rows."
+                f"Client {m}'s data does not fit the model: partition_plate '{sites.plate}' has "
+                f"size {size} in its model call, but its row arguments have {split.sizes[m]} rows."
             )
 
 
@@ -314,17 +311,12 @@ def check_memory(family: Any, dim: int, num_clients: int) -> None:
     needed, available = state_bytes(family, dim, num_clients), available_memory()
     if needed > available:
         raise MemoryError(
-            f"{family!r} over D = {dim} coordinates with {num_clients} client "
-            "factors needs at least "
-            f"{needed / 1e9:.2f} GB ({num_clients + 2} factors of "
-            f"{factor_bytes(family, dim) / 1e9:.3g} "
-            f"GB, q and the prior's included, times {STATE_COPIES} copies while a "
-            "round runs), but "
-            f"only {available / 1e9:.2f} GB are available. Use "
-            "pvi.MeanFieldGaussian(), or "
-            "pvi.SiteFamilies with a FullRankGaussian block only on the sites that "
-            "need correlations, "
-            "or fewer clients."
+            f"{family!r} over D = {dim} coordinates with {num_clients} client factors needs at "
+            f"least {needed / 1e9:.2f} GB ({num_clients + 2} factors of "
+            f"{factor_bytes(family, dim) / 1e9:.3g} GB, q and the prior's included, times "
+            f"{STATE_COPIES} copies while a round runs), but only {available / 1e9:.2f} GB are "
+            "available. Use pvi.MeanFieldGaussian(), or pvi.SiteFamilies with a FullRankGaussian "
+            "block only on the sites that need correlations, or fewer clients."
         )
 
 
@@ -401,18 +393,15 @@ def _check_support(local_update: Any, sites: ModelSites, family: Any) -> None:
         local_update, "supports_factor_families", False
     ):
         raise NotImplementedError(
-            f"{name} needs a Gaussian family (MeanFieldGaussian or "
-            "FullRankGaussian), not "
-            f"{family!r}: it does not set supports_factor_families = True. "
-            "Every local update "
-            "of the library supports every family (docs/families.md)."
+            f"{name} needs a Gaussian family (MeanFieldGaussian or FullRankGaussian), not "
+            f"{family!r}: it does not set supports_factor_families = True. Every local update of "
+            "the library supports every family (docs/families.md)."
         )
     if sites.has_local and not getattr(local_update, "supports_local_latents", False):
         names = [s.name for s in sites.locals] + list(sites.enumerated)
         raise NotImplementedError(
-            f"{name} does not support local latent variables (sites {names} "
-            "inside "
-            f"partition plate '{sites.plate}'); use pvi.GradientUpdate."
+            f"{name} does not support local latent variables (sites {names} inside partition "
+            f"plate '{sites.plate}'); use pvi.GradientUpdate."
         )
     if sites.hyper and not getattr(local_update, "supports_hyperparameters", False):
         raise NotImplementedError(

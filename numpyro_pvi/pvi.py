@@ -161,13 +161,12 @@ class PVI:
         if not isinstance(family, FactorFamily):
             raise TypeError(
                 "family must be a pvi family such as pvi.MeanFieldGaussian() or "
-                "pvi.FullRankGaussian(), "
-                f"got {family!r}."
+                f"pvi.FullRankGaussian(), got {family!r}."
             )
         if not isinstance(local_update, LocalUpdate):
             raise TypeError(
-                f"local_update must be a local update such as pvi.GradientUpdate(...), "
-                f"got {local_update!r}."
+                "local_update must be a local update such as pvi.GradientUpdate(...), got "
+                f"{local_update!r}."
             )
         if hyper_optimizer is not None and not isinstance(
             hyper_optimizer, optax.GradientTransformation
@@ -200,8 +199,8 @@ class PVI:
             raise ValueError(f"init_scale must be a positive number or None, got {init_scale!r}.")
         if init_loc_fn is not None and not callable(init_loc_fn):
             raise TypeError(
-                "init_loc_fn must be a NumPyro init strategy such as init_to_median, "
-                f"got {init_loc_fn!r}."
+                "init_loc_fn must be a NumPyro init strategy such as init_to_median, got "
+                f"{init_loc_fn!r}."
             )
         self.init_loc_fn, self.init_scale = init_loc_fn, init_scale
         self._memo: list[Problem] = []  # a cache (never state): recent problems, newest last
@@ -222,10 +221,9 @@ class PVI:
             mismatch = args[0].mismatch(self)
             if mismatch:
                 raise ValueError(
-                    "This problem was built by another PVI: its "
-                    f"{', '.join(mismatch)} are not this "
-                    "PVI's; its compiled steps would use theirs: build it with this "
-                    "PVI's build(...)."
+                    f"This problem was built by another PVI: its {', '.join(mismatch)} are not "
+                    "this PVI's; its compiled steps would use theirs: build it with this PVI's "
+                    "build(...)."
                 )
             return args[0]
         for problem in reversed(self._memo):
@@ -266,10 +264,9 @@ class PVI:
             )
         if not bool(self.family.is_valid(q)):
             raise ValueError(
-                "The prior of the global sites could not be approximated by a proper "
-                "member of the "
-                f"family (sites: {[s.name for s in problem.sites.globals]}); PVI "
-                "needs proper priors."
+                "The prior of the global sites could not be approximated by a proper member of "
+                f"the family (sites: {[s.name for s in problem.sites.globals]}); PVI needs proper "
+                "priors."
             )
         client_states = _broadcast(self.local_update.init_state(problem.client_problem), capacity)
         hyper = {h.name: jnp.asarray(h.init, jnp.result_type(float)) for h in problem.sites.hyper}
@@ -311,25 +308,27 @@ class PVI:
         )
         if differences:
             raise ValueError(
-                "The state was made for another set-up: " + "; ".join(differences) + ". "
-                "Resume it with "
-                "the PVI (model, family, server) and the data it was made for."
+                "The state was made for another set-up: " + "; ".join(differences) + ". Resume it "
+                "with the "
+                "PVI (model, "
+                "family, "
+                "server) and "
+                "the data it "
+                "was made "
+                "for."
             )
         expected = jax.tree.map(jnp.shape, self.family.zeros(problem.sites.dim))
         if jax.tree.map(jnp.shape, state.q) != expected:
             raise ValueError(
-                f"The state's q has shapes {jax.tree.map(jnp.shape, state.q)}, but "
-                "this model's global "
-                f"sites {[s.name for s in problem.sites.globals]} with "
-                f"{type(self.family).__name__} need "
-                f"{expected}: was it made for another model or family?"
+                f"The state's q has shapes {jax.tree.map(jnp.shape, state.q)}, but this model's "
+                f"global sites {[s.name for s in problem.sites.globals]} with "
+                f"{type(self.family).__name__} need {expected}: was it made for another model or "
+                "family?"
             )
         if int(state.factors.eta1.shape[0]) != problem.capacity:
             raise ValueError(
-                f"The state has {state.factors.eta1.shape[0]} client slots but the "
-                "problem "
-                f"{problem.capacity} ({problem.num_clients} clients): was it made "
-                "for other data?"
+                f"The state has {state.factors.eta1.shape[0]} client slots but the problem "
+                f"{problem.capacity} ({problem.num_clients} clients): was it made for other data?"
             )
 
     def _round(
@@ -478,7 +477,7 @@ class PVI:
             )
         if init_history is not None and not isinstance(init_history, RoundInfo):
             raise TypeError(
-                f"init_history must be a RoundInfo (a result's history), got "
+                "init_history must be a RoundInfo (a result's history), got "
                 f"{type(init_history).__name__}."
             )
         state = self.init(rng_key, problem) if init_state is None else init_state
@@ -528,9 +527,8 @@ class PVI:
         """
         if not isinstance(self.partitions, ClientData):
             raise TypeError(
-                "add_client needs partitions=pvi.ClientData(...): with pooled data, "
-                "pass the new rows "
-                "in the pooled arrays and new index partitions to a new PVI instead."
+                "add_client needs partitions=pvi.ClientData(...): with pooled data, pass the new "
+                "rows in the pooled arrays and new index partitions to a new PVI instead."
             )
         self._check_state(state, problem)
         new = problems.add_client(self, problem, args, kwargs)
@@ -539,11 +537,8 @@ class PVI:
             lambda x: jnp.shape(x)[1:], state.client_states
         ):
             raise NotImplementedError(
-                "add_client: the new client holds more local-latent rows "
-                "than the clients' "
-                "padded rows so far, which would change every client's "
-                "local guide shapes; "
-                "not supported."
+                "add_client: the new client holds more local-latent rows than the clients' padded "
+                "rows so far, which would change every client's local guide shapes; not supported."
             )
         m, capacity = problem.num_clients, new.capacity
         server_state = _grow(state.server_state, self.server.init(state.q, capacity))
@@ -645,9 +640,8 @@ class PVI:
             return problem
         if not self._memo:
             raise RuntimeError(
-                "Call init/run first (or pass problem=inference.build(...)): PVI "
-                "reads the model's "
-                "sites from the data."
+                "Call init/run first (or pass problem=inference.build(...)): PVI reads the "
+                "model's sites from the data."
             )
         return self._memo[-1]
 

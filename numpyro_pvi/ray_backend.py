@@ -219,12 +219,9 @@ class RayRunner:
             self.ray.get(started)
         except self.ray.exceptions.RayError as e:
             raise RuntimeError(
-                "A Ray client actor failed to start. Its worker process must be "
-                "able to import the "
-                "model's module (define the model in __main__, or register its "
-                "module with "
-                "ray.cloudpickle.register_pickle_by_value, or set a runtime_env): "
-                f"{e}"
+                "A Ray client actor failed to start. Its worker process must be able to import "
+                "the model's module (define the model in __main__, or register its module with "
+                f"ray.cloudpickle.register_pickle_by_value, or set a runtime_env): {e}"
             ) from e
 
     def __call__(

@@ -105,15 +105,11 @@ def _check_rows(
         size = int(read_shapes(model, args, kwargs, "The guide's data")[plate]["args"][0])
     if size != rows:
         raise ValueError(
-            f"This guide draws the local latent sites of {who}: {rows} rows of "
-            "partition plate "
-            f"'{plate}', but it was called on data with {size} rows. Call Predictive "
-            "with those data "
-            "(result.guide(client=m) for client m's rows). New rows have no "
-            "posterior guide: "
-            "Predictive(model, posterior_samples=result.sample_posterior(key, n)) "
-            "draws their local "
-            "latents from the prior."
+            f"This guide draws the local latent sites of {who}: {rows} rows of partition plate "
+            f"'{plate}', but it was called on data with {size} rows. Call Predictive with those "
+            "data (result.guide(client=m) for client m's rows). New rows have no posterior "
+            "guide: Predictive(model, posterior_samples=result.sample_posterior(key, n)) draws "
+            "their local latents from the prior."
         )
 
 
@@ -133,9 +129,8 @@ def average_states(family: Any, state: PVIState, last: Any) -> PVIState:
     q, factors, prior_factor = jax.tree.map(lambda *xs: sum(xs) / len(xs), *last)
     if not bool(family.is_valid(q)):
         raise RuntimeError(
-            "The average of the last rounds' q is not a valid member of the "
-            "family, which a convex "
-            "set of natural parameters cannot give: please report this."
+            "The average of the last rounds' q is not a valid member of the family, which a "
+            "convex set of natural parameters cannot give: please report this."
         )
     return state._replace(q=q, factors=factors, prior_factor=prior_factor)
 

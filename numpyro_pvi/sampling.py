@@ -39,24 +39,21 @@ class ClientSampling:
         if k is not None:
             if isinstance(k, bool) or not isinstance(k, (int, float, np.integer, np.floating)):
                 raise ValueError(
-                    f"{owner}: clients_per_round must be an int >= 1, a float "
-                    "fraction in (0, 1] or "
-                    f"None, got {k!r}."
+                    f"{owner}: clients_per_round must be an int >= 1, a float fraction in (0, 1] "
+                    f"or None, got {k!r}."
                 )
             if isinstance(k, (int, np.integer)) and k < 1:
                 raise ValueError(f"{owner}: clients_per_round must be at least 1, got {k}.")
             if isinstance(k, (float, np.floating)) and not 0.0 < k <= 1.0:
                 raise ValueError(
-                    f"{owner}: a float clients_per_round is a fraction of the "
-                    "clients in (0, 1], "
+                    f"{owner}: a float clients_per_round is a fraction of the clients in (0, 1], "
                     f"got {k}."
                 )
         if client_weights is not None:
             w = np.asarray(client_weights, float)
             if w.ndim != 1 or not np.all(np.isfinite(w)) or np.any(w < 0) or not np.any(w > 0):
                 raise ValueError(
-                    f"{owner}: client_weights must be a 1-d array of non-negative "
-                    "finite weights, "
+                    f"{owner}: client_weights must be a 1-d array of non-negative finite weights, "
                     f"not all zero, got {client_weights!r}."
                 )
             client_weights = w
@@ -83,14 +80,12 @@ class ClientSampling:
         if self.client_weights is not None:
             if len(self.client_weights) != num_clients:
                 raise ValueError(
-                    f"{self.owner}: {len(self.client_weights)} client_weights for "
-                    f"{num_clients} "
+                    f"{self.owner}: {len(self.client_weights)} client_weights for {num_clients} "
                     "clients."
                 )
             if np.count_nonzero(self.client_weights) < k:
                 raise ValueError(
-                    f"{self.owner}: only {np.count_nonzero(self.client_weights)} "
-                    "clients have a "
+                    f"{self.owner}: only {np.count_nonzero(self.client_weights)} clients have a "
                     f"positive weight, fewer than clients_per_round={k}."
                 )
 

@@ -46,9 +46,8 @@ class Server:
     def __init__(self, damping: Damping | None = 1.0, max_backtracks: int = 5) -> None:
         if not isinstance(max_backtracks, int) or max_backtracks < 0:
             raise ValueError(
-                f"{type(self).__name__}: max_backtracks must be a non-negative "
-                "integer, "
-                f"got {max_backtracks!r}."
+                f"{type(self).__name__}: max_backtracks must be a non-negative integer, got "
+                f"{max_backtracks!r}."
             )
         self.damping = checked_damping(
             damping, type(self).__name__, type(self).default_damping, type(self).synchronous_rounds
@@ -129,9 +128,8 @@ class Synchronous(Server):
     ) -> None:
         if clients_per_round is not None and isinstance(damping, HeavyBall):
             raise ValueError(
-                "Synchronous: pvi.HeavyBall needs every client in every round (its "
-                "spectrum estimate "
-                "compares whole rounds); with clients_per_round use a float or "
+                "Synchronous: pvi.HeavyBall needs every client in every round (its spectrum "
+                "estimate compares whole rounds); with clients_per_round use a float or "
                 "pvi.AdaptiveDamping."
             )
         if clients_per_round is not None and damping is None:
@@ -225,8 +223,8 @@ class Asynchronous(Server):
         self.sampling = ClientSampling(clients_per_round, client_weights, "Asynchronous")
         if max_staleness is not None and (not isinstance(max_staleness, int) or max_staleness < 0):
             raise ValueError(
-                f"Asynchronous: max_staleness must be a non-negative integer or None, "
-                f"got {max_staleness!r}."
+                "Asynchronous: max_staleness must be a non-negative integer or None, got "
+                f"{max_staleness!r}."
             )
         if speeds is not None and not np.all(np.asarray(speeds, float) > 0):
             raise ValueError(f"Asynchronous: speeds must be positive, got {speeds!r}.")
@@ -242,8 +240,8 @@ class Asynchronous(Server):
     def add_client(self, server_state: AsyncState, q: NatParams, m: int) -> AsyncState:
         if self.speeds is not None:
             raise ValueError(
-                "Asynchronous(speeds=...) has one speed per client: make a new "
-                "server to add a client."
+                "Asynchronous(speeds=...) has one speed per client: make a new server to add a "
+                "client."
             )
         pulled = jax.tree.map(lambda p, x: p.at[m].set(x), server_state.pulled, q)
         return server_state._replace(

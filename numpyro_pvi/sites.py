@@ -172,8 +172,8 @@ def read_model(model: Callable, args: tuple, kwargs: dict, who: str = "The data"
     kinds = _classify(trace, plate)
     if not kinds["likelihoods"]:
         raise ValueError(
-            f"partition_plate '{plate}' holds no observed site: put the likelihood "
-            "(obs=...) inside it."
+            f"partition_plate '{plate}' holds no observed site: put the likelihood (obs=...) "
+            "inside it."
         )
     if not kinds["globals"]:
         raise ValueError(
@@ -206,8 +206,7 @@ def check_observed(name: str, site: dict, finite: bool, in_support: bool, who: s
         )
     if not in_support:
         raise ValueError(
-            f"{who}: observed site '{name}' has values outside the support of its "
-            "likelihood "
+            f"{who}: observed site '{name}' has values outside the support of its likelihood "
             f"({site['fn'].support}), e.g. Bernoulli labels must be 0 or 1."
         )
 
@@ -218,13 +217,10 @@ def _partition_plate(trace: dict) -> str:
         if site["type"] == "sample" and NESTED_TAG in (site.get("infer") or {}):
             outer, inner = site["infer"][NESTED_TAG]
             raise ValueError(
-                f"partition_plate '{outer}' holds another partition_plate, '{inner}' "
-                "(around site "
-                f"'{name}'): PVI partitions one plate. Keep the plate whose rows are "
-                "split across "
-                f"clients as the partition plate and make '{inner}' or '{outer}' a "
-                "numpyro.plate (a "
-                "numpyro.plate inside the partition plate is supported)."
+                f"partition_plate '{outer}' holds another partition_plate, '{inner}' (around site "
+                f"'{name}'): PVI partitions one plate. Keep the plate whose rows are split across "
+                f"clients as the partition plate and make '{inner}' or '{outer}' a numpyro.plate "
+                "(a numpyro.plate inside the partition plate is supported)."
             )
     plates = {
         s["infer"].get(PARTITION_TAG)
@@ -233,8 +229,7 @@ def _partition_plate(trace: dict) -> str:
     }
     if not plates:
         raise ValueError(
-            "The model has no pvi.partition_plate around its observed data: mark the "
-            "plate that "
+            "The model has no pvi.partition_plate around its observed data: mark the plate that "
             "holds the data with `with pvi.partition_plate(name, size): ...`."
         )
     if len(plates) > 1:
@@ -245,8 +240,7 @@ def _partition_plate(trace: dict) -> str:
     size, subsample_size = trace[plate]["args"]
     if subsample_size is not None and subsample_size != size:
         raise ValueError(
-            f"partition_plate '{plate}' uses subsample_size={subsample_size}; under "
-            "PVI use "
+            f"partition_plate '{plate}' uses subsample_size={subsample_size}; under PVI use "
             "GradientUpdate(batch_size=...) for mini-batches instead."
         )
     return plate
@@ -265,8 +259,7 @@ def _classify(trace: dict, plate: str) -> dict:
         elif site["is_observed"]:
             if not in_plate:
                 raise NotImplementedError(
-                    f"Observed site '{name}' is outside partition plate "
-                    f"'{plate}'; PVI splits "
+                    f"Observed site '{name}' is outside partition plate '{plate}'; PVI splits "
                     "only the observations inside the partition plate."
                 )
             _check_observed_shape(name, site, plate)
@@ -275,24 +268,21 @@ def _classify(trace: dict, plate: str) -> dict:
             if (site.get("infer") or {}).get("enumerate") != "parallel":
                 raise ValueError(
                     f"Local latent site '{name}' is discrete: mark it for enumeration "
-                    "(numpyro.infer.config_enumerate or infer={'enumerate': "
-                    "'parallel'}) so that "
-                    "clients sum it out with TraceEnum_ELBO."
+                    f"(numpyro.infer.config_enumerate or infer={{'enumerate': 'parallel'}}) so "
+                    "that clients sum it out with TraceEnum_ELBO."
                 )
             kinds["enumerated"].append(name)
         elif in_plate:
             kinds["locals"].append(_local_site(name, site, plate))
         elif site["fn"].improper:
             raise ValueError(
-                f"Global site '{name}' has an improper prior ({site['fn'].support}); "
-                "PVI's factors need "
-                "a proper prior: give it a proper distribution (e.g. a wide Normal)."
+                f"Global site '{name}' has an improper prior ({site['fn'].support}); PVI's "
+                "factors need a proper prior: give it a proper distribution (e.g. a wide Normal)."
             )
         elif site["fn"].support.is_discrete:
             raise ValueError(
-                f"Global site '{name}' has a discrete support "
-                f"({site['fn'].support}); PVI's factors "
-                "are Gaussian in unconstrained space, so global latents must be "
+                f"Global site '{name}' has a discrete support ({site['fn'].support}); PVI's "
+                "factors are Gaussian in unconstrained space, so global latents must be "
                 "continuous."
             )
         else:
@@ -311,33 +301,26 @@ def _check_observed_shape(name: str, site: dict, plate: str) -> None:
     frames = site["cond_indep_stack"]
     if sum(f.name == plate for f in frames) > 1:
         raise ValueError(
-            f"Observed site '{name}' is inside partition plate '{plate}' more than "
-            "once (nested plates "
-            "with the same name): use the partition plate once."
+            f"Observed site '{name}' is inside partition plate '{plate}' more than once (nested "
+            "plates with the same name): use the partition plate once."
         )
     rows = int(np.prod([f.size for f in frames], dtype=np.int64))
     terms = int(np.prod(site["fn"].log_prob_shape, dtype=np.int64))
     if terms > rows:
         raise ValueError(
-            f"Observed site '{name}' has {terms} likelihood terms for {rows} rows of "
-            "its plates: its "
-            f"value of shape {tuple(site['value'].shape)} broadcasts against the "
-            "distribution's batch "
-            "shape (e.g. y of shape (n, 1) under a plate of size n). Pass y of shape "
-            "(n,), or declare "
-            "the extra dimensions with .to_event() or an inner plate."
+            f"Observed site '{name}' has {terms} likelihood terms for {rows} rows of its plates: "
+            f"its value of shape {tuple(site['value'].shape)} broadcasts against the "
+            "distribution's batch shape (e.g. y of shape (n, 1) under a plate of size n). Pass y "
+            "of shape (n,), or declare the extra dimensions with .to_event() or an inner plate."
         )
 
 
 def _hyper_site(name: str, site: dict, in_plate: bool, plate: str) -> HyperSite:
     if in_plate:
         raise ValueError(
-            f"numpyro.param site '{name}' is inside partition plate '{plate}': a "
-            "per-row "
-            "parameter would belong to one client only. Make it a local latent (a "
-            "sample "
-            "site with a prior) or move it outside the plate to learn it as a "
-            "hyperparameter."
+            f"numpyro.param site '{name}' is inside partition plate '{plate}': a per-row "
+            "parameter would belong to one client only. Make it a local latent (a sample site "
+            "with a prior) or move it outside the plate to learn it as a hyperparameter."
         )
     transform = biject_to(site["kwargs"].get("constraint", constraints.real))
     return HyperSite(name, transform.inv(site["value"]), transform)
@@ -351,10 +334,8 @@ def _gaussian_prior(relations: dict, global_sites: list, hyper: list, blocks: di
         used = set(relations.get("sample_param", {}).get(site.name, ())) & {h.name for h in hyper}
         if used:
             raise NotImplementedError(
-                f"Hyperparameter(s) {sorted(used)} enter the prior of "
-                f"global site '{site.name}'; "
-                "PVI learns hyperparameters of the likelihood and of local "
-                "latents only. Give "
+                f"Hyperparameter(s) {sorted(used)} enter the prior of global site '{site.name}'; "
+                "PVI learns hyperparameters of the likelihood and of local latents only. Give "
                 "them a prior (make them global latent sites) instead."
             )
     return {
@@ -381,8 +362,7 @@ def read_padded(
     size, local_sites = plate_and_locals(model, sites, args, kwargs, who)
     if size != rows:
         raise ValueError(
-            f"partition_plate '{sites.plate}' has size {size} in a client's model "
-            "call with "
+            f"partition_plate '{sites.plate}' has size {size} in a client's model call with "
             f"{rows} rows: size the plate from the data (e.g. X.shape[0])."
         )
     return replace(sites, plate_size=rows, locals=local_sites)

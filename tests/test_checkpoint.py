@@ -135,8 +135,7 @@ def test_a_crafted_checkpoint_cannot_run_code(tmp_path):
     )
     with pytest.raises(
         ValueError,
-        match="not a loadable numpyro_pvi checkpoint: Object arrays "
-        "cannot be loaded when "
+        match="not a loadable numpyro_pvi checkpoint: Object arrays cannot be loaded when "
         "allow_pickle=False",
     ):
         pvi.load(path)  # an object array (a pickle) in place of the JSON

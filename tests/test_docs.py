@@ -199,8 +199,8 @@ def test_the_damping_the_docs_call_a_servers_default_is_its_default():
             if named:
                 default = type(getattr(pvi, server)().damping).__name__
                 assert min(named)[1] == default, (
-                    f"{page.name}: {min(named)[1]} called the default of {server}, "
-                    f"which is {default}: ...{text[start - 60 : end + 20]}..."
+                    f"{page.name}: {min(named)[1]} called the default of {server}, which is "
+                    f"{default}: ...{text[start - 60 : end + 20]}..."
                 )
                 checked += 1
     assert checked >= 3  # privacy.md, troubleshooting.md, federated.md state one today

@@ -500,8 +500,7 @@ class LoudRay:
     def init(self, **kwargs):
         self.kwargs = kwargs
         warnings.warn(
-            "os.fork() was called. os.fork() is incompatible with multithreaded code, "
-            "and JAX is "
+            "os.fork() was called. os.fork() is incompatible with multithreaded code, and JAX is "
             "multithreaded, so this will likely lead to a deadlock.",
             RuntimeWarning,
             stacklevel=2,

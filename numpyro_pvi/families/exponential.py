@@ -393,14 +393,12 @@ class Dirichlet(ExponentialFamily):
         """One simplex site, of shape ``(K,)`` or ``(..., K)``; records it."""
         if len(shapes) != 1:
             raise ValueError(
-                f"Dirichlet() holds one simplex site; got {len(shapes)} sites: give "
-                "each its own "
-                "Dirichlet() in pvi.SiteFamilies({...})."
+                f"Dirichlet() holds one simplex site; got {len(shapes)} sites: give each its own "
+                f"Dirichlet() in pvi.SiteFamilies({{...}})."
             )
         if self.shape is not None and self.shape != tuple(shapes[0]):
             raise ValueError(
-                "This Dirichlet() instance holds a simplex site of shape "
-                f"{self.shape}, not "
+                f"This Dirichlet() instance holds a simplex site of shape {self.shape}, not "
                 f"{tuple(shapes[0])}: give each simplex site its own pvi.Dirichlet()."
             )
         self.shape = tuple(shapes[0])

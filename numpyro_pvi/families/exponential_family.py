@@ -150,11 +150,9 @@ class ExponentialFamily:
         for site in sites.globals:
             if not isinstance(_base_transform(site.transform), self.transform_type):
                 raise ValueError(
-                    f"{self!r} holds sites with support {self.support}, but global "
-                    f"site '{site.name}' "
-                    f"has a prior on another support (transform {site.transform}). "
-                    "Give it another "
-                    "family with pvi.SiteFamilies({...})."
+                    f"{self!r} holds sites with support {self.support}, but global site "
+                    f"'{site.name}' has a prior on another support (transform {site.transform}). "
+                    f"Give it another family with pvi.SiteFamilies({{...}})."
                 )
             out.append(replace(site, flat_shape=tuple(site.shape), transform=IdentityTransform()))
         self.check_shapes([tuple(s.shape) for s in sites.globals])
@@ -326,14 +324,11 @@ class ExponentialFamily:
         ):
             kind = type(self).__name__
             raise ValueError(
-                f"The prior of {list(names)} is not a {kind} distribution with fixed "
-                "parameters, which "
-                f"{self!r} needs (its prior enters q exactly; an exponential-family "
-                "block has no prior "
-                f"factor t_0). Use a {kind} prior (it is conjugate), or a Gaussian "
-                "family for this "
-                "site (pvi.MeanFieldGaussian() or pvi.FullRankGaussian(), which fit "
-                "any prior)."
+                f"The prior of {list(names)} is not a {kind} distribution with fixed parameters, "
+                f"which {self!r} needs (its prior enters q exactly; an exponential-family block "
+                f"has no prior factor t_0). Use a {kind} prior (it is conjugate), or a Gaussian "
+                "family for this site (pvi.MeanFieldGaussian() or pvi.FullRankGaussian(), which "
+                "fit any prior)."
             )
         dim = points.shape[-1]
         return NatParams(coef[:dim], coef[dim:]), ()
@@ -372,8 +367,7 @@ def unit_scale(family: ExponentialFamily, scale: float) -> float:
     """
     if not (np.isfinite(scale) and 0 < scale < 1):
         raise ValueError(
-            f"{family!r}: init_scale is the sd relative to its largest value sqrt(m "
-            "(1 - m)) and "
+            f"{family!r}: init_scale is the sd relative to its largest value sqrt(m (1 - m)) and "
             f"must be in (0, 1), got {scale!r}."
         )
     return float(scale)

@@ -77,10 +77,8 @@ class SiteFamilies:
             for family_ in (family, default):
                 if isinstance(family_, SiteFamilies) or not isinstance(family_, FactorFamily):
                     raise TypeError(
-                        f"SiteFamilies: {family_!r} is not a family "
-                        "(pvi.MeanFieldGaussian(), "
-                        "pvi.FullRankGaussian(), pvi.Gamma(), pvi.Beta(), "
-                        "pvi.Dirichlet())."
+                        f"SiteFamilies: {family_!r} is not a family (pvi.MeanFieldGaussian(), "
+                        "pvi.FullRankGaussian(), pvi.Gamma(), pvi.Beta(), pvi.Dirichlet())."
                     )
             self.groups[names] = family
         taken = [n for names in self.groups for n in names]
@@ -101,8 +99,7 @@ class SiteFamilies:
         unknown = [n for group in self.groups for n in group if n not in names]
         if unknown:
             raise ValueError(
-                f"SiteFamilies names {unknown}, which are not global latent sites of "
-                "the model "
+                f"SiteFamilies names {unknown}, which are not global latent sites of the model "
                 f"(its global sites: {names})."
             )
         order, members = [], {}
@@ -152,8 +149,7 @@ class SiteFamilies:
             groups = {self._group_of(n) for n in names}
             if len(groups) != 1 or any(n not in shapes for n in names):
                 raise ValueError(
-                    f"SiteFamilies: the block {names} of the layout is not one group "
-                    f"of {self!r} "
+                    f"SiteFamilies: the block {names} of the layout is not one group of {self!r} "
                     "(were both ends configured with the same SiteFamilies?)."
                 )
             family = self._family_of(groups.pop())
@@ -175,8 +171,7 @@ class SiteFamilies:
             b[1:] for b in blocks
         ):
             raise ValueError(
-                "This SiteFamilies instance was laid out for another model's sites; "
-                "make a new "
+                "This SiteFamilies instance was laid out for another model's sites; make a new "
                 "pvi.SiteFamilies({...}) for each model."
             )
         self.blocks = blocks
@@ -184,8 +179,7 @@ class SiteFamilies:
     def _laid_out(self) -> tuple:
         if self.blocks is None:
             raise RuntimeError(
-                "SiteFamilies is laid out from the model's sites: build the "
-                "problem first "
+                "SiteFamilies is laid out from the model's sites: build the problem first "
                 "(inference.build(...), init or run)."
             )
         return self.blocks
@@ -366,9 +360,8 @@ class SiteFamilies:
         for family, _, _, names in blocks:
             if not isinstance(family, MeanParamFamily):
                 raise TypeError(
-                    f"SiteFamilies: the block {list(names)}'s family {family!r} has "
-                    "no mean parameters "
-                    "(numpyro_pvi.families.MeanParamFamily), which SNEPUpdate needs."
+                    f"SiteFamilies: the block {list(names)}'s family {family!r} has no mean "
+                    "parameters (numpyro_pvi.families.MeanParamFamily), which SNEPUpdate needs."
                 )
         return blocks
 

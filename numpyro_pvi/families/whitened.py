@@ -119,10 +119,8 @@ def _gaussian_log_density(white: jax.Array, log_det_scale: jax.Array) -> jax.Arr
 def _check_unbatched(name: str, loc: jax.Array, *trils: jax.Array) -> None:
     if jnp.ndim(loc) != 1 or any(jnp.shape(t) != (loc.shape[0], loc.shape[0]) for t in trils):
         raise ValueError(
-            f"{name}: loc must be (D,) and every triangular factor (D, D) (no batch "
-            "shape; vmap "
-            f"over clients instead), got {jnp.shape(loc)} and "
-            f"{[jnp.shape(t) for t in trils]}."
+            f"{name}: loc must be (D,) and every triangular factor (D, D) (no batch shape; vmap "
+            f"over clients instead), got {jnp.shape(loc)} and {[jnp.shape(t) for t in trils]}."
         )
 
 

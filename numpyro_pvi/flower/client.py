@@ -90,14 +90,13 @@ class Site:
     ) -> None:
         if not isinstance(local_update, LocalUpdate):
             raise TypeError(
-                f"local_update must be a local update such as pvi.GradientUpdate(...), "
-                f"got {local_update!r}."
+                "local_update must be a local update such as pvi.GradientUpdate(...), got "
+                f"{local_update!r}."
             )
         if not isinstance(family, FactorFamily):
             raise TypeError(
                 "family must be a pvi family such as pvi.MeanFieldGaussian(), "
-                f"pvi.SiteFamilies({{...}}) "
-                f"or pvi.Gamma(), got {family!r}."
+                f"pvi.SiteFamilies({{...}}) or pvi.Gamma(), got {family!r}."
             )
         self.model, self.family, self.local_update = model, family, local_update
         self.load_data, self.client_id = load_data, partition_id if client_id is None else client_id

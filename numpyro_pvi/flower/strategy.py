@@ -91,8 +91,7 @@ class PVIStrategy(Strategy):
         if not isinstance(family, FactorFamily):
             raise TypeError(
                 "family must be a pvi family such as pvi.MeanFieldGaussian(), "
-                f"pvi.SiteFamilies({{...}}) "
-                f"or pvi.Gamma(), got {family!r}."
+                f"pvi.SiteFamilies({{...}}) or pvi.Gamma(), got {family!r}."
             )
         if not isinstance(num_clients, int) or isinstance(num_clients, bool) or num_clients < 1:
             raise ValueError(f"num_clients must be a positive integer, got {num_clients!r}.")
@@ -103,14 +102,12 @@ class PVIStrategy(Strategy):
         server.sampling.check(num_clients)
         if isinstance(server.damping, AdaptiveDamping):
             raise ValueError(
-                "PVIStrategy needs a fixed damping, e.g. pvi.Synchronous(0.5): "
-                "AdaptiveDamping follows "
-                "the global ELBO, which needs every site's data."
+                "PVIStrategy needs a fixed damping, e.g. pvi.Synchronous(0.5): AdaptiveDamping "
+                "follows the global ELBO, which needs every site's data."
             )
         if isinstance(server.damping, HeavyBall):
             raise ValueError(
-                "PVIStrategy needs a fixed damping, e.g. pvi.Synchronous(0.5): "
-                "pvi.HeavyBall (the "
+                "PVIStrategy needs a fixed damping, e.g. pvi.Synchronous(0.5): pvi.HeavyBall (the "
                 "default of pvi.Synchronous()) is not wired through Flower yet."
             )
         self.family, self.num_clients, self.rng_key, self.server = (
@@ -159,8 +156,7 @@ class PVIStrategy(Strategy):
         """
         if initial_arrays is not None:
             raise ValueError(
-                "PVIStrategy starts q from the model's prior (reported by the "
-                "sites): pass no "
+                "PVIStrategy starts q from the model's prior (reported by the sites): pass no "
                 "initial_arrays."
             )
         if not isinstance(num_rounds, int) or isinstance(num_rounds, bool) or num_rounds < 1:
@@ -201,26 +197,22 @@ class PVIStrategy(Strategy):
         self.nodes = {node: int(c["client"]) for node, c in info.items()}
         if sorted(self.nodes.values()) != list(range(self.num_clients)):
             raise ValueError(
-                f"The sites' client indices {sorted(self.nodes.values())} are not 0 "
-                ".. "
+                f"The sites' client indices {sorted(self.nodes.values())} are not 0 .. "
                 f"{self.num_clients - 1}: give each site a distinct partition-id."
             )
         for c in info.values():
             if "fitted-prior-sites" in c or "hyper-sites" in c:
                 raise NotImplementedError(
                     "PVIStrategy handles global sites with a Gaussian prior in unconstrained "
-                    "space and no "
-                    "hyperparameters; this model has prior-fitted sites "
-                    f"[{c.get('fitted-prior-sites', '')}] and "
-                    f"hyperparameters [{c.get('hyper-sites', '')}]. Run it in process (pvi.PVI) "
-                    "instead."
+                    "space and no hyperparameters; this model has prior-fitted sites "
+                    f"[{c.get('fitted-prior-sites', '')}] and hyperparameters "
+                    f"[{c.get('hyper-sites', '')}]. Run it in process (pvi.PVI) instead."
                 )
         layouts = {str(c["layout"]) for c in info.values()}
         if len(layouts) != 1:
             raise ValueError(
-                "The sites report different global sites or family layouts: do they "
-                "run the same model "
-                "and family?"
+                "The sites report different global sites or family layouts: do they run the same "
+                "model and family?"
             )
         # a SiteFamilies (a Dirichlet) is laid out as the sites' own
         adopt_layout(self.family, layouts.pop())

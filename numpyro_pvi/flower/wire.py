@@ -46,18 +46,16 @@ def tree_from_record(record: ArrayRecord, like: Any, what: str = "record") -> An
     leaves, treedef = jax.tree.flatten(like)
     if sorted(record.keys()) != sorted(str(i) for i in range(len(leaves))):
         raise ValueError(
-            f"The {what} holds arrays {sorted(record.keys())}, expected "
-            f"{len(leaves)} leaves: were the "
-            "server and the site configured with the same model and family?"
+            f"The {what} holds arrays {sorted(record.keys())}, expected {len(leaves)} leaves: "
+            "were the server and the site configured with the same model and family?"
         )
     values = []
     for i, leaf in enumerate(leaves):
         value = record[str(i)].numpy()
         if value.shape != jnp.shape(leaf):
             raise ValueError(
-                f"The {what}'s leaf {i} has shape {value.shape}, expected "
-                f"{jnp.shape(leaf)}: were the "
-                "server and the site configured with the same model and family?"
+                f"The {what}'s leaf {i} has shape {value.shape}, expected {jnp.shape(leaf)}: were "
+                "the server and the site configured with the same model and family?"
             )
         values.append(jnp.asarray(value, jnp.result_type(leaf)))
     return jax.tree.unflatten(treedef, values)

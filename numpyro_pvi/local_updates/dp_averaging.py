@@ -133,9 +133,8 @@ class DPLocalAveraging:
         inner = self.local_update.init_state(problem)
         if jax.tree.leaves(inner):
             raise ValueError(
-                f"DPLocalAveraging: the wrapped {type(self.local_update).__name__} "
-                "keeps a persistent "
-                "client state, which the shards cannot share; wrap an update without "
+                f"DPLocalAveraging: the wrapped {type(self.local_update).__name__} keeps a "
+                "persistent client state, which the shards cannot share; wrap an update without "
                 "one."
             )
         return DPState(jnp.zeros((), jnp.int32), inner)

@@ -192,8 +192,8 @@ class DPGradientUpdate:
         check_step_arguments("DPGradientUpdate", num_steps, num_particles, average_fraction)
         if not isinstance(optimizer, optax.GradientTransformation):
             raise TypeError(
-                "DPGradientUpdate: optimizer must be an "
-                f"optax.GradientTransformation, got {optimizer!r}."
+                "DPGradientUpdate: optimizer must be an optax.GradientTransformation, got "
+                f"{optimizer!r}."
             )
         if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
             raise ValueError(
@@ -203,8 +203,7 @@ class DPGradientUpdate:
         self.privacy_budget = privacy.check_budget(privacy_budget, "DPGradientUpdate")
         if self.privacy_budget is not None and noise_multiplier == 0:
             raise ValueError(
-                "DPGradientUpdate: a privacy_budget needs noise_multiplier > 0 (no "
-                "noise spends "
+                "DPGradientUpdate: a privacy_budget needs noise_multiplier > 0 (no noise spends "
                 "an infinite epsilon)."
             )
         self.optimizer, self.num_steps, self.batch_size = optimizer, num_steps, batch_size

@@ -95,10 +95,8 @@ def guide_constraints(family: Any, dim: int) -> tuple[Any, tuple, tuple]:
         names = [next((s["name"] for s in sites if s["args"][0] is leaf), None) for leaf in leaves]
         if None in names or len(sites) != len(leaves):
             raise NotImplementedError(
-                f"DPGradientUpdate: the guide of {family!r} does not "
-                "register one param site "
-                "per leaf of its guide_params (initialised at that leaf), "
-                "which the DP "
+                f"DPGradientUpdate: the guide of {family!r} does not register one param site per "
+                "leaf of its guide_params (initialised at that leaf), which the DP "
                 "parameterisation of a non-Gaussian family needs."
             )
         by_name = {s["name"]: s["kwargs"].get("constraint", constraints.real) for s in sites}

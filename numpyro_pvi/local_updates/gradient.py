@@ -109,8 +109,7 @@ class GradientUpdate:
         check_hyper_particles("GradientUpdate", num_hyper_particles, 1)
         if not isinstance(optimizer, (optax.GradientTransformation, _NumPyroOptim)):
             raise TypeError(
-                "GradientUpdate: optimizer must be an optax.GradientTransformation "
-                "(e.g. "
+                "GradientUpdate: optimizer must be an optax.GradientTransformation (e.g. "
                 f"optax.adam(1e-2)) or a numpyro.optim optimiser, got {optimizer!r}."
             )
         if batch_size is not None and (not isinstance(batch_size, int) or batch_size < 1):
@@ -163,8 +162,7 @@ class GradientUpdate:
         )
         if live and self.batch_size is not None:
             raise NotImplementedError(
-                "GradientUpdate(batch_size=...) with local latent variables "
-                "is not supported: "
+                "GradientUpdate(batch_size=...) with local latent variables is not supported: "
                 "each step uses all of a client's rows."
             )
         elbo = self.elbo
@@ -288,9 +286,8 @@ def check_schedule(
     """
     if (num_steps is None) == (num_epochs is None):
         raise ValueError(
-            f"{name}: give exactly one of num_steps (a fixed number of steps per "
-            "visit) or num_epochs "
-            f"(steps that follow the client's size), got num_steps={num_steps!r}, "
+            f"{name}: give exactly one of num_steps (a fixed number of steps per visit) or "
+            f"num_epochs (steps that follow the client's size), got num_steps={num_steps!r}, "
             f"num_epochs={num_epochs!r}."
         )
     if num_epochs is None:
@@ -303,9 +300,8 @@ def check_schedule(
         raise ValueError(f"{name}: num_epochs must be a positive integer, got {num_epochs!r}.")
     if batch_size is None:
         raise ValueError(
-            f"{name}: num_epochs={num_epochs} needs a batch_size (an epoch is "
-            "ceil(n_m / batch_size) "
-            "steps of a client of n_m rows); for full-batch steps give num_steps."
+            f"{name}: num_epochs={num_epochs} needs a batch_size (an epoch is ceil(n_m / "
+            "batch_size) steps of a client of n_m rows); for full-batch steps give num_steps."
         )
 
 

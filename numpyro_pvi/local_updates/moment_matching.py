@@ -204,10 +204,8 @@ class MomentMatchingUpdate:
         if not isinstance(family, Family):
             if self.tilted == "nuts" and not isinstance(family, MeanParamFamily):
                 raise ValueError(
-                    "MomentMatchingUpdate: tilted='nuts' needs a family with mean "
-                    "parameters and chain "
-                    f"coordinates (pvi.families.MeanParamFamily); {family!r} has "
-                    "none: use "
+                    "MomentMatchingUpdate: tilted='nuts' needs a family with mean parameters and "
+                    f"chain coordinates (pvi.families.MeanParamFamily); {family!r} has none: use "
                     "tilted='importance'."
                 )
             nuts = (

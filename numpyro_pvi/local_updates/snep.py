@@ -160,8 +160,7 @@ class SNEPUpdate:
             raise ValueError(f"SNEPUpdate: average must be in (0, 1], got {average!r}.")
         if site_variance is not None and not _is_interval(site_variance):
             raise ValueError(
-                "SNEPUpdate: site_variance must be None or a pair (v_min, v_max) of "
-                "numbers with "
+                "SNEPUpdate: site_variance must be None or a pair (v_min, v_max) of numbers with "
                 f"0 < v_min < v_max, got {site_variance!r}."
             )
         if step_decay is not None and not (isinstance(step_decay, (int, float)) and step_decay > 0):

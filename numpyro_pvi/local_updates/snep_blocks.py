@@ -186,15 +186,13 @@ def check_block_options(update: SNEPUpdate, family: Any) -> None:
     parameters."""
     if not isinstance(family, MeanParamFamily):
         raise NotImplementedError(
-            "SNEPUpdate needs a family with mean parameters (a Gaussian "
-            "family, SiteFamilies, "
+            "SNEPUpdate needs a family with mean parameters (a Gaussian family, SiteFamilies, "
             f"Gamma, Beta or Dirichlet), not {family!r}."
         )
     if update.site_variance is not None:
         raise ValueError(
-            "SNEPUpdate: site_variance (a clamp of a Gaussian site's covariance) "
-            "has no meaning for "
-            f"{family!r}; leave it None (the mean-parameter steps keep q valid)."
+            "SNEPUpdate: site_variance (a clamp of a Gaussian site's covariance) has no meaning "
+            f"for {family!r}; leave it None (the mean-parameter steps keep q valid)."
         )
 
 
