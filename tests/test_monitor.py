@@ -770,7 +770,14 @@ SYNCHRONOUS_SLIP = [
     ]
 ]
 EVERY = stack([round_info(1.0)])  # a history in which every client was merged
+
+
 # name: (rounds, tol, moves, history, converged, stopped_because, a phrase of its warning)
+def rounds_at_a_flat_elbo(moves):
+    """One RoundInfo per move of q, the ELBO flat but for a 0.01-nat wobble."""
+    return [round_info(np.abs(m).max(), -497.8 - 0.01 * (r % 2)) for r, m in enumerate(moves)]
+
+
 CASES = {
     "settled": (
         [round_info(1.0, -200), round_info(0.1, -150), round_info(0.001, -149)],
@@ -927,10 +934,7 @@ CASES = {
         "still drifting toward its fixed point",
     ),
     "one coordinate drifting under noise": (
-        [
-            round_info(np.abs(m).max(), -497.8 - 0.01 * (r % 2))
-            for r, m in enumerate(SLOW_COORDINATE)
-        ],
+        rounds_at_a_flat_elbo(SLOW_COORDINATE),
         0.05,
         SLOW_COORDINATE,
         None,
@@ -941,10 +945,7 @@ CASES = {
     # ... and one whose drift slips the other way once (on main: converged=True 0.31 / 0.21 sds from
     # the optimum)
     "drift with a slip, Sequential": (
-        [
-            round_info(np.abs(m).max(), -497.8 - 0.01 * (r % 2))
-            for r, m in enumerate(ONE_WAY_WITH_A_SLIP)
-        ],
+        rounds_at_a_flat_elbo(ONE_WAY_WITH_A_SLIP),
         0.05,
         ONE_WAY_WITH_A_SLIP,
         None,
@@ -953,10 +954,7 @@ CASES = {
         "coordinate 7 of q",
     ),
     "drift with a slip, Synchronous": (
-        [
-            round_info(np.abs(m).max(), -497.8 - 0.01 * (r % 2))
-            for r, m in enumerate(SYNCHRONOUS_SLIP)
-        ],
+        rounds_at_a_flat_elbo(SYNCHRONOUS_SLIP),
         0.05,
         SYNCHRONOUS_SLIP,
         None,
