@@ -110,7 +110,12 @@ def dp_sgd(eps, sizes):
     rate = min(1.0, DP_BATCH / min(sizes))
     sigma = pvi.calibrate_noise_multiplier(eps, DELTA, rate, DP_STEPS * ROUNDS)
     return pvi.DPGradientUpdate(
-        optax.adam(DP_LR), DP_STEPS, DP_BATCH, DP_CLIP, sigma, num_particles=2
+        optax.adam(DP_LR),
+        num_steps=DP_STEPS,
+        batch_size=DP_BATCH,
+        clip_norm=DP_CLIP,
+        noise_multiplier=sigma,
+        num_particles=2,
     ), sigma
 
 
@@ -118,7 +123,9 @@ def local_averaging(eps):
     # one Gaussian mechanism per round
     sigma = pvi.calibrate_noise_multiplier(eps, DELTA, 1.0, AVG_ROUNDS)
     inner = pvi.GradientUpdate(optax.adam(2e-2), num_steps=200, num_particles=2)
-    return pvi.DPLocalAveraging(inner, SHARDS, AVG_CLIP, sigma), sigma
+    return pvi.DPLocalAveraging(
+        inner, num_shards=SHARDS, clip_norm=AVG_CLIP, noise_multiplier=sigma
+    ), sigma
 
 
 def step_cost(X, y, parts, batches, particles=1, repeats=20):
@@ -133,7 +140,14 @@ def step_cost(X, y, parts, batches, particles=1, repeats=20):
     for batch in batches:
         runs = []
         for update in (
-            pvi.DPGradientUpdate(optax.adam(1e-2), 200, batch, 1.0, 1.0, num_particles=particles),
+            pvi.DPGradientUpdate(
+                optax.adam(1e-2),
+                num_steps=200,
+                batch_size=batch,
+                clip_norm=1.0,
+                noise_multiplier=1.0,
+                num_particles=particles,
+            ),
             pvi.GradientUpdate(optax.adam(1e-2), 200, num_particles=particles, batch_size=batch),
         ):
             problem = pvi.PVI(

@@ -132,7 +132,9 @@ def cost(sizes=(48, 1000), repeats: int = 10) -> None:
     for n in sizes:
         X, y = data(n)
         dp, plain = (
-            pvi.DPGradientUpdate(optax.adam(1e-2), 200, n, 1.0, 1.0),
+            pvi.DPGradientUpdate(
+                optax.adam(1e-2), num_steps=200, batch_size=n, clip_norm=1.0, noise_multiplier=1.0
+            ),
             pvi.GradientUpdate(optax.adam(1e-2), 200),
         )
         site_families = lambda: pvi.SiteFamilies({"w": pvi.FullRankGaussian(), "tau": pvi.Gamma()})  # noqa: E731

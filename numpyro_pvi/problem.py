@@ -30,8 +30,8 @@ from numpyro_pvi.clients import (
     stack,
 )
 from numpyro_pvi.densities import local_model, log_likelihood, log_prior
-from numpyro_pvi.families import Family, NatParams
-from numpyro_pvi.local_updates.base import Client, ClientProblem
+from numpyro_pvi.families import FactorFamily, Family, NatParams
+from numpyro_pvi.local_updates.base import Client, ClientProblem, LocalUpdate
 from numpyro_pvi.partition import ClientData
 from numpyro_pvi.prior import exact_prior
 from numpyro_pvi.sites import ModelSites, check_observed, plate_and_locals, read_model, read_padded
@@ -385,25 +385,25 @@ def _client_problem(inference: PVI, sites: ModelSites, split: ClientColumns) -> 
     )
 
 
-def _check_support(local_update: Any, sites: ModelSites, family: Any) -> None:
+def _check_support(local_update: LocalUpdate, sites: ModelSites, family: Any) -> None:
     """Refuse a model whose local latents, hyperparameters or family the local update cannot
-    handle."""
+    handle (what it declares in :class:`~numpyro_pvi.LocalUpdate`'s class attributes)."""
     name = type(local_update).__name__
-    if not isinstance(family, Family) and not getattr(
-        local_update, "supports_factor_families", False
-    ):
+    # the family contract the update declares it needs
+    contract = FactorFamily if local_update.supports_factor_families else Family
+    if not isinstance(family, contract):
         raise NotImplementedError(
             f"{name} needs a Gaussian family (MeanFieldGaussian or FullRankGaussian), not "
             f"{family!r}: it does not set supports_factor_families = True. Every local update of "
             "the library supports every family (docs/families.md)."
         )
-    if sites.has_local and not getattr(local_update, "supports_local_latents", False):
+    if sites.has_local and not local_update.supports_local_latents:
         names = [s.name for s in sites.locals] + list(sites.enumerated)
         raise NotImplementedError(
             f"{name} does not support local latent variables (sites {names} inside partition "
             f"plate '{sites.plate}'); use pvi.GradientUpdate."
         )
-    if sites.hyper and not getattr(local_update, "supports_hyperparameters", False):
+    if sites.hyper and not local_update.supports_hyperparameters:
         raise NotImplementedError(
             f"{name} does not support hyperparameters (numpyro.param sites "
             f"{[h.name for h in sites.hyper]}); use pvi.GradientUpdate."

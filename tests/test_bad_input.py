@@ -12,7 +12,7 @@ from jax import random
 import numpyro_pvi as pvi
 from numpyro_pvi import problem as problems
 
-from models import linear_model, logistic_model
+from models import linear_model, logistic_model, poisson_model
 
 UPDATE = pvi.GradientUpdate(optax.adam(1e-2), num_steps=5)
 
@@ -229,3 +229,35 @@ def test_num_rounds_must_be_a_positive_integer(linear_data, num_rounds):
     X, y = linear_data
     with pytest.raises(ValueError, match="num_rounds must be a positive integer"):
         pvi_for(linear_model).run(random.PRNGKey(0), num_rounds, X, y=y)
+
+
+class _UndeclaredUpdate:
+    """``init_state`` and ``bind`` but none of ``LocalUpdate``'s ``supports_*`` attributes (neither
+    set nor inherited)."""
+
+    def init_state(self, problem):
+        return ()
+
+    def bind(self, problem):
+        raise AssertionError("not reached: PVI refuses the update first")
+
+
+class _DeclaresNothing(_UndeclaredUpdate, pvi.LocalUpdate):
+    """The same update as a ``LocalUpdate`` subclass: it inherits the defaults (all false)."""
+
+
+def test_what_an_update_supports_is_declared_not_guessed():
+    # on main an update without the attributes was accepted (each read as False by getattr); now
+    # the attributes are LocalUpdate's contract: without them it is no LocalUpdate, and a subclass
+    # that sets none gets the defaults, read directly
+    with pytest.raises(TypeError, match="local_update must be"):
+        pvi_for(linear_model, update=_UndeclaredUpdate())
+    update = _DeclaresNothing()
+    assert not (
+        update.supports_local_latents
+        or update.supports_hyperparameters
+        or update.supports_factor_families
+    )
+    inference = pvi.PVI(poisson_model, pvi.Gamma(), [np.arange(4)], update, pvi.Sequential())
+    with pytest.raises(NotImplementedError, match="_DeclaresNothing needs a Gaussian family"):
+        inference.build(y=jnp.ones(4))

@@ -326,13 +326,15 @@ def test_every_kind_of_state_round_trips(linear_data, tmp_path):
         (
             linear_model,
             pvi.MeanFieldGaussian(),
-            pvi.DPGradientUpdate(optax.adam(1e-2), 5, 5, 1.0, 1.0),
+            pvi.DPGradientUpdate(
+                optax.adam(1e-2), num_steps=5, batch_size=5, clip_norm=1.0, noise_multiplier=1.0
+            ),
             pvi.Synchronous(0.5),
         ),
         (
             linear_model,
             pvi.MeanFieldGaussian(),
-            pvi.DPLocalAveraging(adam, 2, 1.0, 1.0),
+            pvi.DPLocalAveraging(adam, num_shards=2, clip_norm=1.0, noise_multiplier=1.0),
             pvi.Synchronous(0.5),
         ),
     ]

@@ -11,6 +11,8 @@ from fakes import assert_checkpoint_resumes
 from models import linear_model, normal_gamma_model, poisson_model
 
 PARTS = pvi.split_iid(random.PRNGKey(5), 300, 3)  # three clients of 100 rows
+# the options of a DPLocalAveraging whose numbers do not matter to the test
+SHARDS = dict(num_shards=2, clip_norm=1.0, noise_multiplier=1.0)
 
 
 def _setup(update, X, y):
@@ -97,14 +99,16 @@ def test_noise_sd_is_noise_multiplier_times_the_sensitivity(quick):
 def test_bad_arguments_are_named():
     inner = pvi.GradientUpdate(optax.adam(1e-2), num_steps=10)
     with pytest.raises(TypeError, match="LocalUpdate"):
-        pvi.DPLocalAveraging(object(), 2, 1.0, 1.0)
-    dp = pvi.DPGradientUpdate(optax.adam(1e-2), 10, 10, 1.0, 1.0)
+        pvi.DPLocalAveraging(object(), **SHARDS)
+    dp = pvi.DPGradientUpdate(
+        optax.adam(1e-2), num_steps=10, batch_size=10, clip_norm=1.0, noise_multiplier=1.0
+    )
     with pytest.raises(TypeError, match="non-private"):
-        pvi.DPLocalAveraging(dp, 2, 1.0, 1.0)
+        pvi.DPLocalAveraging(dp, **SHARDS)
     with pytest.raises(ValueError, match="num_shards"):
-        pvi.DPLocalAveraging(inner, 0, 1.0, 1.0)
+        pvi.DPLocalAveraging(inner, **{**SHARDS, "num_shards": 0})
     with pytest.raises(ValueError, match="clip_norm"):
-        pvi.DPLocalAveraging(inner, 2, -1.0, 1.0)
+        pvi.DPLocalAveraging(inner, **{**SHARDS, "clip_norm": -1.0})
 
 
 # ---------------------------------------------------------------- any family the wrapped update
@@ -154,9 +158,9 @@ def test_site_families_clip_every_block_and_checkpoint_resumes_exactly(tmp_path)
     assert_checkpoint_resumes(inference, result, tmp_path / "run.npz")
 
 
-class _GaussianOnlyUpdate:
-    """A local update that declares no support for non-Gaussian families (no
-    ``supports_factor_families``)."""
+class _GaussianOnlyUpdate(pvi.LocalUpdate):
+    """A local update that declares no support for non-Gaussian families (it keeps
+    ``LocalUpdate``'s default ``supports_factor_families = False``)."""
 
     def init_state(self, problem):
         return ()
@@ -166,13 +170,13 @@ class _GaussianOnlyUpdate:
 
 
 def test_factor_family_support_is_the_wrapped_updates():
-    assert pvi.DPLocalAveraging(_cvi(), 2, 1.0, 1.0).supports_factor_families
-    assert not pvi.DPLocalAveraging(_GaussianOnlyUpdate(), 2, 1.0, 1.0).supports_factor_families
+    assert pvi.DPLocalAveraging(_cvi(), **SHARDS).supports_factor_families
+    assert not pvi.DPLocalAveraging(_GaussianOnlyUpdate(), **SHARDS).supports_factor_families
     inference = pvi.PVI(
         poisson_model,
         pvi.Gamma(),
         [np.arange(4)],
-        pvi.DPLocalAveraging(_GaussianOnlyUpdate(), 2, 1.0, 1.0),
+        pvi.DPLocalAveraging(_GaussianOnlyUpdate(), **SHARDS),
         pvi.Synchronous(1.0),
     )
     with pytest.raises(NotImplementedError, match="DPLocalAveraging needs a Gaussian family"):

@@ -6,7 +6,7 @@ import pytest
 from jax import random
 
 import numpyro_pvi as pvi
-from numpyro_pvi.local_updates import dp_clipping, dp_params
+from numpyro_pvi.local_updates import dp_clipping
 
 from models import normal_gamma_model, poisson_model, scale_model
 
@@ -88,7 +88,7 @@ def _generic_setup(model, family, q_of, data):
     cp = problem.client_problem
     client = jax.tree.map(lambda a: a[0], problem.clients)
     assert not np.all(client.mask)  # padded rows
-    return cp, client, dp_params.parameters_for(cp).init(q_of(family))
+    return cp, client, cp.family.reparameterised(cp.dim).init(q_of(family))
 
 
 def _normal_gamma_q(family):

@@ -7,7 +7,7 @@ from jax import random
 from numpyro.distributions.transforms import biject_to
 
 import numpyro_pvi as pvi
-from numpyro_pvi.local_updates import dp_params
+from numpyro_pvi.families.reparameterised import GuideParameters
 
 from models import (
     bernoulli_model,
@@ -212,7 +212,15 @@ def _local_latent_model(X, y=None):
 
 @pytest.mark.parametrize(
     "update",
-    [_update(), pvi.DPLocalAveraging(pvi.GradientUpdate(optax.adam(1e-2), 10), 2, 1.0, 1.0)],
+    [
+        _update(),
+        pvi.DPLocalAveraging(
+            pvi.GradientUpdate(optax.adam(1e-2), 10),
+            num_shards=2,
+            clip_norm=1.0,
+            noise_multiplier=1.0,
+        ),
+    ],
 )
 def test_models_with_local_latents_are_refused(linear_data, update):
     X, y = linear_data
@@ -355,8 +363,8 @@ class _TransformedGuideGamma(pvi.Gamma):
 
 def test_a_guide_that_does_not_follow_its_guide_params_is_refused():
     with pytest.raises(NotImplementedError, match="one param site per leaf"):
-        dp_params.GuideParameters(_TransformedGuideGamma(), 1)
-    assert dp_params.GuideParameters(pvi.Gamma(), 1).names == (
+        GuideParameters(_TransformedGuideGamma(), 1)
+    assert GuideParameters(pvi.Gamma(), 1).names == (
         "_pvi_dp_concentration",
         "_pvi_dp_rate",
     )

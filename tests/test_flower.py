@@ -6,6 +6,7 @@ round: q after three rounds depends on it.
 """
 
 import gc
+import json
 import re
 import sys
 import warnings
@@ -37,6 +38,7 @@ from numpyro_pvi.flower import (  # noqa: E402
     tree_from_record,
     tree_to_record,
 )
+from numpyro_pvi.flower.wire import adopt_layout, layout_to_text  # noqa: E402
 
 from conftest import normal_gamma_model  # noqa: E402
 
@@ -339,6 +341,31 @@ def test_server_merges_good_deltas_and_rejects_the_rest(monkeypatch):
 
 def site_families():
     return pvi.SiteFamilies({"w": pvi.FullRankGaussian(), "tau": pvi.Gamma()})
+
+
+def test_a_sites_layout_lays_out_a_copy_of_the_servers_family():
+    """The layout a site sends (``layout_to_text``) lays out a copy of the server's family:
+    ``adopt_layout`` returns it and leaves the server's own as it was (on main it laid the server's
+    family out in place and returned None); a Dirichlet records its site's shape on the copy, a
+    Gaussian needs no layout (itself back), and a layout of another grouping is refused by name."""
+    X = random.normal(random.PRNGKey(4), (6, 2))
+    problem = pvi.PVI(
+        normal_gamma_model, site_families(), [np.arange(6)], LOCAL, pvi.Synchronous(DAMPING)
+    ).build(X, y=X[:, 0])
+    text = layout_to_text(problem.client_problem.family, problem.sites)
+    server = site_families()
+    laid_out = adopt_layout(server, text)
+    assert laid_out.layout() == ((("w",), 2), (("tau",), 1))
+    with pytest.raises(RuntimeError, match="build the problem first"):
+        server.layout()  # the server's own family is not laid out
+    dirichlet = pvi.Dirichlet()
+    got = adopt_layout(dirichlet, json.dumps({"shapes": {"probs": [2, 4]}, "layout": None}))
+    assert got.shape == (2, 4) and dirichlet.shape is None
+    gaussian = pvi.FullRankGaussian()
+    assert adopt_layout(gaussian, text) is gaussian
+    other = json.dumps({"shapes": {"w": [2], "tau": []}, "layout": [[["w", "tau"], 3]]})
+    with pytest.raises(ValueError, match="same SiteFamilies"):
+        adopt_layout(site_families(), other)
 
 
 def test_flower_site_families_match_in_process(by_value):

@@ -8,6 +8,7 @@ the exact prior.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import replace
 from typing import Any, Callable
 
@@ -24,6 +25,7 @@ from numpyro.distributions.transforms import (
 )
 
 from numpyro_pvi.families.params import Marginals, NatParams
+from numpyro_pvi.families.reparameterised import GuideParameters
 
 # draws at which an exponential-family block's prior is read off by least squares
 NUM_PRIOR_DRAWS = 256
@@ -357,6 +359,24 @@ class ExponentialFamily:
             raise ValueError(
                 f"{self!r} has no prior factor t_0: its sites' prior must be of the family."
             )
+
+    # ------------------------------------------------------------------ DP-SGD and the wire
+    def reparameterised(self, dim: int) -> GuideParameters:
+        """DP-SGD's parameters: the unconstrained values of the guide's sites, drawn by the
+        distribution's implicitly reparameterised sampler
+        (:class:`~numpyro_pvi.families.reparameterised.GuideParameters`)."""
+        return GuideParameters(self, dim)
+
+    def layout(self) -> None:
+        """Nothing beyond the sites' shapes (which :meth:`with_layout` is given)."""
+        return None
+
+    def with_layout(self, layout: Any, shapes: dict) -> ExponentialFamily:
+        """A copy laid out for global sites of these ``shapes`` (site name -> shape; a
+        ``Dirichlet`` records its site's); ``ValueError`` if the family cannot hold them."""
+        laid_out = copy.copy(self)
+        laid_out.check_shapes([tuple(shape) for shape in shapes.values()])
+        return laid_out
 
 
 def unit_scale(family: ExponentialFamily, scale: float) -> float:

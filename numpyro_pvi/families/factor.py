@@ -9,6 +9,7 @@ import jax
 import numpyro.distributions as dist
 
 from numpyro_pvi.families.params import Marginals, NatParams
+from numpyro_pvi.families.reparameterised import Reparameterised
 
 
 @runtime_checkable
@@ -180,4 +181,22 @@ class FactorFamily(Protocol):
             fits).
         :param use_hessian: whether to use Hessians (else Stein's lemma from gradients).
         """
+        ...
+
+    # ------------------------------------------------------------------ DP-SGD and the wire
+    def reparameterised(self, dim: int) -> Reparameterised:
+        """The parameters ``DPGradientUpdate`` optimises, their draws at fixed noise and each data
+        row's gradient norm in them (:mod:`~numpyro_pvi.families.reparameterised`): ``(loc, u)``
+        for a Gaussian, the guide's unconstrained sites for the others."""
+        ...
+
+    def layout(self) -> Any:
+        """What another instance needs, beyond the global sites' shapes, to lay itself out as this
+        one was by :meth:`prepare_sites`: a JSON-able value (``None`` if nothing)."""
+        ...
+
+    def with_layout(self, layout: Any, shapes: dict) -> FactorFamily:
+        """The family laid out as :meth:`layout` (``layout``) and the global sites' ``shapes`` (site
+        name -> shape) describe, without the model: a new family (or this one if it needs no
+        layout), never this one changed; ``ValueError`` if it cannot be."""
         ...

@@ -11,6 +11,7 @@ import numpyro
 import numpyro.distributions as dist
 
 from numpyro_pvi.families.protocol import Family, NatParams
+from numpyro_pvi.families.reparameterised import GaussianParameters
 
 # points at which a block's prior is read off (see ExponentialFamily.exact_prior)
 NUM_PRIOR_DRAWS = 256
@@ -311,6 +312,21 @@ class GaussianFamily:
         """
         hessian = jax.vmap(jax.hessian(log_density)) if use_hessian else None
         return expected_site(self, q, eps, jax.vmap(jax.grad(log_density)), hessian)
+
+    # ------------------------------------------------------------------ DP-SGD and the wire
+    def reparameterised(self, dim: int) -> GaussianParameters:
+        """DP-SGD's parameters ``(loc, u)``, ``scale = biject_to(scale_constraint)(u)``, drawn as
+        ``loc + scale @ eps`` (:class:`~numpyro_pvi.families.reparameterised.GaussianParameters`).
+        """
+        return GaussianParameters(self)
+
+    def layout(self) -> None:
+        """Nothing to lay out: a Gaussian holds any global sites of the model's flat ``zeta``."""
+        return None
+
+    def with_layout(self, layout: Any, shapes: dict) -> GaussianFamily:
+        """This family itself (a Gaussian needs no layout)."""
+        return self
 
 
 def expected_site(

@@ -12,6 +12,7 @@ from numpyro.distributions import constraints
 
 from numpyro_pvi.families.gaussian import GaussianFamily
 from numpyro_pvi.families.protocol import Marginals, NatParams
+from numpyro_pvi.families.reparameterised import MeanFieldParameters
 
 
 class MeanFieldGaussian(GaussianFamily):
@@ -181,3 +182,9 @@ class MeanFieldGaussian(GaussianFamily):
         if jnp.ndim(values) == 2:
             return None
         return precision.at[block].set(values)
+
+    # ------------------------------------------------------------------ DP-SGD
+    def reparameterised(self, dim: int) -> MeanFieldParameters:
+        """DP-SGD's ``(loc, u)`` with each row's gradient norm in closed form
+        (:class:`~numpyro_pvi.families.reparameterised.MeanFieldParameters`)."""
+        return MeanFieldParameters(self)

@@ -12,6 +12,7 @@ merge, cavities, damping and checkpoints are unchanged. Every other member maps 
 
 from __future__ import annotations
 
+import copy
 from dataclasses import replace
 from typing import Any, Callable, Iterable
 
@@ -27,6 +28,7 @@ from numpyro_pvi.families.factor import FactorFamily
 from numpyro_pvi.families.mean_field import MeanFieldGaussian
 from numpyro_pvi.families.mean_params import MeanParamFamily
 from numpyro_pvi.families.params import Marginals, NatParams
+from numpyro_pvi.families.reparameterised import GuideParameters
 
 
 class SiteFamilies:
@@ -503,6 +505,26 @@ class SiteFamilies:
                 for (_, a, b, _), part, zero in zip(self._laid_out(), site, flat)
             ]
         )
+
+    # ------------------------------------------------------------------ DP-SGD and the wire
+    def reparameterised(self, dim: int) -> GuideParameters:
+        """DP-SGD's parameters: the unconstrained values of every block's guide sites
+        (:class:`~numpyro_pvi.families.reparameterised.GuideParameters`)."""
+        return GuideParameters(self, dim)
+
+    def with_layout(self, layout: Iterable, shapes: dict) -> SiteFamilies:
+        """A copy laid out as :meth:`layout` described another instance with the same groups (this
+        one is left as it was): what a Flower server, which has no data, does with a site's layout.
+
+        :param layout: ``((names, size), ...)`` per block, as :meth:`layout` gives it.
+        :param shapes: site name -> the site's shape.
+        :raises ValueError: as :meth:`adopt_layout`.
+
+        **Example:** ``family.with_layout(((("w",), 2), (("tau",), 1)), {"w": (2,), "tau": ()})``.
+        """
+        laid_out = copy.deepcopy(self)
+        laid_out.adopt_layout(layout, shapes)
+        return laid_out
 
 
 def _name(family: Any) -> str:

@@ -215,7 +215,7 @@ class PVIStrategy(Strategy):
                 "model and family?"
             )
         # a SiteFamilies (a Dirichlet) is laid out as the sites' own
-        adopt_layout(self.family, layouts.pop())
+        self.family = adopt_layout(self.family, layouts.pop())
         like = self.family.zeros(int(next(iter(info.values()))["dim"]))
         priors = [tree_from_record(r.content.array_records["q0"], like, "prior") for r in replies]
         if not all(

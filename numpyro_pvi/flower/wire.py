@@ -16,8 +16,6 @@ import jax.numpy as jnp
 import numpy as np
 from flwr.app import Array, ArrayRecord, RecordDict
 
-from numpyro_pvi.families import ExponentialFamily, SiteFamilies
-
 # the PRNG name sent for a raw uint32 key (Flower cannot count the bytes of an empty string)
 RAW_KEY = "raw"
 
@@ -88,32 +86,27 @@ def content_bytes(content: RecordDict) -> int:
 
 
 def layout_to_text(family: Any, sites: Any) -> str:
-    """What the server needs to lay out its copy of ``family`` as the site's: the global sites'
-    shapes and, for a
-    :class:`~numpyro_pvi.SiteFamilies`, its blocks (:meth:`~numpyro_pvi.SiteFamilies.layout`), as
-        JSON.
+    """What the server needs to lay out its copy of ``family`` as the site's, as JSON: the global
+    sites' shapes and the family's own :meth:`~numpyro_pvi.families.FactorFamily.layout` (e.g. a
+    :class:`~numpyro_pvi.SiteFamilies`' blocks; ``None`` for a Gaussian).
 
     **Example:** ``layout_to_text(family, problem.sites)``; the server calls :func:`adopt_layout`
     with it.
     """
-    blocks = (
-        [[list(names), int(size)] for names, size in family.layout()]
-        if isinstance(family, SiteFamilies)
-        else None
+    return json.dumps(
+        {"shapes": {s.name: list(s.shape) for s in sites.globals}, "layout": family.layout()}
     )
-    return json.dumps({"shapes": {s.name: list(s.shape) for s in sites.globals}, "blocks": blocks})
 
 
-def adopt_layout(family: Any, text: str) -> None:
-    """Lay ``family`` out as :func:`layout_to_text` described a site's (a no-op for a Gaussian
-    family).
+def adopt_layout(family: Any, text: str) -> Any:
+    """``family`` laid out as :func:`layout_to_text` described a site's
+    (:meth:`~numpyro_pvi.families.FactorFamily.with_layout`): a new family (``family`` itself for a
+    Gaussian), never ``family`` changed; the caller keeps the returned one.
 
-    **Example:** ``adopt_layout(strategy.family, config["layout"])``.
+    :raises ValueError: if the family cannot be laid out so (the site runs another family).
+
+    **Example:** ``strategy.family = adopt_layout(strategy.family, config["layout"])``.
     """
     layout = json.loads(text)
     shapes = {name: tuple(shape) for name, shape in layout["shapes"].items()}
-    if isinstance(family, SiteFamilies):
-        family.adopt_layout(layout["blocks"], shapes)
-    # a Dirichlet records its site's shape (a batch of simplices)
-    elif isinstance(family, ExponentialFamily):
-        family.check_shapes(list(shapes.values()))
+    return family.with_layout(layout["layout"], shapes)

@@ -13,14 +13,15 @@ natural-parameter change the client proposes; the server damps and merges it.
 their unconstrained values, the same for every client; ``()`` if there are none). With
 hyperparameters the client also returns ``hyper_grad``, the gradient of its local free energy with
 respect to them; the server sums these and steps its own optimiser. A local update declares what it
-supports with the class attributes ``supports_local_latents`` and ``supports_hyperparameters`` (both
-false if absent); PVI refuses a model the update does not support with a clear error.
+supports with the class attributes of :class:`LocalUpdate` (``supports_local_latents``,
+``supports_hyperparameters``, ``supports_factor_families``; false unless it sets them); PVI refuses
+a model or family the update does not support with a clear error.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, NamedTuple, Protocol, runtime_checkable
+from typing import Any, Callable, ClassVar, NamedTuple, Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
@@ -35,16 +36,26 @@ class LocalUpdate(Protocol):
     client_update``.
 
     ``client_update(rng_key, client, cavity, q, state, hyper=()) -> ClientResult`` must be pure (a
-    backend ``jit``\ s and ``vmap``\ s it). Optional class attributes ``supports_local_latents`` and
-    ``supports_hyperparameters`` (false if absent) declare what models it handles.
+    backend ``jit``\ s and ``vmap``\ s it). The class attributes below declare what models and
+    families it handles: subclass ``LocalUpdate`` to inherit their defaults (all false: a Gaussian
+    family, no local latents, no hyperparameters) and set those it supports.
 
     **Example:** ``isinstance(pvi.GradientUpdate(optax.adam(1e-2), num_steps=100),
-    pvi.LocalUpdate)`` is true.
+    pvi.LocalUpdate)`` is true; a new update is ``class MyUpdate(pvi.LocalUpdate):`` with
+    ``init_state`` and ``bind``.
     """
 
     def init_state(self, problem: ClientProblem) -> Any: ...
 
     def bind(self, problem: ClientProblem) -> Callable: ...
+
+    #: whether it handles local latent variables (sites inside the partition plate)
+    supports_local_latents: ClassVar[bool] = False
+    #: whether it handles hyperparameters (``numpyro.param`` sites; it returns ``hyper_grad``)
+    supports_hyperparameters: ClassVar[bool] = False
+    #: whether it handles every :class:`~numpyro_pvi.families.FactorFamily` (else a Gaussian
+    #: :class:`~numpyro_pvi.families.Family` only)
+    supports_factor_families: ClassVar[bool] = False
 
 
 @runtime_checkable

@@ -36,7 +36,7 @@ from numpyro_pvi.local_updates.dp_gradient import (
 )
 
 
-class DPLocalAveraging:
+class DPLocalAveraging(LocalUpdate):
     """Wrap a local update: fit it on ``num_shards`` disjoint shards, release the clipped, noised
     mean delta.
 
@@ -78,6 +78,7 @@ class DPLocalAveraging:
     def __init__(
         self,
         local_update: LocalUpdate,
+        *,
         num_shards: int,
         clip_norm: float,
         noise_multiplier: float,
@@ -107,7 +108,7 @@ class DPLocalAveraging:
         """Whether the wrapped update supports every family (``SiteFamilies``, ``Gamma``...):
         averaging, clipping and noising a :class:`~numpyro_pvi.NatParams` delta work for any
         family."""
-        return bool(getattr(self.local_update, "supports_factor_families", False))
+        return self.local_update.supports_factor_families
 
     @property
     def sensitivity(self) -> float:

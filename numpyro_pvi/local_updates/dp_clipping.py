@@ -1,19 +1,19 @@
 """Per-row clipping of the data term's gradient for DP-SGD, by the reparameterisation's chain rule.
 
 The data term ``E_q[log p(y_i | zeta)]`` of row ``i`` is estimated with draws ``zeta_s = loc + scale
-@ eps_s`` shared by the rows (any other family: one reparameterised draw of its guide per fixed key,
-:mod:`~numpyro_pvi.local_updates.dp_params`), so its gradient with respect to the guide's parameters
-``params`` (``(loc, u)`` for a Gaussian family) is ``J^T g_i``: ``J`` the Jacobian of ``params ->
-(zeta_1 .. zeta_S)`` (the same for every row) and ``g_i`` the row's gradients in ``zeta``, ``g_is =
-grad_zeta log p(y_i | zeta_s) / S``. Hence
+@ eps_s`` shared by the rows (any other family: one reparameterised draw of its guide per fixed key;
+:meth:`~numpyro_pvi.families.FactorFamily.reparameterised`), so its gradient with respect to the
+guide's parameters ``params`` (``(loc, u)`` for a Gaussian family) is ``J^T g_i``: ``J`` the
+Jacobian of ``params -> (zeta_1 .. zeta_S)`` (the same for every row) and ``g_i`` the row's
+gradients in ``zeta``, ``g_is = grad_zeta log p(y_i | zeta_s) / S``. Hence
 
 * only the per-row gradients **in zeta** are taken (``jax.vmap`` over rows, one block per global
   site: no padding of a site's block into the flat vector);
-* each row's **norm** ``||J^T g_i||`` follows from them: in closed form for
+* each row's **norm** ``||J^T g_i||`` follows from them, computed by the family's
+  parameterisation: by applying ``J^T`` (``jax.vjp``) to each row (the default: full rank,
+  :class:`~numpyro_pvi.SiteFamilies`, ``Gamma``...), in closed form for
   :class:`~numpyro_pvi.MeanFieldGaussian` (``J`` is diagonal per draw: loc's gradient is ``sum_s
-  g_is`` and ``u``'s is ``sum_s g_is * eps_s * dscale/du``), by applying ``J^T`` (``jax.vjp``) to
-  each row otherwise (every other family: full rank, :class:`~numpyro_pvi.SiteFamilies`,
-  ``Gamma``...);
+  g_is`` and ``u``'s is ``sum_s g_is * eps_s * dscale/du``);
 * the **clipped sum** ``sum_i w_i J^T g_i = J^T sum_i w_i g_i`` (``w_i`` the clip factors) is one
   ordinary backward pass of the reweighted log-likelihood ``sum_i w_i log p(y_i | zeta_s)`` per
   draw: no per-row gradient in ``params`` is ever summed.
@@ -29,11 +29,8 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
-from numpyro.distributions.transforms import biject_to
 
-from numpyro_pvi.families import MeanFieldGaussian
 from numpyro_pvi.local_updates.base import Client, ClientProblem
-from numpyro_pvi.local_updates.dp_params import parameters_for
 
 
 def clip_factors(grads: Any, clip_norm: float) -> jax.Array:
@@ -68,11 +65,11 @@ def reparameterise(problem: ClientProblem, eps: jax.Array) -> Callable:
 
     A Gaussian family: ``loc + scale @ eps_s`` from ``(loc, u)`` and standard normals ``eps`` ``(S,
     D)``; any other family: one reparameterised draw of its guide per key of ``eps`` ``(S, 2)``
-    (:mod:`numpyro_pvi.local_updates.dp_params`).
+    (:meth:`~numpyro_pvi.families.FactorFamily.reparameterised`).
 
     **Example:** ``zeta = reparameterise(problem, eps)((loc, u))``.
     """
-    return parameters_for(problem).draws(eps)
+    return problem.family.reparameterised(problem.dim).draws(eps)
 
 
 def site_cuts(problem: ClientProblem) -> list[int]:
@@ -135,41 +132,18 @@ def row_squared_norms(
     problem: ClientProblem, params: tuple, eps: jax.Array, client: Client
 ) -> jax.Array:
     """``(rows,)``: ``||J^T g_i||^2``, each row's squared gradient norm in ``params`` from its
-    gradients in ``zeta``.
+    gradients in ``zeta`` (:func:`zeta_row_gradients`).
 
-    Mean-field: loc's gradient is ``a_i = sum_s g_is / S`` and ``u``'s ``b_i * dscale/du`` with
-    ``b_i = sum_s g_is eps_s / S``, so ``||a_i||^2 + ||b_i dscale||^2 = sum_{s,t} (g_is * g_it) @ (1
-    + eps_s eps_t dscale^2) / S^2``: one matrix-vector product per pair of draws (one in all for a
-    single draw), from the per-draw gradients of :func:`zeta_row_gradients`. Otherwise ``J^T`` is
-    applied to every row's ``(S, D)`` gradients by ``jax.vjp``.
+    The family's parameterisation computes it
+    (:meth:`~numpyro_pvi.families.reparameterised.Reparameterised.row_squared_norms`): by
+    ``jax.vjp`` in general, in closed form for :class:`~numpyro_pvi.MeanFieldGaussian`.
 
     **Example:** ``row_squared_norms(problem, (loc, u), eps, client)`` is ``(rows,)``.
     """
-    num_draws, draws = eps.shape[0], reparameterise(problem, eps)
-    zeta, pullback = jax.vjp(draws, params)
-    if not isinstance(problem.family, MeanFieldGaussian):
-        grads = zeta_row_gradients(problem, zeta, client)
-        stacked = (
-            jnp.stack([jnp.concatenate(blocks, axis=-1) for blocks in grads], axis=1) / num_draws
-        )
-        per_row = jax.vmap(lambda g: pullback(g)[0])(stacked)
-        return sum(
-            jnp.sum(leaf.reshape(leaf.shape[0], -1) ** 2, axis=1)
-            for leaf in jax.tree.leaves(per_row)
-        )
-    constrain, cuts = biject_to(problem.family.scale_constraint), site_cuts(problem)
-    # elementwise d scale / d u
-    _, dscale = jax.jvp(constrain, (params[1],), (jnp.ones_like(params[1]),))
-    grads, eps_blocks = zeta_row_gradients(problem, zeta, client), [jnp.split(e, cuts) for e in eps]
-    total = 0.0
-    for k, d in enumerate(jnp.split(dscale, cuts)):  # sum over pairs of draws s <= t
-        for s in range(num_draws):
-            for t in range(s, num_draws):
-                weight = (1.0 + eps_blocks[s][k] * eps_blocks[t][k] * d * d) * (
-                    (1.0 if s == t else 2.0) / num_draws**2
-                )
-                total = total + (grads[s][k] * grads[t][k]) @ weight
-    return total
+    parameters = problem.family.reparameterised(problem.dim)
+    zeta = parameters.draws(eps)(params)
+    grads = zeta_row_gradients(problem, zeta, client)
+    return parameters.row_squared_norms(params, eps, grads, site_cuts(problem))
 
 
 def clipped_sum(

@@ -25,9 +25,8 @@ from numpyro.distributions import kl_divergence
 
 from numpyro_pvi import privacy
 from numpyro_pvi.families import NatParams
-from numpyro_pvi.local_updates.base import Client, ClientProblem, ClientResult
+from numpyro_pvi.local_updates.base import Client, ClientProblem, ClientResult, LocalUpdate
 from numpyro_pvi.local_updates.dp_clipping import clipped_sum
-from numpyro_pvi.local_updates.dp_params import parameters_for
 from numpyro_pvi.local_updates.gradient import check_step_arguments, running_average
 from numpyro_pvi.state import Rejection
 
@@ -123,7 +122,7 @@ def gated_result(
     )
 
 
-class DPGradientUpdate:
+class DPGradientUpdate(LocalUpdate):
     """Optimise the local free energy by DP-SGD: per-row clipped, noised gradients of the data term.
 
     Like :class:`~numpyro_pvi.GradientUpdate` (same guide parameterisation, optax optimiser, Polyak
@@ -137,8 +136,8 @@ class DPGradientUpdate:
     Every family: a Gaussian one optimises ``(loc, u)``; any other
     (:class:`~numpyro_pvi.SiteFamilies`, ``Gamma``, ``Beta``, ``Dirichlet``) the unconstrained
     values of its guide's ``numpyro.param`` sites, with the guide's reparameterised draws
-    (:mod:`numpyro_pvi.local_updates.dp_params`); the clipping, the noise and the accounting are the
-    same.
+    (:meth:`~numpyro_pvi.families.FactorFamily.reparameterised`); the clipping, the noise and the
+    accounting are the same.
 
     The cost of a step is one per-row gradient in ``zeta`` for every padded row (Poisson sampling
     under fixed shapes), whatever ``batch_size``, plus one ordinary backward pass for the clipped
@@ -181,6 +180,7 @@ class DPGradientUpdate:
     def __init__(
         self,
         optimizer: optax.GradientTransformation,
+        *,
         num_steps: int,
         batch_size: int,
         clip_norm: float,
@@ -238,7 +238,7 @@ class DPGradientUpdate:
     def bind(self, problem: ClientProblem) -> Callable:
         """Return the pure ``client_update(rng_key, client, cavity, q, state, hyper=()) ->
         ClientResult``."""
-        optimizer, parameters = self.optimizer, parameters_for(problem)
+        optimizer, parameters = self.optimizer, problem.family.reparameterised(problem.dim)
         num_steps, num_average, allowed = (
             self.num_steps,
             self.num_average,
@@ -292,7 +292,7 @@ class DPGradientUpdate:
         **Example:** ``grad = update.data_gradient(problem)(key, (loc, u), client, 0.1)``.
         """
         dim, clip_norm, sd = problem.dim, self.clip_norm, self.noise_multiplier * self.clip_norm
-        parameters = parameters_for(problem)
+        parameters = problem.family.reparameterised(problem.dim)
 
         def gradient(rng_key: jax.Array, params: Any, client: Client, rate: jax.Array) -> Any:
             sample_key, draw_key, noise_key = jax.random.split(rng_key, 3)

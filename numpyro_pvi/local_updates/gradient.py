@@ -24,10 +24,10 @@ from numpyro_pvi.families.tilted import (
     tilted_params,
 )
 from numpyro_pvi.local_latents import init_local_state, local_guide, state_from_params
-from numpyro_pvi.local_updates.base import Client, ClientProblem, ClientResult
+from numpyro_pvi.local_updates.base import Client, ClientProblem, ClientResult, LocalUpdate
 
 
-class GradientUpdate:
+class GradientUpdate(LocalUpdate):
     """Optimise the local free energy with a NumPyro ELBO and an optax optimiser (Bui et al. 2018,
     Alg. 1).
 

@@ -31,7 +31,13 @@ import jax.numpy as jnp
 from numpyro_pvi.backtracking import backtrack
 from numpyro_pvi.families import Family, MeanParamFamily, NatParams
 from numpyro_pvi.families.gaussian import variance_inflation
-from numpyro_pvi.local_updates.base import Client, ClientProblem, ClientResult, local_free_energy
+from numpyro_pvi.local_updates.base import (
+    Client,
+    ClientProblem,
+    ClientResult,
+    LocalUpdate,
+    local_free_energy,
+)
 from numpyro_pvi.local_updates.laplace import laplace
 from numpyro_pvi.local_updates.nuts import NUTSSettings, nuts_draws
 from numpyro_pvi.local_updates.site_moment_matching import bind_site_families
@@ -89,7 +95,7 @@ def nuts_moments(
     return mean, centred.T @ centred / (zeta.shape[0] - 1)
 
 
-class MomentMatchingUpdate:
+class MomentMatchingUpdate(LocalUpdate):
     """EP / power-EP local steps: match ``q`` to the client's tilted distribution (Minka 2004; Bui
     et al. 2018).
 

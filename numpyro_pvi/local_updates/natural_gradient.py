@@ -32,12 +32,18 @@ import jax.numpy as jnp
 
 from numpyro_pvi.backtracking import backtrack
 from numpyro_pvi.families import FactorFamily, NatParams
-from numpyro_pvi.local_updates.base import Client, ClientProblem, ClientResult, local_free_energy
+from numpyro_pvi.local_updates.base import (
+    Client,
+    ClientProblem,
+    ClientResult,
+    LocalUpdate,
+    local_free_energy,
+)
 from numpyro_pvi.local_updates.gradient import check_hyper_particles
 from numpyro_pvi.local_updates.laplace import laplace_site
 
 
-class NaturalGradientUpdate:
+class NaturalGradientUpdate(LocalUpdate):
     """Natural-gradient (CVI) local steps on the client's factor (Khan & Lin 2017; Bui et al. 2018,
     Prop. 5).
 

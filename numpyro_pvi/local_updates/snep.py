@@ -49,7 +49,13 @@ import jax.numpy as jnp
 
 from numpyro_pvi.families import Family, NatParams
 from numpyro_pvi.families.gaussian import variance_inflation
-from numpyro_pvi.local_updates.base import Client, ClientProblem, ClientResult, local_free_energy
+from numpyro_pvi.local_updates.base import (
+    Client,
+    ClientProblem,
+    ClientResult,
+    LocalUpdate,
+    local_free_energy,
+)
 from numpyro_pvi.local_updates.laplace import laplace
 from numpyro_pvi.local_updates.snep_blocks import bind_blocks, init_block_state
 from numpyro_pvi.local_updates.snep_inner import SNEPVisit, averaged_site, run_inner
@@ -76,7 +82,7 @@ def _is_interval(value: Any) -> bool:
     )
 
 
-class SNEPUpdate:
+class SNEPUpdate(LocalUpdate):
     """Stochastic natural-gradient EP local steps with persistent MCMC (Hasenclever et al. 2017).
 
     Converges to EP's (``alpha = 1``) or power EP's fixed point: on the tests' logistic regression

@@ -1,19 +1,24 @@
-"""The parameters ``DPGradientUpdate`` optimises, and their reparameterised draws, for every family.
+"""The parameters DP-SGD optimises for a family, and their reparameterised draws.
 
-* :class:`GaussianParameters` (a Gaussian :class:`~numpyro_pvi.families.Family`): ``(loc, u)`` with
-  ``scale = biject_to(scale_constraint)(u)``, draws ``zeta_s = loc + scale @ eps_s`` from fixed
-  standard normals ``eps`` ``(S, D)``. The fast path: :mod:`~numpyro_pvi.local_updates.dp_clipping`
-  has closed-form per-row norms for :class:`~numpyro_pvi.MeanFieldGaussian`.
-* :class:`GuideParameters` (any other :class:`~numpyro_pvi.families.FactorFamily`:
-  :class:`~numpyro_pvi.SiteFamilies`, :class:`~numpyro_pvi.Gamma`, ...): the unconstrained values of
-  the ``numpyro.param`` sites the family's :meth:`~numpyro_pvi.families.FactorFamily.guide`
-  registers (each site's constraint read once, by tracing the guide), in the pytree of its
+A family's :meth:`~numpyro_pvi.families.FactorFamily.reparameterised` returns one of these (the
+``DPGradientUpdate`` of :mod:`numpyro_pvi.local_updates.dp_gradient` uses nothing else of the
+family):
+
+* :class:`GaussianParameters` (both Gaussian families): ``(loc, u)`` with ``scale =
+  biject_to(scale_constraint)(u)``, draws ``zeta_s = loc + scale @ eps_s`` from fixed standard
+  normals ``eps`` ``(S, D)``. :class:`MeanFieldParameters` (``MeanFieldGaussian``) adds the
+  closed-form per-row gradient norms.
+* :class:`GuideParameters` (every other family: :class:`~numpyro_pvi.SiteFamilies`,
+  :class:`~numpyro_pvi.Gamma`, ...): the unconstrained values of the ``numpyro.param`` sites the
+  family's :meth:`~numpyro_pvi.families.FactorFamily.guide` registers (each site's constraint read
+  once, by tracing the guide), in the pytree of its
   :meth:`~numpyro_pvi.families.FactorFamily.guide_params`; draws
   ``params_distribution(params).rsample(key_s)`` from fixed per-draw keys ``eps`` ``(S, 2)``
   (``jax.random.split(key, S)``). JAX's gamma sampler is implicitly reparameterised, so Gamma, Beta
   and Dirichlet draws are differentiable in their parameters.
 
-Both give the same members, which is all ``DPGradientUpdate`` and the clipping use.
+All give the same members (:class:`Reparameterised`); :meth:`Reparameterised.row_squared_norms`
+is the generic ``jax.vjp`` path, which a family may replace with a closed form.
 """
 
 from __future__ import annotations
@@ -21,25 +26,84 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 import numpyro.distributions as dist
 from numpyro import handlers
 from numpyro.distributions import constraints
 from numpyro.distributions.transforms import biject_to
 
-from numpyro_pvi.families import Family, NatParams
-from numpyro_pvi.local_updates.base import ClientProblem
+from numpyro_pvi.families.params import NatParams
 
 # the names of the guide's param sites (only used to call the family's guide methods)
 PREFIX = "_pvi_dp_"
 
 
-class GaussianParameters:
-    """``(loc, u)`` of a Gaussian family: ``scale = biject_to(family.scale_constraint)(u)``.
+class Reparameterised:
+    """What DP-SGD needs of a family: its parameters, their draws at fixed noise, the natural
+    parameters back.
 
-    **Example:** ``GaussianParameters(pvi.MeanFieldGaussian()).init(q)`` is ``(loc, u)``.
+    Subclasses implement :meth:`init`, :meth:`distribution`, :meth:`cavity_distribution`,
+    :meth:`nat`, :meth:`noise` and :meth:`draws`; :meth:`row_squared_norms` has a generic default.
+
+    **Example:** ``zeta = pvi.MeanFieldGaussian().reparameterised(D).draws(eps)(params)``.
     """
 
-    def __init__(self, family: Family) -> None:
+    def init(self, q: NatParams) -> Any:
+        """The parameters of ``q``."""
+        raise NotImplementedError
+
+    def distribution(self, params: Any) -> dist.Distribution:
+        """The guide's distribution."""
+        raise NotImplementedError
+
+    def cavity_distribution(self, cavity: NatParams) -> dist.Distribution:
+        """The cavity as a distribution its KL to :meth:`distribution` is defined for."""
+        raise NotImplementedError
+
+    def nat(self, params: Any) -> NatParams:
+        """The natural parameters of the guide."""
+        raise NotImplementedError
+
+    def noise(self, rng_key: jax.Array, num_draws: int, dim: int) -> jax.Array:
+        """``eps``: the fixed randomness of ``num_draws`` draws."""
+        raise NotImplementedError
+
+    def draws(self, eps: jax.Array) -> Callable:
+        """``params -> zeta`` ``(S, D)``: the guide's draws at the fixed randomness ``eps``."""
+        raise NotImplementedError
+
+    def row_squared_norms(
+        self, params: Any, eps: jax.Array, grads: list, cuts: list[int]
+    ) -> jax.Array:
+        """``(rows,)``: ``||J^T g_i||^2``, each row's squared gradient norm in ``params``.
+
+        ``J`` is the Jacobian of ``params -> zeta`` (:meth:`draws` at ``eps``, ``S`` draws), and
+        ``g_i`` the row's gradients in ``zeta`` divided by ``S``: ``grads[s][k]`` ``(rows,
+        size_k)`` is ``grad log p(y_i | zeta_s)`` in the block of global site ``k`` (blocks split
+        at ``cuts``). The default applies ``J^T`` to every row's ``(S, D)`` gradients by
+        ``jax.vjp``.
+
+        **Example:** ``reparameterised.row_squared_norms(params, eps, grads, [])`` is ``(rows,)``.
+        """
+        num_draws = eps.shape[0]
+        _, pullback = jax.vjp(self.draws(eps), params)
+        stacked = (
+            jnp.stack([jnp.concatenate(blocks, axis=-1) for blocks in grads], axis=1) / num_draws
+        )
+        per_row = jax.vmap(lambda g: pullback(g)[0])(stacked)
+        return sum(
+            jnp.sum(leaf.reshape(leaf.shape[0], -1) ** 2, axis=1)
+            for leaf in jax.tree.leaves(per_row)
+        )
+
+
+class GaussianParameters(Reparameterised):
+    """``(loc, u)`` of a Gaussian family: ``scale = biject_to(family.scale_constraint)(u)``.
+
+    **Example:** ``pvi.FullRankGaussian().reparameterised(D).init(q)`` is ``(loc, u)``.
+    """
+
+    def __init__(self, family: Any) -> None:
         self.family, self.constrain = family, biject_to(family.scale_constraint)
 
     def init(self, q: NatParams) -> tuple:
@@ -69,6 +133,37 @@ class GaussianParameters:
         return lambda params: jax.vmap(
             lambda e: family.unwhiten(params[0], constrain(params[1]), e)
         )(eps)
+
+
+class MeanFieldParameters(GaussianParameters):
+    """:class:`GaussianParameters` of ``MeanFieldGaussian``, with the per-row norms in closed form.
+
+    **Example:** ``pvi.MeanFieldGaussian().reparameterised(D)`` is one.
+    """
+
+    def row_squared_norms(
+        self, params: tuple, eps: jax.Array, grads: list, cuts: list[int]
+    ) -> jax.Array:
+        """``(rows,)``: ``||J^T g_i||^2`` in closed form (``J`` is diagonal per draw).
+
+        loc's gradient is ``a_i = sum_s g_is / S`` and ``u``'s ``b_i * dscale/du`` with ``b_i =
+        sum_s g_is eps_s / S``, so ``||a_i||^2 + ||b_i dscale||^2 = sum_{s,t} (g_is * g_it) @ (1 +
+        eps_s eps_t dscale^2) / S^2``: one matrix-vector product per pair of draws (one in all for a
+        single draw), block by block.
+        """
+        num_draws = eps.shape[0]
+        # elementwise d scale / d u
+        _, dscale = jax.jvp(self.constrain, (params[1],), (jnp.ones_like(params[1]),))
+        eps_blocks = [jnp.split(e, cuts) for e in eps]
+        total = 0.0
+        for k, d in enumerate(jnp.split(dscale, cuts)):  # sum over pairs of draws s <= t
+            for s in range(num_draws):
+                for t in range(s, num_draws):
+                    weight = (1.0 + eps_blocks[s][k] * eps_blocks[t][k] * d * d) * (
+                        (1.0 if s == t else 2.0) / num_draws**2
+                    )
+                    total = total + (grads[s][k] * grads[t][k]) @ weight
+        return total
 
 
 def guide_constraints(family: Any, dim: int) -> tuple[Any, tuple, tuple]:
@@ -107,10 +202,10 @@ def guide_constraints(family: Any, dim: int) -> tuple[Any, tuple, tuple]:
     return found[0]
 
 
-class GuideParameters:
+class GuideParameters(Reparameterised):
     """The unconstrained values of a family's guide sites, in the pytree of its ``guide_params``.
 
-    **Example:** ``GuideParameters(pvi.Gamma(), 1).init(q)`` is ``(log shape, log rate)``.
+    **Example:** ``pvi.Gamma().reparameterised(1).init(q)`` is ``(log shape, log rate)``.
     """
 
     def __init__(self, family: Any, dim: int) -> None:
@@ -146,16 +241,3 @@ class GuideParameters:
     def draws(self, eps: jax.Array) -> Callable:
         """``params -> zeta`` ``(S, D)``: one reparameterised draw per key of ``eps``."""
         return lambda params: jax.vmap(lambda key: self.distribution(params).rsample(key))(eps)
-
-
-def parameters_for(problem: ClientProblem) -> GaussianParameters | GuideParameters:
-    """:class:`GaussianParameters` for a Gaussian family, :class:`GuideParameters` for any other.
-
-    **Example:** ``zeta = parameters_for(problem).draws(eps)(params)``.
-    """
-    family = problem.family
-    return (
-        GaussianParameters(family)
-        if isinstance(family, Family)
-        else GuideParameters(family, problem.dim)
-    )
