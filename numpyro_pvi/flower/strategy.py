@@ -121,9 +121,10 @@ class PVIStrategy(Strategy):
         self.infos: list[RoundInfo] = []
         # per round: (bytes sent to the sites, bytes received)
         self.traffic: list[tuple[int, int]] = []
+        # self.family when first traced: the family as start() laid it out from the sites' layout
         self._merge = jax.jit(
             lambda q, factors, ids, deltas, ok: merge(
-                family, q, factors, ids, deltas, ok, server.damping, server.max_backtracks
+                self.family, q, factors, ids, deltas, ok, server.damping, server.max_backtracks
             )
         )
         self._accepted, self._monitor = np.zeros(num_clients, bool), RunMonitor(server)
