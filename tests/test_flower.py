@@ -38,7 +38,7 @@ from numpyro_pvi.flower import (  # noqa: E402
     tree_to_record,
 )
 
-from conftest import normal_gamma_model  # noqa: E402
+from models import normal_gamma_model  # noqa: E402
 
 NUM_CLIENTS, GROUPS, NUM_ROUNDS, DAMPING = 4, 3, 3, 0.5
 # 2 of the 4 sites per round, weighted
@@ -70,7 +70,7 @@ def by_value():
     value (and run the workers at the tests' priority)."""
     import ray.cloudpickle
 
-    modules = [sys.modules[name] for name in [__name__, "conftest", "models", "fakes"]]
+    modules = [sys.modules[name] for name in [__name__, "models", "fakes"]]
     for module in modules:
         ray.cloudpickle.register_pickle_by_value(module)
     with pytest.MonkeyPatch.context() as env:
