@@ -1,48 +1,13 @@
 """Shared fixtures of the tests: small, seeded, deterministic data built once per session.
 
 Shared models and exact references live in ``tests/models.py``, fake local updates in
-``tests/fakes.py``; tests import them from there. The names below are re-exported for the test files
-that still import them from conftest.
+``tests/fakes.py``; tests import them from there (never from conftest or another test file).
 """
 
 import numpyro
 import pytest
 
-from fakes import (  # noqa: F401  (re-exported)
-    UNEQUAL,
-    ExactLinearUpdate,
-    FaultyUpdate,
-    PoisonedUpdate,
-    assert_checkpoint_resumes,
-)
-from models import (  # noqa: F401  (re-exported)
-    CONCENTRATION,
-    EP_N,
-    EP_PARTS,
-    EP_SIZES,
-    NOISE,
-    bernoulli_model,
-    categorical_data,
-    categorical_model,
-    categorical_pvi,
-    dirichlet_errors,
-    exact_linear_posterior,
-    linear_model,
-    logistic_model,
-    make_linear_data,
-    make_logistic_data,
-    ng_errors,
-    noise_model,
-    normal_gamma_data,
-    normal_gamma_ep,
-    normal_gamma_model,
-    normal_gamma_pvi,
-    normal_gamma_vb,
-    poisson_model,
-    robust_model,
-    scale_model,
-    type_ii_ml_sigma,
-)
+from models import make_linear_data, make_logistic_data
 
 numpyro.set_platform("cpu")
 

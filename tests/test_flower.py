@@ -40,7 +40,7 @@ from numpyro_pvi.flower import (  # noqa: E402
 )
 from numpyro_pvi.flower.wire import adopt_layout, layout_to_text  # noqa: E402
 
-from conftest import normal_gamma_model  # noqa: E402
+from models import normal_gamma_model  # noqa: E402
 
 NUM_CLIENTS, GROUPS, NUM_ROUNDS, DAMPING = 4, 3, 3, 0.5
 # 2 of the 4 sites per round, weighted
@@ -72,7 +72,7 @@ def by_value():
     value (and run the workers at the tests' priority)."""
     import ray.cloudpickle
 
-    modules = [sys.modules[name] for name in [__name__, "conftest", "models", "fakes"]]
+    modules = [sys.modules[name] for name in [__name__, "models", "fakes"]]
     for module in modules:
         ray.cloudpickle.register_pickle_by_value(module)
     with pytest.MonkeyPatch.context() as env:

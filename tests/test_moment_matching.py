@@ -15,7 +15,7 @@ from numpyro.infer.autoguide import AutoMultivariateNormal
 import numpyro_pvi as pvi
 from numpyro_pvi.families.gaussian import tilted_inflation, variance_inflation
 
-from conftest import (
+from models import (
     NOISE,
     exact_linear_posterior,
     linear_model,

@@ -22,14 +22,8 @@ from numpyro_pvi.monitor import (
     trend,
 )
 
-from conftest import (
-    UNEQUAL,
-    ExactLinearUpdate,
-    FaultyUpdate,
-    PoisonedUpdate,
-    exact_linear_posterior,
-    linear_model,
-)
+from fakes import UNEQUAL, ExactLinearUpdate, FaultyUpdate, PoisonedUpdate
+from models import exact_linear_posterior, linear_model
 
 FIVE = np.array_split(np.arange(300), 5)
 

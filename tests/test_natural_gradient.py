@@ -14,7 +14,7 @@ import numpyro_pvi as pvi
 from numpyro_pvi.families import NatParams
 from numpyro_pvi.local_updates.laplace import laplace_site
 
-from conftest import (
+from models import (
     exact_linear_posterior,
     linear_model,
     logistic_model,

@@ -13,11 +13,8 @@ from jax import random
 import numpyro_pvi as pvi
 from numpyro_pvi.ray_backend import RayRunner, digest, start_ray, unpad
 
-from conftest import (
-    UNEQUAL,
-    ExactLinearUpdate,
-    FaultyUpdate,
-    PoisonedUpdate,
+from fakes import UNEQUAL, ExactLinearUpdate, FaultyUpdate, PoisonedUpdate
+from models import (
     exact_linear_posterior,
     linear_model,
     noise_model,
@@ -37,7 +34,7 @@ def ray_cluster():
     import sys
 
     # the workers cannot import the test modules (nor the shared models and fakes they use)
-    for name in ["conftest", "models", "fakes", __name__]:
+    for name in ["models", "fakes", __name__]:
         ray.cloudpickle.register_pickle_by_value(sys.modules[name])
     with pytest.MonkeyPatch.context() as env:
         # Ray starts its workers at nice 15: beside a busy process (CI's other xdist worker) the

@@ -23,7 +23,7 @@ from jax.scipy.special import digamma
 import numpyro_pvi as pvi
 from numpyro_pvi.local_updates.base import Client, ClientProblem
 
-from conftest import (
+from models import (
     CONCENTRATION,
     categorical_data,
     categorical_pvi,
