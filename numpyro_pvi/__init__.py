@@ -25,7 +25,7 @@ pvi.GradientUpdate(optax.adam(0.05), 100), pvi.Sequential()).run(key, 10, X, y=y
 
 from numpyro_pvi.backends import Backend, ConcurrentRunner, LoopBackend, VmapBackend
 from numpyro_pvi.checkpoint import load, save
-from numpyro_pvi.damping import AdaptiveDamping
+from numpyro_pvi.damping import AdaptiveDamping, Fixed
 from numpyro_pvi.families import (
     Beta,
     Dirichlet,
@@ -67,6 +67,7 @@ __all__ = [
     "PVI",
     "AdaptiveDamping",
     "HeavyBall",
+    "Fixed",
     "Asynchronous",
     "Backend",
     "ConcurrentRunner",

@@ -21,7 +21,6 @@ import numpyro.distributions as dist
 import optax
 from tqdm.auto import trange
 
-from numpyro_pvi import damping
 from numpyro_pvi import problem as problems
 from numpyro_pvi.backends import get_backend
 from numpyro_pvi.families import FactorFamily
@@ -283,7 +282,7 @@ class PVI:
             hyper,
             hyper_state,
             _broadcast(hyper, capacity, zero=True),
-            damping.initial_state(self.server.damping, q, factors, self.family),
+            self.server.damping.init(q, factors, self.family),
             MadeFor.of(self, problem),
         )
 
@@ -337,7 +336,7 @@ class PVI:
         self._check_state(state, problem)
         start, steps, old_q = time.perf_counter(), problem.steps, state.q
         round_key, sample_key, next_key = jax.random.split(state.rng_key, 3)
-        rho = float(damping.current(self.server.damping, state.damping))
+        rho = float(self.server.damping.rho(state.damping))
         if steps.prior_step is not None:
             state = steps.prior_step(state, _data(problem))
         round = Round(
@@ -352,8 +351,7 @@ class PVI:
         before = state
         state = self.server.run_round(state, round, problem.num_clients)
         backtracked = round.backtracked(rho)
-        state = damping.accelerate(
-            self.server.damping,
+        state = self.server.damping.after_merge(
             self.family,
             before,
             state,
@@ -380,7 +378,7 @@ class PVI:
             )
         )
         state = state._replace(
-            damping=damping.after_round(self.server.damping, state.damping, elbo, backtracked)
+            damping=self.server.damping.after_round(state.damping, elbo, backtracked)
         )
         move = q_move(self.family, old_q, state.q)
         info = RoundInfo(
@@ -396,7 +394,7 @@ class PVI:
         )
         monitor.after_round(info, round.staleness, move)
         # an oscillating or falling run says so
-        note = damping.warning(self.server.damping, state.damping)
+        note = self.server.damping.warning(state.damping)
         if note is not None:
             monitor.warn(*note)
         return state._replace(rng_key=next_key), info
@@ -551,9 +549,7 @@ class PVI:
             server_state=self.server.add_client(server_state, state.q, m),
         )
         state = state._replace(
-            damping=damping.after_new_client(
-                self.server.damping, state.damping, state.q, state.factors
-            ),
+            damping=self.server.damping.after_new_client(state.damping, state.q, state.factors),
             made_for=MadeFor.of(self, new),
         )
         return state, new

@@ -18,7 +18,6 @@ import optax
 from numpyro.infer import Trace_ELBO, TraceEnum_ELBO
 
 from numpyro_pvi.backtracking import backtrack
-from numpyro_pvi.damping import current as current_damping
 from numpyro_pvi.densities import log_prior
 from numpyro_pvi.families import NatParams
 from numpyro_pvi.local_latents import expected_local_elbo
@@ -181,7 +180,7 @@ def _apply_fn(family: Any, server: Any, local_update: Any) -> Callable:
             ids,
             result.delta,
             finite & allow & cavity_ok,
-            current_damping(server.damping, state.damping),
+            server.damping.rho(state.damping),
             server.max_backtracks,
         )
         accepted = finite & allow & cavity_ok & merged.valid
@@ -272,9 +271,7 @@ def _prior_steps(
                 family, q_new, state.factors
             )
 
-        out = backtrack(
-            propose, current_damping(server.damping, state.damping), server.max_backtracks
-        )
+        out = backtrack(propose, server.damping.rho(state.damping), server.max_backtracks)
         keep = lambda new, old: jnp.where(out.valid, new, old)  # noqa: E731
         q, t0 = out.value
         return state._replace(

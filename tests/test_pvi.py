@@ -114,7 +114,7 @@ def test_one_partition_equals_numpyro_svi(logistic_data, family):
     [
         (pvi.Synchronous(0.5), 12),
         (pvi.Sequential(), 4),
-        (pvi.Asynchronous(0.5, speeds=[1.0] * 9 + [0.5], seed=0), 12),
+        (pvi.Asynchronous(0.5, speeds=[1.0] * 9 + [0.5], rng_key=random.PRNGKey(0)), 12),
     ],
     ids=str,
 )

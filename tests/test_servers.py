@@ -101,7 +101,7 @@ def test_continual_visits_each_client_once_and_add_client_extends_the_run(linear
 def test_asynchronous_with_a_slow_client_reaches_the_exact_posterior(linear_data):
     with enable_x64(True):
         X, y = (jnp.asarray(a, jnp.float64) for a in linear_data)
-        server = pvi.Asynchronous(speeds=[1.0, 1.0, 0.2, 1.0], seed=1)
+        server = pvi.Asynchronous(speeds=[1.0, 1.0, 0.2, 1.0], rng_key=random.PRNGKey(1))
         inference = pvi.PVI(
             linear_model, pvi.FullRankGaussian(), UNEQUAL, ExactLinearUpdate(), server
         )
@@ -118,7 +118,7 @@ def test_asynchronous_with_a_slow_client_reaches_the_exact_posterior(linear_data
 def test_asynchronous_rejects_updates_staler_than_max_staleness(linear_data):
     X, y = linear_data
     parts = [np.arange(0, 150), np.arange(150, 300)]
-    server = pvi.Asynchronous(max_staleness=1, speeds=[4.0, 1.0], seed=0)
+    server = pvi.Asynchronous(max_staleness=1, speeds=[4.0, 1.0], rng_key=random.PRNGKey(0))
     inference = pvi.PVI(linear_model, pvi.FullRankGaussian(), parts, ExactLinearUpdate(), server)
     result = inference.run(random.PRNGKey(0), 3, X, y=y, progress_bar=False)
     np.testing.assert_array_equal(result.history.attempts, [[4, 1]] * 3)

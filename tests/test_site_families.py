@@ -206,7 +206,7 @@ def test_asynchronous_server_reaches_the_same_fixed_point(data):
     after 48 rounds the means are still 0.2-0.3 posterior sds off (issue 23 note:
     ``AdaptiveDamping`` has no tolerance for small falls).
     """
-    server = pvi.Asynchronous(speeds=[1.0, 1.0, 0.3, 1.0], seed=1)
+    server = pvi.Asynchronous(speeds=[1.0, 1.0, 0.3, 1.0], rng_key=random.PRNGKey(1))
     precision, mean = exact_precision_and_mean(*data)
     family = pvi.SiteFamilies({"w": pvi.FullRankGaussian()})
     result = cvi(family, server, laplace_fallback=False).run(
