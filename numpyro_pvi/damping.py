@@ -131,6 +131,11 @@ class Fixed:
     def __repr__(self) -> str:
         return f"Fixed({self._rho})"
 
+    def __str__(self) -> str:
+        # a server's repr shows the number, as before Fixed existed: the server a checkpoint
+        # records (``MadeFor.server``) is unchanged, and older checkpoints still resume
+        return str(self._rho)
+
 
 def _record_step(fixed: FixedDampingState, family: Any, old: Any, new: Any) -> FixedDampingState:
     step = np.asarray(q_move(family, old, new), np.float64)

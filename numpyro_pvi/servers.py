@@ -63,6 +63,12 @@ class Server:
         is built)."""
         self.sampling.check(num_clients)
 
+    def sampling_rates(self, num_clients: int) -> np.ndarray | None:
+        """``(M,)`` each client's probability of taking part in a round, when every round draws its
+        clients afresh, independently of the others (what client-sampled privacy accounting
+        credits); ``None`` for a server whose rounds do not (the default)."""
+        return None
+
     def init(self, q: NatParams, num_clients: int) -> Any:
         """The server's own state for ``num_clients`` client slots, kept in
         ``PVIState.server_state`` (none by default); per-client entries have a leading client
@@ -146,6 +152,10 @@ class Synchronous(Server):
     def default_damping(self) -> Damping:
         """``HeavyBall()``, or ``AdaptiveDamping()`` when clients are sampled."""
         return HeavyBall() if self.synchronous_rounds else AdaptiveDamping()
+
+    def sampling_rates(self, num_clients: int) -> np.ndarray:
+        """``K / M`` for each client (uniform weights; 1 without client sampling)."""
+        return np.full(num_clients, self.sampling.num_sampled(num_clients) / num_clients)
 
     def run_round(self, state: Any, round: Round, num_clients: int) -> Any:
         if self.sampling.active(num_clients):

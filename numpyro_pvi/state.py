@@ -40,12 +40,13 @@ class MadeFor:
     capacity: int = 0
 
     @classmethod
-    def of(cls, inference: Any, problem: Any) -> MadeFor:
-        """The record of a :class:`~numpyro_pvi.PVI` on a :class:`~numpyro_pvi.Problem`."""
+    def of(cls, config: Any, problem: Any) -> MadeFor:
+        """The record of a configuration (:class:`~numpyro_pvi.config.PVIConfig`) on a
+        :class:`~numpyro_pvi.Problem`."""
         return cls(
             tuple((s.name, tuple(int(n) for n in s.shape)) for s in problem.sites.globals),
-            family_name(inference.family),
-            repr(inference.server),
+            family_name(config.family),
+            repr(config.server),
             int(problem.capacity),
         )
 

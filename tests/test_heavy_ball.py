@@ -152,7 +152,9 @@ def test_an_elbo_drop_restarts_the_momentum_and_halves_the_damping():
     assert float(state.ceiling) == 1.0 and int(state.restarts) == 0
     state = heavy_ball.after_round(state, -100.05, False)  # within the tolerance: not a drop
     assert int(state.restarts) == 0 and float(state.beta) == pytest.approx(0.6)
-    state = heavy_ball.after_round(state, -101.0, False)  # a drop in a round with momentum: restart it
+    state = heavy_ball.after_round(
+        state, -101.0, False
+    )  # a drop in a round with momentum: restart it
     assert int(state.restarts) == 1 and int(state.drops) == 1 and float(state.beta) == 0.0
     assert float(jnp.abs(state.velocity.eta1).max()) == 0.0 and float(state.ceiling) == 1.0
     # a drop without momentum (NaN is one): halve the damping

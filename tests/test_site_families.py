@@ -104,7 +104,7 @@ def test_backends_agree_and_checkpoint_resumes_exactly(data, tmp_path):
     with pytest.raises(ValueError, match="family"):
         pvi.load(
             tmp_path / "run.npz",
-            cvi(pvi.SiteFamilies({"b": pvi.FullRankGaussian()}), pvi.Synchronous(1.0)),
+            cvi(pvi.SiteFamilies({"b": pvi.FullRankGaussian()}), pvi.Synchronous(1.0)).config,
             result.problem,
         )
 
