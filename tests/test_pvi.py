@@ -358,3 +358,56 @@ def test_help_names_every_family_update_server_and_damping():
     ]
     for name in [*families, *updates, *servers, "HeavyBall", "AdaptiveDamping", "RayBackend"]:
         assert re.search(rf"\b{name}\b", text), f"help(pvi.PVI) does not name {name}"
+
+
+CONFIGURATION_MODULES = ("pvi", "problem", "results", "privacy", "checkpoint", "diagnostics")
+
+
+def _package_imports() -> dict:
+    """Each ``numpyro_pvi`` module's imports of other ``numpyro_pvi`` modules, read from its source:
+    module level, inside functions and under ``TYPE_CHECKING`` alike."""
+    import ast
+    import pathlib
+
+    root = pathlib.Path(pvi.__file__).parent
+    names = {
+        ".".join(path.relative_to(root).with_suffix("").parts): path
+        for path in root.rglob("*.py")
+        if path.name != "__init__.py"
+    }
+    graph = {}
+    for name, path in names.items():
+        edges = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                submodules = [f"{node.module}.{a.name}" for a in node.names]
+                known = [m for m in submodules if m.removeprefix("numpyro_pvi.") in names]
+                targets = known or [node.module]
+            elif isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            else:
+                continue
+            for target in targets:
+                if target.startswith("numpyro_pvi."):
+                    target = target.removeprefix("numpyro_pvi.")
+                    edges |= {target} if target in names else set()
+                elif target == "numpyro_pvi":
+                    edges.add("__init__")
+        graph[name] = edges
+    return graph
+
+
+def test_the_configuration_modules_import_one_way():
+    """Issue 24 item 3: no import cycle through pvi/problem/results/privacy/checkpoint/diagnostics,
+    not even through ``TYPE_CHECKING`` or function-level imports (on 16f0d19: problem -> pvi and
+    results -> pvi under ``TYPE_CHECKING``, diagnostics -> numpyro_pvi in a function)."""
+    graph = _package_imports()
+    for start in CONFIGURATION_MODULES:
+        seen, stack = set(), list(graph[start])
+        while stack:
+            module = stack.pop()
+            assert module != start, f"{start} imports itself through {sorted(seen)}"
+            assert module != "__init__", f"{start} reaches the package's __init__ ({sorted(seen)})"
+            if module not in seen:
+                seen.add(module)
+                stack.extend(graph.get(module, ()))
