@@ -166,7 +166,7 @@ def test_a_client_that_times_out_is_counted_once_by_budget_and_privacy_spent(lin
         PARTS,
         update,
         pvi.Sequential(),
-        TimingOutBackend(timeouts=3),
+        backend=TimingOutBackend(timeouts=3),
     )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", pvi.PVIWarning)

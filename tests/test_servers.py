@@ -29,7 +29,12 @@ def test_exact_local_updates_reach_the_exact_posterior(linear_data, server, roun
         X, y = (jnp.asarray(a, jnp.float64) for a in linear_data)
         mean, cov = exact_linear_posterior(X, y)
         inference = pvi.PVI(
-            linear_model, pvi.FullRankGaussian(), UNEQUAL, ExactLinearUpdate(), server, backend
+            linear_model,
+            pvi.FullRankGaussian(),
+            UNEQUAL,
+            ExactLinearUpdate(),
+            server,
+            backend=backend,
         )
         result = inference.run(random.PRNGKey(0), rounds, X, y=y, progress_bar=False)
         loc, scale_tril = inference.family.loc_scale(result.state.q)
