@@ -74,7 +74,7 @@ class PVI:
         :class:`~numpyro_pvi.LocalUpdate`.
     :param server: how rounds run and merge: :class:`~numpyro_pvi.Synchronous` (default
         ``Synchronous()``: every client from the same ``q``, merged with
-        :class:`~numpyro_pvi.HeavyBall` damping; a float or
+        :class:`~numpyro_pvi.HeavyBall` damping; a float (:class:`~numpyro_pvi.Fixed`) or
         :class:`~numpyro_pvi.AdaptiveDamping` instead; ``clients_per_round=K`` samples clients),
         :class:`~numpyro_pvi.Sequential` (clients in turn, each from the last one's ``q``),
         :class:`~numpyro_pvi.Asynchronous` (merged as they arrive, stale updates handled) or
@@ -102,6 +102,9 @@ class PVI:
         it starts at ``init_to_median``): the sd in every unconstrained coordinate for the Gaussian
         families, the coefficient of variation for ``Gamma``, the sd relative to ``sqrt(m (1 - m))``
         for ``Beta`` and ``Dirichlet`` (:mod:`numpyro_pvi.start`).
+
+    The options after ``server`` are keyword-only. ``inference.config`` is the configuration as a
+    value (:class:`~numpyro_pvi.config.PVIConfig`, what problems and results hold).
 
     ``PVI`` holds configuration only, like ``numpyro.infer.SVI``. What it builds from the data (the
     sites, the clients' stacked data, the compiled steps) is an immutable
