@@ -17,7 +17,14 @@ from numpyro.infer import Predictive
 import numpyro_pvi as pvi
 
 from fakes import ExactLinearUpdate
-from models import NOISE, exact_linear_posterior, linear_model, logistic_model, scale_model
+from models import (
+    NOISE,
+    exact_linear_posterior,
+    linear_model,
+    logistic_model,
+    noise_model,
+    scale_model,
+)
 from references import (
     ONLINE_VI_LOGISTIC_LOC,
     ONLINE_VI_LOGISTIC_SCALE,
@@ -411,3 +418,24 @@ def test_the_configuration_modules_import_one_way():
             if module not in seen:
                 seen.add(module)
                 stack.extend(graph.get(module, ()))
+
+
+def test_get_params_needs_no_data_and_a_result_holds_the_configuration(linear_data):
+    """Issue 24 item 3. On 16f0d19 ``PVIRunResult`` held the ``PVI`` (``result.inference``), and
+    ``PVI.get_params`` / ``hyperparameters`` / ``sample_posterior`` / ``guide`` without ``problem=``
+    read whichever problem was built last (``PVI._latest``). Now a result holds the configuration
+    value, and ``get_params(state)`` reads only the model's param constraints."""
+    X, y = linear_data
+    inference = pvi.PVI(
+        noise_model, pvi.MeanFieldGaussian(), PARTS, gradient_update(), pvi.Sequential()
+    )
+    assert "config" in pvi.PVIRunResult._fields and "inference" not in pvi.PVIRunResult._fields
+    assert isinstance(inference.config, pvi.config.PVIConfig) and inference.family is not None
+    with pytest.raises(RuntimeError, match="build/init/run first"):
+        inference.get_params(pvi.PVIState(*[()] * 6, {"sigma": jnp.zeros(())}))
+    state = inference.init(random.PRNGKey(0), X, y=y)
+    assert inference.get_params(state)["sigma"] == pytest.approx(1.0)  # the param's init value
+    inference.build(2.0 * X, y=-y)  # other data built last: the same answer
+    assert inference.get_params(state)["sigma"] == pytest.approx(1.0)
+    with pytest.raises(TypeError):
+        pvi.PVI(noise_model, pvi.MeanFieldGaussian(), PARTS, gradient_update(), None, "loop")
