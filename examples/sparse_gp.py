@@ -215,8 +215,8 @@ def run_pvi(x, y, z, init, num_clients, rounds, lr, num_particles, seed):
     for r in range(rounds):
         # a round's clients use the hyperparameters it starts with, and the server steps them after
         # the round: the final q is Titsias' q(v) for `hyper` (one step behind
-        # inference.hyperparameters(state)), so predict with it
-        hyper = inference.hyperparameters(state)
+        # inference.get_params(state)), so predict with it
+        hyper = inference.get_params(state)
         state, info = inference.update(state, x, y=y)
         infos.append(info)
         if r == 0:

@@ -23,9 +23,10 @@ documented in ``docs/``):
 pvi.GradientUpdate(optax.adam(0.05), 100), pvi.Sequential()).run(key, 10, X, y=y)``.
 """
 
+from numpyro_pvi._version import __version__ as __version__
 from numpyro_pvi.backends import Backend, ConcurrentRunner, LoopBackend, VmapBackend
 from numpyro_pvi.checkpoint import load, save
-from numpyro_pvi.damping import AdaptiveDamping
+from numpyro_pvi.damping import AdaptiveDamping, Fixed
 from numpyro_pvi.families import (
     Beta,
     Dirichlet,
@@ -61,12 +62,11 @@ from numpyro_pvi.results import PVIRunResult
 from numpyro_pvi.servers import Asynchronous, Continual, Sequential, Server, Synchronous
 from numpyro_pvi.state import PVIState, Rejection, RoundInfo
 
-__version__ = "0.1.0"
-
 __all__ = [
     "PVI",
     "AdaptiveDamping",
     "HeavyBall",
+    "Fixed",
     "Asynchronous",
     "Backend",
     "ConcurrentRunner",

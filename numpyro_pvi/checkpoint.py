@@ -18,10 +18,11 @@ Why a description, and not a template state (``inference.init``) to pour the arr
 checkpoint must load without its :class:`~numpyro_pvi.PVI` (e.g. the Flower server's final ``q``),
 and ``init`` can compile steps. The set-up is checked instead through the record each state carries
 (:class:`~numpyro_pvi.state.MadeFor`: the global sites and their shapes, the family, the server, the
-client slots): :func:`load` compares what it is given (family and server from ``inference``; all of
-it with ``problem``) and ``PVI.update``/``run`` compare the rest when the state is resumed. A
-difference is a ``ValueError`` naming it. :func:`save` refuses a state holding a node it could not
-load back (``TypeError``, nothing written).
+client slots): :func:`load` compares what it is given (family and server from ``config``, a
+:class:`~numpyro_pvi.config.PVIConfig`; all of it with ``problem``) and ``PVI.update``/``run``
+compare the rest when the state is resumed. A difference is a ``ValueError`` naming it.
+:func:`save` refuses a state holding a node it could not load back (``TypeError``, nothing
+written).
 
 Files of the earlier formats (``numpyro_pvi.PVIState/1`` to ``/3``) stored the tree structure as a
 pickle, which can run any code when read: they are refused by name, never unpickled.
@@ -50,6 +51,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from numpyro_pvi.config import PVIConfig
 from numpyro_pvi.problem import Problem
 from numpyro_pvi.results import PVIRunResult
 from numpyro_pvi.state import MadeFor, PVIState, family_name
@@ -91,7 +93,7 @@ def register_state_type(cls: type) -> type:
 def save(
     obj: PVIState | PVIRunResult,
     path: str | os.PathLike,
-    inference: Any = None,
+    config: PVIConfig | None = None,
     problem: Problem | None = None,
 ) -> None:
     """Write a state (or a run's result, its state) to ``path`` (a ``.npz`` file), atomically.
@@ -100,16 +102,16 @@ def save(
     does the file.
 
     :param obj: a :class:`~numpyro_pvi.PVIState`, or a :class:`~numpyro_pvi.PVIRunResult`.
-    :param inference, problem: optionally, the :class:`~numpyro_pvi.PVI` and
+    :param config, problem: optionally, the configuration (``inference.config``) and the
         :class:`~numpyro_pvi.Problem` the state belongs to: checked against its record (a
         ``ValueError`` naming the difference, nothing written), or recorded if the state has none (a
         state built by hand).
 
-    **Example:** ``pvi.save(result, "run.npz"); state = pvi.load("run.npz", inference,
+    **Example:** ``pvi.save(result, "run.npz"); state = pvi.load("run.npz", inference.config,
     result.problem)``
     """
     if isinstance(obj, PVIRunResult):
-        state, inference, problem = obj.state, obj.inference, obj.problem
+        state, config, problem = obj.state, obj.config, obj.problem
     elif isinstance(obj, PVIState):
         state = obj
     else:
@@ -117,13 +119,13 @@ def save(
             f"save expects a PVIState or a PVIRunResult, got {type(obj).__name__}; nothing was "
             "written."
         )
-    if inference is not None and problem is not None:
-        current = MadeFor.of(inference, problem)
+    if config is not None and problem is not None:
+        current = MadeFor.of(config, problem)
         if not state.made_for.known:
             state = state._replace(made_for=current)
         elif differences := state.made_for.differences(current):
             raise ValueError(
-                "save: the state was made for another set-up than the inference and problem "
+                "save: the state was made for another set-up than the configuration and problem "
                 "given: " + "; ".join(differences) + "; nothing was written."
             )
     leaves: list = []
@@ -156,7 +158,7 @@ def save(
 
 
 def load(
-    path: str | os.PathLike, inference: Any = None, problem: Problem | None = None
+    path: str | os.PathLike, config: PVIConfig | None = None, problem: Problem | None = None
 ) -> PVIState:
     """Read a state written by :func:`save`; resuming from it continues exactly as the saved run
     would.
@@ -164,12 +166,13 @@ def load(
     Nothing in the file is unpickled or imported (see the module's docstring); a file of the
     earlier, pickled formats is refused with a ``ValueError`` saying so.
 
-    :param inference: if given, the checkpoint must have been made for its family and server.
-    :param problem: with ``inference``, also for its global sites (names and shapes) and client
+    :param config: if given (``inference.config``), the checkpoint must have been made for its
+        family and server.
+    :param problem: with ``config``, also for its global sites (names and shapes) and client
         slots. Without it, those are checked when the state is resumed (``PVI.update``/``run``). A
         difference is a ``ValueError`` naming it.
 
-    **Example:** ``state = pvi.load("run.npz", inference, inference.build(X, y=y))``, then
+    **Example:** ``state = pvi.load("run.npz", inference.config, inference.build(X, y=y))``, then
     ``inference.run(key, 10, X, y=y, init_state=state)``.
     """
     name = repr(os.fspath(path))
@@ -211,25 +214,25 @@ def load(
         raise ValueError(f"{name} is not a loadable numpyro_pvi checkpoint: {e}.") from None
     if not isinstance(state, PVIState):
         raise ValueError(f"{name} does not hold a PVIState (its root is {type(state).__name__}).")
-    if inference is not None:
-        _check_made_for(state.made_for, inference, problem, name)
+    if config is not None:
+        _check_made_for(state.made_for, config, problem, name)
     return state
 
 
-def _check_made_for(made_for: MadeFor, inference: Any, problem: Problem | None, name: str) -> None:
+def _check_made_for(
+    made_for: MadeFor, config: PVIConfig, problem: Problem | None, name: str
+) -> None:
     if not made_for.known:
         raise ValueError(
             f"{name} does not record what it was made for (a state built by hand): load it "
-            "without inference and problem to skip the check."
+            "without config and problem to skip the check."
         )
     if problem is not None:
-        current = MadeFor.of(inference, problem)
+        current = MadeFor.of(config, problem)
     # the sites and client slots need the problem: PVI.update/run check them when the state is
     # resumed
     else:
-        current = replace(
-            made_for, family=family_name(inference.family), server=repr(inference.server)
-        )
+        current = replace(made_for, family=family_name(config.family), server=repr(config.server))
     differences = made_for.differences(current)
     if differences:
         raise ValueError(f"{name} was made for a different set-up: " + "; ".join(differences) + ".")

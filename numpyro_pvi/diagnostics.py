@@ -8,12 +8,25 @@ history (:class:`~numpyro_pvi.RoundInfo`) in ``sample_stats``, so ``arviz.summar
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import jax
 import numpy as np
 
+from numpyro_pvi._version import __version__
 from numpyro_pvi.local_latents import pooled_order
+
+
+@runtime_checkable
+class RunResult(Protocol):
+    """What :func:`to_arviz` reads of a :class:`~numpyro_pvi.PVIRunResult` (which this module does
+    not import: the result imports it)."""
+
+    state: Any
+    history: Any
+    config: Any
+    problem: Any
+
 
 #: ``RoundInfo`` fields stored in ``sample_stats``, with their per-round dimensions.
 HISTORY_DIMS = {
@@ -120,11 +133,10 @@ def _check_arguments(result: Any, num_samples: int, num_chains: int) -> None:
             f"to_arviz: num_samples={num_samples!r} must be a positive multiple of "
             f"num_chains={num_chains}."
         )
-    for field in ("state", "history", "inference"):
-        if not hasattr(result, field):
-            raise TypeError(
-                f"to_arviz expects the PVIRunResult of PVI.run, got {type(result).__name__}."
-            )
+    if not isinstance(result, RunResult):
+        raise TypeError(
+            f"to_arviz expects the PVIRunResult of PVI.run, got {type(result).__name__}."
+        )
 
 
 def _inference_groups(
@@ -138,9 +150,9 @@ def _inference_groups(
     """The groups of the ``InferenceData``, all with the run's attributes: see :func:`to_arviz`."""
     attrs = {
         "inference_library": "numpyro_pvi",
-        "inference_library_version": _version(),
+        "inference_library_version": __version__,
         "family": type(result.family).__name__,
-        "server": repr(result.inference.server),
+        "server": repr(result.config.server),
         "num_clients": int(result.num_clients),
     }
     groups = _posterior_groups(result, num_samples, num_chains, rng_key, coords, dims, attrs)
@@ -170,7 +182,7 @@ def _posterior_groups(
         for name, value in result.sample_posterior(rng_key, num_samples).items()
     }
     per_client = _client_draws(result, jax.random.fold_in(rng_key, 1), num_samples)
-    order = pooled_order(result.problem.sizes, result.inference.partitions)
+    order = pooled_order(result.problem.sizes, result.config.partitions)
     rows = np.argsort(order, kind="stable")
     row_axes = {site.name: site.row_axis for site in result.sites.locals}
     deterministic, det_axes = _deterministic_draws(
@@ -244,7 +256,7 @@ def _deterministic_draws(
     from numpyro import handlers
     from numpyro.infer import Predictive
 
-    problem, model = result.problem, result.inference.model
+    problem, model = result.problem, result.config.model
     client_args = [
         problem.split.layout.build([column[m] for column in problem.split.columns])
         for m in range(int(result.num_clients))
@@ -296,11 +308,3 @@ def _history_dataset(history: Any, attrs: dict) -> Any:
     }
     history_coords = {"round": np.arange(1, num_rounds + 1), "client": np.arange(num_clients)}
     return xr.Dataset(data_vars, coords=history_coords, attrs={**attrs, "num_rounds": num_rounds})
-
-
-def _version() -> str:
-    try:
-        from numpyro_pvi import __version__
-    except ImportError:  # pragma: no cover - only while the package is half-imported
-        return "unknown"
-    return __version__

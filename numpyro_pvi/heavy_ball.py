@@ -28,8 +28,8 @@ steps, as in the adaptive restart of momentum methods (O'Donoghue & Candes 2015)
 whose ELBO fell by more than ``elbo_tolerance`` nats the momentum restarts (the velocity is
 dropped), and if that round had no momentum (the damping itself overshot) a ceiling on the damping
 is set to half the damping of that round; every round that does not lower the ELBO raises the
-ceiling by ``grow`` (up to ``maximum``). ``numpyro_pvi.damping.warning`` says when the ELBO keeps
-falling all the same.
+ceiling by ``grow`` (up to ``maximum``). :meth:`HeavyBall.warning` says when the ELBO keeps falling
+all the same.
 """
 
 from __future__ import annotations
@@ -43,6 +43,8 @@ from jax.flatten_util import ravel_pytree
 
 from numpyro_pvi.backtracking import backtrack
 from numpyro_pvi.merge import is_valid_state
+
+DROP_ROUNDS = 3  # rounds in a row whose ELBO fell before heavy ball says so
 
 
 class HeavyBallState(NamedTuple):
@@ -101,8 +103,11 @@ class HeavyBall:
     damping and no momentum.
     """
 
+    synchronous_only = True  # its spectrum estimate compares whole synchronous rounds
+
     def __init__(
         self,
+        *,
         initial: float = 0.5,
         window: int = 10,
         memory: int = 5,
@@ -132,7 +137,7 @@ class HeavyBall:
         self.max_momentum, self.maximum = max_momentum, maximum
         self.elbo_tolerance, self.grow, self.minimum = float(elbo_tolerance), float(grow), minimum
 
-    def init(self, q: Any, factors: Any) -> HeavyBallState:
+    def init(self, q: Any, factors: Any, family: Any) -> HeavyBallState:
         """The state before the first round: damping ``initial``, no momentum, no secant pairs."""
         flat = ravel_pytree(q)[0]
         n, dtype = flat.shape[0], flat.dtype
@@ -154,7 +159,13 @@ class HeavyBall:
             jnp.zeros((), jnp.int32),
         )
 
-    def accelerate(self, family: Any, before: Any, after: Any, clean: bool, rho_used: float) -> Any:
+    def rho(self, state: HeavyBallState) -> jax.Array:
+        """The damping of the next round's merge (traced under ``jit``)."""
+        return state.rho
+
+    def after_merge(
+        self, family: Any, before: Any, after: Any, clean: bool, rho_used: float
+    ) -> Any:
         """The state after a round: ``after`` (the merged ``PVIState``, from ``before``), its merge
         rescaled to the new damping and the momentum added when both keep ``q`` and every cavity
         valid, with the next round's damping. ``clean``: every client ran and was merged with the
@@ -223,7 +234,7 @@ class HeavyBall:
         rho, beta = polyak_parameters(low, high, self.max_momentum)
         return min(rho, self.maximum, ceiling), beta
 
-    def after_round(self, hb: HeavyBallState, elbo: float) -> HeavyBallState:
+    def after_round(self, hb: HeavyBallState, elbo: float, backtracked: bool) -> HeavyBallState:
         """The state once the round's ELBO is known: an ELBO drop restarts the momentum (the next
         round adds none) and, after a round without momentum, caps the damping at half this round's;
         a round without a drop raises the cap by ``grow``."""
@@ -254,6 +265,25 @@ class HeavyBall:
             elbo=jnp.asarray(elbo, dtype),
             ceiling=jnp.asarray(ceiling, dtype),
             drops=jnp.zeros_like(hb.drops),
+        )
+
+    def after_new_client(self, state: HeavyBallState, q: Any, factors: Any) -> HeavyBallState:
+        """A restart after :meth:`PVI.add_client <numpyro_pvi.PVI.add_client>` (the round is
+        another operator)."""
+        return self.init(q, factors, None)
+
+    def warning(self, state: HeavyBallState) -> tuple[str, str] | None:
+        """``(cause, message)`` when the ELBO fell :data:`DROP_ROUNDS` rounds in a row (restarts
+        and halved dampings did not help), else None."""
+        if int(state.drops) < DROP_ROUNDS:
+            return None
+        return (
+            "elbo falling",
+            f"Synchronous(): the ELBO fell in each of the last {int(state.drops)} rounds although "
+            "every drop restarted the momentum and halved the damping (now "
+            f"{float(state.rho):.3g}): the clients' updates do not improve q from here (too "
+            "noisy, or far from linear). Try more local steps or particles, a smaller local step "
+            "size, or Sequential().",
         )
 
     def __repr__(self) -> str:

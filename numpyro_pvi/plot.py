@@ -237,7 +237,7 @@ def plot_clients(
     """
     import matplotlib.pyplot as plt
 
-    if getattr(result, "state", None) is None or getattr(result, "inference", None) is None:
+    if getattr(result, "state", None) is None or getattr(result, "config", None) is None:
         raise TypeError(
             f"plot_clients expects the PVIRunResult of PVI.run, got {type(result).__name__}."
         )

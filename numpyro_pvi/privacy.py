@@ -38,14 +38,11 @@ the release's RDP curve from dp-accounting, composes it over the rounds and conv
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from numpyro_pvi.state import Rejection
-
-if TYPE_CHECKING:
-    from numpyro_pvi.results import PVIRunResult
+from numpyro_pvi.state import Rejection, RoundInfo
 
 # integer Renyi orders (no fractional ones)
 RDP_ORDERS = tuple(range(2, 129)) + (160, 192, 256, 384, 512, 1024)
@@ -204,16 +201,16 @@ def calibrate_noise_multiplier(
     )
 
 
-def releases(result: PVIRunResult) -> np.ndarray:
+def releases(local_update: Any, client_states: Any, num_clients: int) -> np.ndarray:
     """``(M,)`` how many updates each client released in the run, read from its state (the count its
     budget gate reads): sent updates, merged or rejected; none for a round refused for budget,
     raised or timed out.
 
-    **Example:** ``pvi.privacy.releases(result)`` is ``[20, 20, ...]`` after 20 synchronous rounds.
+    **Example:** ``pvi.privacy.releases(result.config.local_update, result.state.client_states,
+    result.num_clients)`` is ``[20, 20, ...]`` after 20 synchronous rounds.
     """
-    update = _private(result.inference.local_update)
-    counts = np.asarray(update.num_releases(result.state.client_states))
-    return counts[: result.num_clients].astype(int)
+    counts = np.asarray(_private(local_update).num_releases(client_states))
+    return counts[:num_clients].astype(int)
 
 
 def _private(update: Any) -> PrivateUpdate:
@@ -225,16 +222,16 @@ def _private(update: Any) -> PrivateUpdate:
     return update
 
 
-def _rounds_covering(result: PVIRunResult, released: np.ndarray) -> int:
-    """The number of rounds in ``result.history``, checked to hold every release the state counts (a
-    run resumed without ``init_history`` has fewer rounds in its history than it ran: "secret"
-    credits each round)."""
-    history = result.history
-    seen = np.zeros(result.num_clients, int)
+def _rounds_covering(history: RoundInfo | None, released: np.ndarray) -> int:
+    """The number of rounds in ``history``, checked to hold every release the state counts (a run
+    resumed without ``init_history`` has fewer rounds in its history than it ran: "secret" credits
+    each round)."""
+    num_clients = len(released)
+    seen = np.zeros(num_clients, int)
     if history is not None:
-        attempts = np.asarray(history.attempts)[:, : result.num_clients]
+        attempts = np.asarray(history.attempts)[:, :num_clients]
         silent = np.isin(
-            np.asarray(history.rejection)[:, : result.num_clients],
+            np.asarray(history.rejection)[:, :num_clients],
             [int(Rejection.BUDGET), int(Rejection.TIMEOUT), int(Rejection.RAISED)],
         )
         seen = np.sum(np.where(silent, 0, attempts), axis=0)
@@ -249,28 +246,39 @@ def _rounds_covering(result: PVIRunResult, released: np.ndarray) -> int:
 
 
 def privacy_spent(
-    result: PVIRunResult, delta: float, client_sampling: str = "known", client_rates: Any = None
+    local_update: Any,
+    server: Any,
+    state: Any,
+    history: RoundInfo | None,
+    sizes: Any,
+    delta: float,
+    *,
+    client_sampling: str = "known",
+    client_rates: Any = None,
 ) -> np.ndarray:
-    """``(M,)`` each client's ``epsilon`` at ``delta`` (0 if it released nothing).
+    """``(M,)`` each client's ``epsilon`` at ``delta`` (0 if it released nothing), from a run's
+    values: its DP ``local_update`` and ``server``, its final ``state``, its ``history`` and the
+    clients' ``sizes`` (rows).
 
     ``client_sampling="known"`` (the default, conservative): every release the client made in the
-    run, composed; valid however the clients were chosen. ``client_sampling="secret"``: a
-    ``Synchronous`` run's every round counts as "with probability ``p_m`` a release"
-    (:func:`client_sampled_epsilon`, ``p_m`` from :func:`client_sampling_rates` or
-    ``client_rates``); valid only if the draw of each round's clients is random, independent of the
-    data and unpredictable to the adversary.
+    run, composed; valid however the clients were chosen. ``client_sampling="secret"``: every round
+    of a server that draws each round's clients afresh (``Synchronous``) counts as "with
+    probability ``p_m`` a release" (:func:`client_sampled_epsilon`, ``p_m`` from
+    :func:`client_sampling_rates` or ``client_rates``); valid only if the draw of each round's
+    clients is random, independent of the data and unpredictable to the adversary.
 
     **Example:** ``result.privacy_spent(1e-5)``; ``result.privacy_spent(1e-5,
-    client_sampling="secret")``.
+    client_sampling="secret")`` (the result passes its values here).
     """
-    update = _private(result.inference.local_update)
+    update = _private(local_update)
     check_delta(delta)
     if client_sampling not in ("known", "secret"):
         raise ValueError(f"client_sampling must be 'known' or 'secret', got {client_sampling!r}.")
-    sizes, released = result.problem.sizes, releases(result)
+    sizes = np.asarray(sizes)
+    released = releases(update, state.client_states, len(sizes))
     if client_sampling == "secret":
-        rates = client_sampling_rates(result, client_rates)
-        rounds = _rounds_covering(result, released)
+        rates = client_sampling_rates(server, len(sizes), client_rates)
+        rounds = _rounds_covering(history, released)
         return np.array(
             [
                 client_sampled_epsilon(update.dp_event(int(n), 1), float(p), rounds, delta)
@@ -378,24 +386,23 @@ def client_rate_checked(rate: float) -> float:
     return float(rate)
 
 
-def client_sampling_rates(result: PVIRunResult, client_rates: Any = None) -> np.ndarray:
-    """``(M,)`` each client's probability of being drawn in a round of the run's ``Synchronous``
-    server.
+def client_sampling_rates(server: Any, num_clients: int, client_rates: Any = None) -> np.ndarray:
+    """``(M,)`` each client's probability of being drawn in a round of ``server``, a server whose
+    every round draws its clients afresh (:meth:`~numpyro_pvi.servers.Server.sampling_rates`:
+    ``Synchronous``).
 
     ``K / M`` for uniform ``clients_per_round=K`` (1 without sampling). With ``client_weights`` the
     inclusion probability of drawing ``K`` without replacement is not ``K w_m``: pass it as
     ``client_rates``.
 
-    **Example:** ``pvi.privacy.client_sampling_rates(result)`` is ``[0.2, 0.2, ...]`` for 2 of 10
-    clients.
+    **Example:** ``pvi.privacy.client_sampling_rates(result.config.server, 10)`` is ``[0.2, 0.2,
+    ...]`` for 2 of 10 clients.
     """
-    from numpyro_pvi.servers import Synchronous
-
-    server, num_clients = result.inference.server, result.num_clients
-    if not isinstance(server, Synchronous):
+    rates = server.sampling_rates(num_clients)
+    if rates is None:
         raise ValueError(
-            "client_sampling='secret' is derived for Synchronous rounds (a fresh draw of clients "
-            f"each round), not {type(server).__name__}."
+            "client_sampling='secret' is derived for rounds that each draw their clients afresh "
+            f"(Synchronous), not {server!r}."
         )
     if client_rates is not None:
         rates = np.asarray(client_rates, float)
@@ -409,4 +416,4 @@ def client_sampling_rates(result: PVIRunResult, client_rates: Any = None) -> np.
             "client_sampling='secret' with client_weights: pass client_rates=, each client's "
             "probability of being drawn in a round (weighted sampling without replacement)."
         )
-    return np.full(num_clients, server.sampling.num_sampled(num_clients) / num_clients)
+    return rates

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cached_property
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -29,6 +29,7 @@ from numpyro_pvi.clients import (
     split_pooled,
     stack,
 )
+from numpyro_pvi.config import PVIConfig
 from numpyro_pvi.densities import local_model, log_likelihood, log_prior
 from numpyro_pvi.families import FactorFamily, Family, NatParams
 from numpyro_pvi.local_updates.base import Client, ClientProblem, LocalUpdate
@@ -36,9 +37,6 @@ from numpyro_pvi.partition import ClientData
 from numpyro_pvi.prior import exact_prior
 from numpyro_pvi.sites import ModelSites, check_observed, plate_and_locals, read_model, read_padded
 from numpyro_pvi.steps import Steps, compile_steps
-
-if TYPE_CHECKING:
-    from numpyro_pvi.pvi import PVI
 
 
 @dataclass(frozen=True, eq=False)
@@ -59,11 +57,12 @@ class Problem:
     :ivar signature: the data's structure; problems with equal signatures share ``steps``.
     :ivar source: the argument leaves it was built from (held, so that their identity stays
         meaningful).
-    :ivar configuration: the building ``PVI``'s configuration (:func:`configuration_of`); its steps
-        hold them, so only a ``PVI`` with the same objects may use this problem.
+    :ivar config: the :class:`~numpyro_pvi.config.PVIConfig` it was built with; its steps hold
+        its objects, so only a ``PVI`` with the same objects
+        (:data:`~numpyro_pvi.config.COMPILED_FIELDS`) may use this problem.
 
-    **Example:** ``problem = inference.build(X, y=y)``; ``problem.num_clients``,
-    ``problem.sites.dim``; ``inference.init(key, problem)`` and ``inference.update(state, problem)``
+    **Example:** ``problem = config.build(X, y=y)``; ``problem.num_clients``,
+    ``problem.sites.dim``; ``config.init(key, problem)`` and ``config.update(state, problem)``
     take it in place of the data.
     """
 
@@ -77,13 +76,7 @@ class Problem:
     signature: tuple
     slots: int
     source: tuple = ()
-    configuration: dict = field(default_factory=dict)
-
-    def mismatch(self, inference: PVI) -> list[str]:
-        """The parts of ``inference``'s configuration that are not the objects this problem was
-        built with."""
-        other = configuration_of(inference)
-        return [name for name, value in self.configuration.items() if other[name] is not value]
+    config: PVIConfig | None = None
 
     @property
     def num_clients(self) -> int:
@@ -115,39 +108,25 @@ class Problem:
         return np.asarray(self.split.sizes)
 
 
-def configuration_of(inference: PVI) -> dict:
-    """What a problem's compiled steps take from the ``PVI`` that builds it."""
-    names = (
-        "model",
-        "family",
-        "partitions",
-        "local_update",
-        "server",
-        "backend",
-        "hyper_optimizer",
-    )
-    return {name: getattr(inference, name) for name in names}
-
-
 def build_problem(
-    inference: PVI, args: tuple, kwargs: dict, reuse: Problem | None = None
+    config: PVIConfig, args: tuple, kwargs: dict, reuse: Problem | None = None
 ) -> Problem:
-    """Read ``inference.model`` on the data ``(args, kwargs)`` and build the :class:`Problem`.
+    """Read ``config.model`` on the data ``(args, kwargs)`` and build the :class:`Problem`.
 
     :param reuse: an earlier problem whose compiled steps are reused if the data have the same
         structure.
 
-    **Example:** ``problem = pvi.build_problem(inference, (X,), {"y": y})`` (what
+    **Example:** ``problem = pvi.build_problem(inference.config, (X,), {"y": y})`` (what
     ``inference.build(X, y=y)`` does).
     """
-    sites, split = _read(inference, args, kwargs)
-    inference.server.check_clients(len(split.sizes))
+    sites, split = _read(config, args, kwargs)
+    config.server.check_clients(len(split.sizes))
     return _assemble(
-        inference, sites, split, max(split.sizes), len(split.sizes), (args, kwargs), reuse
+        config, sites, split, max(split.sizes), len(split.sizes), (args, kwargs), reuse
     )
 
 
-def add_client(inference: PVI, problem: Problem, args: tuple, kwargs: dict) -> Problem:
+def add_client(config: PVIConfig, problem: Problem, args: tuple, kwargs: dict) -> Problem:
     """``problem`` with one more client holding ``model(*args, **kwargs)``'s data.
 
     Capacity (client slots and padded rows) grows geometrically, so adding clients one by one
@@ -155,14 +134,14 @@ def add_client(inference: PVI, problem: Problem, args: tuple, kwargs: dict) -> P
     """
     split = append_client(problem.split, args, kwargs, problem.sites.plate)
     # the others: when they joined
-    check_clients(inference.model, problem.sites, split, [len(split.sizes) - 1])
+    check_clients(config.model, problem.sites, split, [len(split.sizes) - 1])
     rows, capacity = problem.rows, problem.capacity
     if split.sizes[-1] > rows:
         rows = max(split.sizes[-1], 2 * rows)
     if len(split.sizes) > capacity:
         capacity = 2 * capacity
     return _assemble(
-        inference,
+        config,
         problem.sites,
         split,
         rows,
@@ -173,9 +152,9 @@ def add_client(inference: PVI, problem: Problem, args: tuple, kwargs: dict) -> P
     )
 
 
-def _read(inference: PVI, args: tuple, kwargs: dict) -> tuple[ModelSites, ClientColumns]:
+def _read(config: PVIConfig, args: tuple, kwargs: dict) -> tuple[ModelSites, ClientColumns]:
     """The model's sites (one trace) and the clients' split data."""
-    model, partitions = inference.model, inference.partitions
+    model, partitions = config.model, config.partitions
     if isinstance(partitions, ClientData):
         if args or kwargs:
             raise TypeError(
@@ -183,7 +162,7 @@ def _read(inference: PVI, args: tuple, kwargs: dict) -> tuple[ModelSites, Client
                 "to init/update/run."
             )
         first_args, first_kwargs = partitions[0]
-        sites = inference.family.prepare_sites(
+        sites = config.family.prepare_sites(
             read_model(model, first_args, first_kwargs, who="Client 0's data")
         )
         split = split_client_data(partitions, sites.plate_size, sites.plate)
@@ -194,7 +173,7 @@ def _read(inference: PVI, args: tuple, kwargs: dict) -> tuple[ModelSites, Client
         raise TypeError(
             "Pass the pooled data to init/update/run (or give partitions=pvi.ClientData(...))."
         )
-    sites = inference.family.prepare_sites(read_model(model, args, kwargs, who="The pooled data"))
+    sites = config.family.prepare_sites(read_model(model, args, kwargs, who="The pooled data"))
     parts = [np.arange(sites.plate_size)] if partitions is None else list(partitions)
     return sites, split_pooled(args, kwargs, parts, sites.plate_size, sites.plate)
 
@@ -321,7 +300,7 @@ def check_memory(family: Any, dim: int, num_clients: int) -> None:
 
 
 def _assemble(
-    inference: PVI,
+    config: PVIConfig,
     sites: ModelSites,
     split: ClientColumns,
     rows: int,
@@ -330,23 +309,23 @@ def _assemble(
     reuse: Problem | None,
     grow: bool = False,
 ) -> Problem:
-    check_memory(inference.family, sites.dim, capacity)
-    by_size = isinstance(inference.backend, VmapBackend) and not sites.has_local
+    check_memory(config.family, sites.dim, capacity)
+    by_size = isinstance(config.backend, VmapBackend) and not sites.has_local
     bucketed = buckets(split, by_size, rows, capacity, grow)
     first_client = bucketed[0].clients
     first = split.layout.build([a[0] for a in first_client.arrays])
-    sites = read_padded(inference.model, sites, *first, int(first_client.mask.shape[1]))
+    sites = read_padded(config.model, sites, *first, int(first_client.mask.shape[1]))
     prior, rest = exact_prior(
-        inference.family,
+        config.family,
         sites,
-        lambda zeta, names: log_prior(inference.model, sites, zeta, *first, names=names),
+        lambda zeta, names: log_prior(config.model, sites, zeta, *first, names=names),
     )
     signature = _signature(sites, split, bucketed, rest)
     if reuse is not None and _same(reuse.signature, signature):
         client_problem, steps = reuse.client_problem, reuse.steps
     else:
-        client_problem = _client_problem(inference, sites, split)
-        steps = compile_steps(inference, client_problem, split.layout, rest)
+        client_problem = _client_problem(config, sites, split)
+        steps = compile_steps(config, client_problem, split.layout, rest)
     return Problem(
         sites,
         bucketed,
@@ -358,13 +337,13 @@ def _assemble(
         signature,
         capacity,
         source,
-        configuration_of(inference),
+        config,
     )
 
 
-def _client_problem(inference: PVI, sites: ModelSites, split: ClientColumns) -> ClientProblem:
+def _client_problem(config: PVIConfig, sites: ModelSites, split: ClientColumns) -> ClientProblem:
     """The client problem; its functions hold the model and the argument layout only, never data."""
-    model, layout = inference.model, split.layout
+    model, layout = config.model, split.layout
 
     def client_loglik(zeta: jax.Array, client: Client, hyper: Any = ()) -> jax.Array:
         c_args, c_kwargs = layout.build(client.arrays)
@@ -374,9 +353,9 @@ def _client_problem(inference: PVI, sites: ModelSites, split: ClientColumns) -> 
         c_args, c_kwargs = layout.build(client.arrays)
         local_model(model, sites, zeta, c_args, c_kwargs, client.mask, hyper)
 
-    _check_support(inference.local_update, sites, inference.family)
+    _check_support(config.local_update, sites, config.family)
     return ClientProblem(
-        inference.family,
+        config.family,
         sites.dim,
         client_loglik,
         split.is_row,

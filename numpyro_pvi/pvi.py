@@ -21,22 +21,16 @@ import numpyro.distributions as dist
 import optax
 from tqdm.auto import trange
 
-from numpyro_pvi import damping
 from numpyro_pvi import problem as problems
 from numpyro_pvi.backends import get_backend
+from numpyro_pvi.config import PVIConfig
 from numpyro_pvi.families import FactorFamily
 from numpyro_pvi.hyper_optim import rprop
 from numpyro_pvi.local_updates.base import LocalUpdate
 from numpyro_pvi.monitor import RunMonitor, largest, q_move
 from numpyro_pvi.partition import ClientData, is_array, same_static
 from numpyro_pvi.problem import Problem, build_problem
-from numpyro_pvi.results import (
-    PVIRunResult,
-    average_states,
-    hyperparameters,
-    make_guide,
-    sample_posterior,
-)
+from numpyro_pvi.results import PVIRunResult, average_states
 from numpyro_pvi.rounds import InFlight, Round, cancel_in_flight
 from numpyro_pvi.servers import Server, Synchronous
 from numpyro_pvi.sites import ModelSites
@@ -80,7 +74,7 @@ class PVI:
         :class:`~numpyro_pvi.LocalUpdate`.
     :param server: how rounds run and merge: :class:`~numpyro_pvi.Synchronous` (default
         ``Synchronous()``: every client from the same ``q``, merged with
-        :class:`~numpyro_pvi.HeavyBall` damping; a float or
+        :class:`~numpyro_pvi.HeavyBall` damping; a float (:class:`~numpyro_pvi.Fixed`) or
         :class:`~numpyro_pvi.AdaptiveDamping` instead; ``clients_per_round=K`` samples clients),
         :class:`~numpyro_pvi.Sequential` (clients in turn, each from the last one's ``q``),
         :class:`~numpyro_pvi.Asynchronous` (merged as they arrive, stale updates handled) or
@@ -108,6 +102,9 @@ class PVI:
         it starts at ``init_to_median``): the sd in every unconstrained coordinate for the Gaussian
         families, the coefficient of variation for ``Gamma``, the sd relative to ``sqrt(m (1 - m))``
         for ``Beta`` and ``Dirichlet`` (:mod:`numpyro_pvi.start`).
+
+    The options after ``server`` are keyword-only. ``inference.config`` is the configuration as a
+    value (:class:`~numpyro_pvi.config.PVIConfig`, what problems and results hold).
 
     ``PVI`` holds configuration only, like ``numpyro.infer.SVI``. What it builds from the data (the
     sites, the clients' stacked data, the compiled steps) is an immutable
@@ -152,6 +149,7 @@ class PVI:
         partitions: Any = None,
         local_update: Any = None,
         server: Server | None = None,
+        *,
         backend: Any = "vmap",
         num_elbo_particles: int = 64,
         hyper_optimizer: Any = None,
@@ -187,14 +185,6 @@ class PVI:
             raise TypeError(
                 f"server must be a pvi server such as pvi.Synchronous(), got {server!r}."
             )
-        self.model = model
-        self.family = family
-        self.partitions = partitions
-        self.local_update = local_update
-        self.server = server
-        self.backend = get_backend(backend)
-        self.num_elbo_particles = num_elbo_particles
-        self.hyper_optimizer = rprop(0.1) if hyper_optimizer is None else hyper_optimizer
         if init_scale is not None and not (isinstance(init_scale, (int, float)) and init_scale > 0):
             raise ValueError(f"init_scale must be a positive number or None, got {init_scale!r}.")
         if init_loc_fn is not None and not callable(init_loc_fn):
@@ -202,8 +192,36 @@ class PVI:
                 "init_loc_fn must be a NumPyro init strategy such as init_to_median, got "
                 f"{init_loc_fn!r}."
             )
-        self.init_loc_fn, self.init_scale = init_loc_fn, init_scale
+        self.config = PVIConfig(
+            model=model,
+            family=family,
+            partitions=partitions,
+            local_update=local_update,
+            server=server,
+            backend=get_backend(backend),
+            num_elbo_particles=num_elbo_particles,
+            hyper_optimizer=rprop(0.1) if hyper_optimizer is None else hyper_optimizer,
+            init_loc_fn=init_loc_fn,
+            init_scale=init_scale,
+        )
         self._memo: list[Problem] = []  # a cache (never state): recent problems, newest last
+        # the model's param sites (their constraints), read with the first problem, as SVI.init
+        # reads its constrain_fn: they are the model's, whatever the data
+        self._hyper_sites: tuple | None = None
+
+    # the configuration's parts, read-only (``config`` is the value problems and results hold)
+    model = property(lambda self: self.config.model, doc="The NumPyro model.")
+    family = property(lambda self: self.config.family, doc="The family of ``q``.")
+    partitions = property(lambda self: self.config.partitions, doc="The clients' partitions.")
+    local_update = property(lambda self: self.config.local_update, doc="The local update.")
+    server = property(lambda self: self.config.server, doc="The server.")
+    backend = property(lambda self: self.config.backend, doc="The backend.")
+    num_elbo_particles = property(
+        lambda self: self.config.num_elbo_particles, doc="Draws of the round's ELBO."
+    )
+    hyper_optimizer = property(
+        lambda self: self.config.hyper_optimizer, doc="The hyperparameters' optimiser."
+    )
 
     # ------------------------------------------------------------------ the problem
 
@@ -218,19 +236,21 @@ class PVI:
 
     def _problem(self, args: tuple, kwargs: dict) -> Problem:
         if len(args) == 1 and not kwargs and isinstance(args[0], Problem):
-            mismatch = args[0].mismatch(self)
+            mismatch = args[0].config.mismatch(self.config)
             if mismatch:
                 raise ValueError(
                     f"This problem was built by another PVI: its {', '.join(mismatch)} are not "
                     "this PVI's; its compiled steps would use theirs: build it with this PVI's "
                     "build(...)."
                 )
+            self._hyper_sites = args[0].sites.hyper
             return args[0]
         for problem in reversed(self._memo):
             if _same_data(problem.source, (args, kwargs)):
                 return problem
-        problem = build_problem(self, args, kwargs, reuse=self._compatible(args, kwargs))
+        problem = build_problem(self.config, args, kwargs, reuse=self._compatible(args, kwargs))
         self._memo = [*self._memo[-(MEMO_SIZE - 1) :], problem]
+        self._hyper_sites = problem.sites.hyper
         return problem
 
     def _compatible(self, args: tuple, kwargs: dict) -> Problem | None:
@@ -258,9 +278,16 @@ class PVI:
         t0 = zeros if steps.prior_init is None else steps.prior_init(problem.prior, _data(problem))
         q = problem.prior + t0
         # a chosen start, split over the factors
-        if self.init_loc_fn is not None or self.init_scale is not None:
+        config = self.config
+        if config.init_loc_fn is not None or config.init_scale is not None:
             q, factors = chosen_start(
-                self.family, self.model, problem, q, rng_key, self.init_loc_fn, self.init_scale
+                config.family,
+                config.model,
+                problem,
+                q,
+                rng_key,
+                config.init_loc_fn,
+                config.init_scale,
             )
         if not bool(self.family.is_valid(q)):
             raise ValueError(
@@ -283,8 +310,8 @@ class PVI:
             hyper,
             hyper_state,
             _broadcast(hyper, capacity, zero=True),
-            damping.initial_state(self.server.damping, q, factors, self.family),
-            MadeFor.of(self, problem),
+            self.server.damping.init(q, factors, self.family),
+            MadeFor.of(self.config, problem),
         )
 
     def update(self, state: PVIState, *args: Any, **kwargs: Any) -> tuple[PVIState, RoundInfo]:
@@ -304,7 +331,9 @@ class PVI:
                 f"state must be a PVIState (from init, or pvi.load), got {type(state).__name__}."
             )
         differences = (
-            state.made_for.differences(MadeFor.of(self, problem)) if state.made_for.known else []
+            state.made_for.differences(MadeFor.of(self.config, problem))
+            if state.made_for.known
+            else []
         )
         if differences:
             raise ValueError(
@@ -337,7 +366,7 @@ class PVI:
         self._check_state(state, problem)
         start, steps, old_q = time.perf_counter(), problem.steps, state.q
         round_key, sample_key, next_key = jax.random.split(state.rng_key, 3)
-        rho = float(damping.current(self.server.damping, state.damping))
+        rho = float(self.server.damping.rho(state.damping))
         if steps.prior_step is not None:
             state = steps.prior_step(state, _data(problem))
         round = Round(
@@ -352,8 +381,7 @@ class PVI:
         before = state
         state = self.server.run_round(state, round, problem.num_clients)
         backtracked = round.backtracked(rho)
-        state = damping.accelerate(
-            self.server.damping,
+        state = self.server.damping.after_merge(
             self.family,
             before,
             state,
@@ -380,7 +408,7 @@ class PVI:
             )
         )
         state = state._replace(
-            damping=damping.after_round(self.server.damping, state.damping, elbo, backtracked)
+            damping=self.server.damping.after_round(state.damping, elbo, backtracked)
         )
         move = q_move(self.family, old_q, state.q)
         info = RoundInfo(
@@ -396,7 +424,7 @@ class PVI:
         )
         monitor.after_round(info, round.staleness, move)
         # an oscillating or falling run says so
-        note = damping.warning(self.server.damping, state.damping)
+        note = self.server.damping.warning(state.damping)
         if note is not None:
             monitor.warn(*note)
         return state._replace(rng_key=next_key), info
@@ -507,7 +535,9 @@ class PVI:
             )
         converged, stopped_because = monitor.at_end()
         averaged = None if average_rounds is None else average_states(self.family, state, last)
-        return PVIRunResult(state, history, self, problem, converged, stopped_because, averaged)
+        return PVIRunResult(
+            state, history, self.config, problem, converged, stopped_because, averaged
+        )
 
     def add_client(
         self, state: PVIState, problem: Problem, *args: Any, **kwargs: Any
@@ -531,7 +561,7 @@ class PVI:
                 "rows in the pooled arrays and new index partitions to a new PVI instead."
             )
         self._check_state(state, problem)
-        new = problems.add_client(self, problem, args, kwargs)
+        new = problems.add_client(self.config, problem, args, kwargs)
         local = self.local_update.init_state(new.client_problem)
         if jax.tree.map(jnp.shape, local) != jax.tree.map(
             lambda x: jnp.shape(x)[1:], state.client_states
@@ -551,10 +581,8 @@ class PVI:
             server_state=self.server.add_client(server_state, state.q, m),
         )
         state = state._replace(
-            damping=damping.after_new_client(
-                self.server.damping, state.damping, state.q, state.factors
-            ),
-            made_for=MadeFor.of(self, new),
+            damping=self.server.damping.after_new_client(state.damping, state.q, state.factors),
+            made_for=MadeFor.of(self.config, new),
         )
         return state, new
 
@@ -584,66 +612,27 @@ class PVI:
         """``q`` as a NumPyro distribution over the flat unconstrained vector ``zeta``."""
         return self.family.to_dist(state.q)
 
-    def sample_posterior(
-        self,
-        rng_key: jax.Array,
-        state: PVIState,
-        num_samples: int,
-        client: int | None = None,
-        problem: Problem | None = None,
-    ) -> dict:
-        """Draw ``num_samples`` from ``q``: a dict site -> constrained samples ``(num_samples,
-        *shape)``.
-
-        :param client: also draw client ``client``'s local latent sites from its private guide (its
-            own rows only); the hyperparameters are in :meth:`hyperparameters`.
-        :param problem: the problem ``state`` belongs to (default: the last one built).
-        """
-        return sample_posterior(
-            self._latest(problem), self.family, state, rng_key, num_samples, client
-        )
-
-    def hyperparameters(self, state: PVIState, problem: Problem | None = None) -> dict:
-        """The learned hyperparameters (``numpyro.param`` sites), constrained: site -> value."""
-        return hyperparameters(self._latest(problem), state)
-
-    def get_params(self, state: PVIState, problem: Problem | None = None) -> dict:
+    def get_params(self, state: PVIState) -> dict:
         """The model's ``numpyro.param`` values, constrained, like ``SVI.get_params`` (``{}`` if it
-        has none).
+        has none): the learned hyperparameters.
 
         PVI's posterior is not in params (as ``SVI``'s guide parameters are): it is
-        :meth:`get_posterior`.
+        :meth:`get_posterior`; draws from it, and a guide for ``Predictive``, need the data's sites:
+        ``result.sample_posterior``, ``result.guide`` (or :func:`~numpyro_pvi.results.
+        sample_posterior` with a problem).
 
-        **Example:** ``Predictive(model, guide=inference.guide(state),
-        params=inference.get_params(state))``.
+        **Example:** ``Predictive(model, guide=result.guide(),
+        params=inference.get_params(result.state))``.
         """
-        return hyperparameters(self._latest(problem), state)
-
-    def guide(
-        self, state: PVIState, client: int | None = None, problem: Problem | None = None
-    ) -> Callable:
-        """A NumPyro guide drawing the global sites from ``q``, for ``Predictive(model,
-        guide=...)``.
-
-        Pass the learned hyperparameters to the model with ``Predictive(...,
-        params=hyperparameters)``. Local latent sites are drawn from the guide of the client that
-        holds each row: call ``Predictive`` with the pooled data; with ``client``, only that
-        client's rows (call it with the client's own data, its rows in the order it holds them).
-        Data with another number of rows raise ``ValueError``.
-        """
-        return make_guide(
-            self._latest(problem), self.family, state, client, self.model, self.partitions
-        )
-
-    def _latest(self, problem: Problem | None) -> Problem:
-        if problem is not None:
-            return problem
-        if not self._memo:
+        if not state.hyper:
+            return {}
+        if self._hyper_sites is None:
             raise RuntimeError(
-                "Call init/run first (or pass problem=inference.build(...)): PVI reads the "
-                "model's sites from the data."
+                "get_params: the constraints of the model's param sites are read from the model "
+                "when the first problem is built: call build/init/run first, or read "
+                "result.hyperparameters."
             )
-        return self._memo[-1]
+        return {site.name: site.transform(state.hyper[site.name]) for site in self._hyper_sites}
 
 
 def _same_data(source: tuple, data: tuple) -> bool:

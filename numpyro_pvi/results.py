@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -10,6 +10,7 @@ import numpyro
 import numpyro.distributions as dist
 from numpyro import handlers
 
+from numpyro_pvi.config import PVIConfig
 from numpyro_pvi.local_latents import (
     local_distribution,
     own_rows,
@@ -18,12 +19,10 @@ from numpyro_pvi.local_latents import (
     sample_local,
 )
 from numpyro_pvi.model_trace import read_shapes
+from numpyro_pvi.privacy import privacy_spent
 from numpyro_pvi.problem import Problem
 from numpyro_pvi.sites import ModelSites
 from numpyro_pvi.state import PVIState, RoundInfo
-
-if TYPE_CHECKING:
-    from numpyro_pvi.pvi import PVI
 
 
 def client_local(problem: Problem, state: PVIState, client: int) -> tuple[Any, int]:
@@ -137,8 +136,8 @@ def average_states(family: Any, state: PVIState, last: Any) -> PVIState:
 
 class PVIRunResult(NamedTuple):
     """The result of :meth:`PVI.run`: final ``state``, per-round ``history`` (:class:`RoundInfo`),
-    the ``inference`` (configuration) and the ``problem`` (data, sites, compiled steps) it ran on;
-    all immutable.
+    the ``config`` (:class:`~numpyro_pvi.config.PVIConfig`: the ``PVI``'s configuration as a value)
+    and the ``problem`` (data, sites, compiled steps) it ran on; all immutable.
 
     ``converged`` says whether the run converged (``None`` if no ``tol`` was given): its last round
     moved ``q`` by at most ``tol``, every update of that round was merged and none clamped, every
@@ -162,7 +161,7 @@ class PVIRunResult(NamedTuple):
 
     state: PVIState
     history: RoundInfo | None
-    inference: PVI
+    config: PVIConfig
     problem: Problem
     converged: bool | None = None
     stopped_because: str | None = None
@@ -195,7 +194,7 @@ class PVIRunResult(NamedTuple):
     @property
     def family(self) -> Any:
         """The factors' family."""
-        return self.inference.family
+        return self.config.family
 
     @property
     def num_clients(self) -> int:
@@ -225,8 +224,8 @@ class PVIRunResult(NamedTuple):
             self.family,
             self.state,
             client,
-            self.inference.model,
-            self.inference.partitions,
+            self.config.model,
+            self.config.partitions,
         )
 
     @property
@@ -250,9 +249,16 @@ class PVIRunResult(NamedTuple):
 
         **Example:** ``result.privacy_spent(1e-5)`` is e.g. ``array([0.98, 0.98, ...])``.
         """
-        from numpyro_pvi.privacy import privacy_spent
-
-        return privacy_spent(self, delta, client_sampling, client_rates)
+        return privacy_spent(
+            self.config.local_update,
+            self.config.server,
+            self.state,
+            self.history,
+            self.problem.sizes,
+            delta,
+            client_sampling=client_sampling,
+            client_rates=client_rates,
+        )
 
     def to_arviz(
         self, num_samples: int = 1000, rng_key: jax.Array | None = None, **kwargs: Any

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from numpyro_pvi.damping import AdaptiveDamping, Damping, checked_damping
+from numpyro_pvi.damping import AdaptiveDamping, Damping, Fixed, resolve_damping
 from numpyro_pvi.families import NatParams
 from numpyro_pvi.heavy_ball import HeavyBall
 from numpyro_pvi.rounds import InFlightUpdate, Round
@@ -40,25 +40,34 @@ class Server:
                 return state
     """
 
-    default_damping: type = AdaptiveDamping  # what damping=None means
     synchronous_rounds = False  # every client of a round against the same q (HeavyBall needs it)
 
-    def __init__(self, damping: Damping | None = 1.0, max_backtracks: int = 5) -> None:
+    def __init__(self, damping: Damping | float | None = None, *, max_backtracks: int = 5) -> None:
         if not isinstance(max_backtracks, int) or max_backtracks < 0:
             raise ValueError(
                 f"{type(self).__name__}: max_backtracks must be a non-negative integer, got "
                 f"{max_backtracks!r}."
             )
-        self.damping = checked_damping(
-            damping, type(self).__name__, type(self).default_damping, type(self).synchronous_rounds
+        self.damping: Damping = resolve_damping(
+            damping, type(self).__name__, self.default_damping(), self.synchronous_rounds
         )
         self.max_backtracks = max_backtracks
         self.sampling = ClientSampling(None, owner=type(self).__name__)
+
+    def default_damping(self) -> Damping:
+        """What ``damping=None`` means for this server (``Fixed(1.0)`` here)."""
+        return Fixed(1.0)
 
     def check_clients(self, num_clients: int) -> None:
         """Refuse a configuration that does not fit ``num_clients`` clients (called when a problem
         is built)."""
         self.sampling.check(num_clients)
+
+    def sampling_rates(self, num_clients: int) -> np.ndarray | None:
+        """``(M,)`` each client's probability of taking part in a round, when every round draws its
+        clients afresh, independently of the others (what client-sampled privacy accounting
+        credits); ``None`` for a server whose rounds do not (the default)."""
+        return None
 
     def init(self, q: NatParams, num_clients: int) -> Any:
         """The server's own state for ``num_clients`` client slots, kept in
@@ -81,6 +90,12 @@ class Server:
 
 class Sequential(Server):
     """Clients update one after the other, each against the ``q`` its predecessor left (PVI-seq).
+
+    :param damping: a float in ``(0, 1]`` (:class:`~numpyro_pvi.Fixed`) or a
+        :class:`~numpyro_pvi.AdaptiveDamping`; ``None`` (the default) is ``Fixed(1.0)``: each
+        client's update is merged whole.
+    :param int max_backtracks: halvings of the damping tried before an update that would leave
+        ``q`` or a cavity invalid is rejected.
 
     **Example:** ``pvi.PVI(..., server=pvi.Sequential())``
     """
@@ -106,6 +121,11 @@ class Synchronous(Server):
     mean-field factors, ``1 / num_clients`` never overshoots but is slow), and a run whose rounds
     swing ``q`` back and forth warns that it is oscillating.
 
+    :param damping: a float in ``(0, 1]`` (:class:`~numpyro_pvi.Fixed`), a
+        :class:`~numpyro_pvi.AdaptiveDamping` or a :class:`~numpyro_pvi.HeavyBall`; ``None`` (the
+        default) is ``HeavyBall()``, or ``AdaptiveDamping()`` with ``clients_per_round``.
+    :param int max_backtracks: halvings of the damping tried before a merge that would leave ``q``
+        or a cavity invalid is rejected.
     :param clients_per_round: ``K`` clients drawn per round (an int, or a float fraction of the
         clients; ``None``: all), without replacement, from the state's key
         (:mod:`numpyro_pvi.sampling`); the others keep their factors. ``RoundInfo.attempts`` shows
@@ -116,26 +136,26 @@ class Synchronous(Server):
     ``pvi.Synchronous(clients_per_round=10)``
     """
 
-    default_damping = HeavyBall
-    synchronous_rounds = True
-
     def __init__(
         self,
-        damping: Damping | None = None,
+        damping: Damping | float | None = None,
+        *,
         max_backtracks: int = 5,
         clients_per_round: int | float | None = None,
         client_weights: Any = None,
     ) -> None:
-        if clients_per_round is not None and isinstance(damping, HeavyBall):
-            raise ValueError(
-                "Synchronous: pvi.HeavyBall needs every client in every round (its spectrum "
-                "estimate compares whole rounds); with clients_per_round use a float or "
-                "pvi.AdaptiveDamping."
-            )
-        if clients_per_round is not None and damping is None:
-            damping = AdaptiveDamping()
-        super().__init__(damping, max_backtracks)
+        # sampled rounds cannot be compared whole: no heavy ball
+        self.synchronous_rounds = clients_per_round is None
+        super().__init__(damping, max_backtracks=max_backtracks)
         self.sampling = ClientSampling(clients_per_round, client_weights, "Synchronous")
+
+    def default_damping(self) -> Damping:
+        """``HeavyBall()``, or ``AdaptiveDamping()`` when clients are sampled."""
+        return HeavyBall() if self.synchronous_rounds else AdaptiveDamping()
+
+    def sampling_rates(self, num_clients: int) -> np.ndarray:
+        """``K / M`` for each client (uniform weights; 1 without client sampling)."""
+        return np.full(num_clients, self.sampling.num_sampled(num_clients) / num_clients)
 
     def run_round(self, state: Any, round: Round, num_clients: int) -> Any:
         if self.sampling.active(num_clients):
@@ -156,11 +176,13 @@ class Continual(Server):
     a streaming pass, and after :meth:`PVI.add_client` the next round visits only the new client.
     Factors of visited clients are never revised. A rejected client is tried again next round.
 
+    It has no ``damping``: each client's update is merged whole (``Fixed(1.0)``).
+
     **Example:** ``pvi.PVI(..., server=pvi.Continual())``
     """
 
-    def __init__(self, max_backtracks: int = 5) -> None:
-        super().__init__(1.0, max_backtracks)
+    def __init__(self, *, max_backtracks: int = 5) -> None:
+        super().__init__(1.0, max_backtracks=max_backtracks)
 
     def init(self, q: NatParams, num_clients: int) -> jax.Array:
         return jnp.zeros(num_clients, bool)  # visited
@@ -179,6 +201,15 @@ class Continual(Server):
         return "Continual()"
 
 
+def _is_key(value: Any) -> bool:
+    """Whether ``value`` is a JAX random key (raw ``uint32[2]`` or typed)."""
+    if not isinstance(value, jax.Array):
+        return False
+    if jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key):
+        return value.shape == ()
+    return value.dtype == jnp.uint32 and value.shape == (2,)
+
+
 class AsyncState(NamedTuple):
     """The asynchronous server's bookkeeping: the ``q`` each client pulled, when, and the clock."""
 
@@ -193,12 +224,20 @@ class Asynchronous(Server):
     server).
 
     Client ``m`` finishes updates at times ``(phase_m + k) / speeds[m]``, ``k = 0, 1, ...`` (a
-    random phase per client from ``seed``); round ``r`` processes the updates finished in ``[r, r +
-    1)`` in time order. Each update was computed against the ``q`` the client pulled when it
-    finished its previous one (possibly stale); the server adds its damped delta to the *current*
-    ``q`` and the client pulls the result. Updates older than ``max_staleness`` merges are rejected.
+    random phase per client drawn from ``rng_key``); round ``r`` processes the updates finished in
+    ``[r, r + 1)`` in time order. Each update was computed against the ``q`` the client pulled
+    when it finished its previous one (possibly stale); the server adds its damped delta to the
+    *current* ``q`` and the client pulls the result. Updates older than ``max_staleness`` merges
+    are rejected.
 
+    :param damping: a float in ``(0, 1]`` (:class:`~numpyro_pvi.Fixed`) or a
+        :class:`~numpyro_pvi.AdaptiveDamping`; ``None`` (the default) is ``AdaptiveDamping()``
+        (stale updates make a fixed damping risky; heavy ball needs synchronous rounds).
+    :param int max_staleness: updates older than this many merges are rejected (``None``: none).
     :param speeds: relative speeds of the clients (default all 1: each updates once per round).
+    :param rng_key: the key of the clients' random phases (default ``jax.random.PRNGKey(0)``).
+    :param int max_backtracks: halvings of the damping tried before a merge that would leave ``q``
+        or a cavity invalid is rejected.
     :param clients_per_round: at most ``K`` clients online (in flight) at a time (an int, or a float
         fraction of the clients; ``None``: all). In process, each round draws ``K`` clients from the
         state's key; they pull the current ``q`` as they come online and only their updates finish
@@ -211,15 +250,16 @@ class Asynchronous(Server):
 
     def __init__(
         self,
-        damping: float | AdaptiveDamping | None = None,
+        damping: Damping | float | None = None,
+        *,
         max_staleness: int | None = None,
         speeds: Any = None,
-        seed: int = 0,
+        rng_key: jax.Array | None = None,
         max_backtracks: int = 5,
         clients_per_round: int | float | None = None,
         client_weights: Any = None,
     ) -> None:
-        super().__init__(damping, max_backtracks)
+        super().__init__(damping, max_backtracks=max_backtracks)
         self.sampling = ClientSampling(clients_per_round, client_weights, "Asynchronous")
         if max_staleness is not None and (not isinstance(max_staleness, int) or max_staleness < 0):
             raise ValueError(
@@ -228,7 +268,18 @@ class Asynchronous(Server):
             )
         if speeds is not None and not np.all(np.asarray(speeds, float) > 0):
             raise ValueError(f"Asynchronous: speeds must be positive, got {speeds!r}.")
-        self.max_staleness, self.speeds, self.seed = max_staleness, speeds, seed
+        if rng_key is None:
+            rng_key = jax.random.PRNGKey(0)
+        if not _is_key(rng_key):
+            raise TypeError(
+                "Asynchronous: rng_key must be a JAX random key (jax.random.PRNGKey(...)), got "
+                f"{rng_key!r}."
+            )
+        self.max_staleness, self.speeds, self.rng_key = max_staleness, speeds, rng_key
+
+    def default_damping(self) -> Damping:
+        """``AdaptiveDamping()``."""
+        return AdaptiveDamping()
 
     def init(self, q: NatParams, num_clients: int) -> AsyncState:
         if self.speeds is not None and len(self.speeds) != num_clients:
@@ -251,7 +302,7 @@ class Asynchronous(Server):
     def events(self, round_index: int, num_clients: int) -> list[tuple[float, int]]:
         """``(time, client)`` of the updates finished in round ``round_index``, in time order."""
         speeds = np.ones(num_clients) if self.speeds is None else np.asarray(self.speeds, float)
-        phase = np.random.default_rng(self.seed).uniform(size=num_clients)
+        phase = np.asarray(jax.random.uniform(self.rng_key, (num_clients,)), np.float64)
         out = []
         for m in range(num_clients):
             first = int(np.ceil(round_index * speeds[m] - phase[m]))

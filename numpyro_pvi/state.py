@@ -40,12 +40,13 @@ class MadeFor:
     capacity: int = 0
 
     @classmethod
-    def of(cls, inference: Any, problem: Any) -> MadeFor:
-        """The record of a :class:`~numpyro_pvi.PVI` on a :class:`~numpyro_pvi.Problem`."""
+    def of(cls, config: Any, problem: Any) -> MadeFor:
+        """The record of a configuration (:class:`~numpyro_pvi.config.PVIConfig`) on a
+        :class:`~numpyro_pvi.Problem`."""
         return cls(
             tuple((s.name, tuple(int(n) for n in s.shape)) for s in problem.sites.globals),
-            family_name(inference.family),
-            repr(inference.server),
+            family_name(config.family),
+            repr(config.server),
             int(problem.capacity),
         )
 
@@ -94,8 +95,8 @@ class PVIState(NamedTuple):
     :ivar hyper: the hyperparameters (``numpyro.param`` sites) in unconstrained space, ``()`` if
         none.
     :ivar hyper_state: the state of the server's ``hyper_optimizer``.
-    :ivar damping: an adaptive damping's state (:class:`~numpyro_pvi.damping.DampingState`), ``()``
-        if fixed.
+    :ivar damping: the server's damping's state (its
+        :meth:`Damping.init <numpyro_pvi.damping.Damping.init>`).
     :ivar hyper_grads: each client's latest accepted gradient of its local free energy with respect
         to ``hyper``, stacked ``(M, ...)``; the server steps along their sum, so a client that did
         not report this round (asynchronous servers) still counts with its latest gradient.

@@ -1,10 +1,10 @@
 """The compiled steps of a round: run a group of clients and merge, merge, the prior factor, the
 ELBO.
 
-:func:`compile_steps` builds them from the configuration of :class:`~numpyro_pvi.PVI` and the data's
-*structure* (the model's sites and the arguments' layout); the clients' data are arguments, never
-closed over, so one set of steps serves every data set of the same shapes and dtypes without
-recompiling.
+:func:`compile_steps` builds them from the configuration
+(:class:`~numpyro_pvi.config.PVIConfig`) and the data's *structure* (the model's sites and the
+arguments' layout); the clients' data are arguments, never closed over, so one set of steps serves
+every data set of the same shapes and dtypes without recompiling.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import optax
 from numpyro.infer import Trace_ELBO, TraceEnum_ELBO
 
 from numpyro_pvi.backtracking import backtrack
-from numpyro_pvi.damping import current as current_damping
+from numpyro_pvi.config import PVIConfig
 from numpyro_pvi.densities import log_prior
 from numpyro_pvi.families import NatParams
 from numpyro_pvi.local_latents import expected_local_elbo
@@ -75,15 +75,17 @@ class Steps(NamedTuple):
     hyper_step: Callable | None
 
 
-def compile_steps(inference: Any, problem: ClientProblem, layout: ArgsLayout, rest: tuple) -> Steps:
-    """The steps for ``inference``'s configuration on data of this structure.
+def compile_steps(
+    config: PVIConfig, problem: ClientProblem, layout: ArgsLayout, rest: tuple
+) -> Steps:
+    """The steps for the configuration ``config`` on data of this structure.
 
     :param rest: the global sites whose prior is not Gaussian in unconstrained space (fitted by
         ``t_0``).
     """
-    runner = inference.backend.prepare(inference.local_update, problem)
-    apply = jax.jit(_apply_fn(inference.family, inference.server, inference.local_update))
-    family = inference.family
+    runner = config.backend.prepare(config.local_update, problem)
+    apply = jax.jit(_apply_fn(config.family, config.server, config.local_update))
+    family = config.family
 
     def run_group(
         state: PVIState, group: Group, key: jax.Array, pulled: NatParams
@@ -116,8 +118,8 @@ def compile_steps(inference: Any, problem: ClientProblem, layout: ArgsLayout, re
     ) -> tuple[PVIState, ClientOutcome]:
         return merge_groups(state, groups, [run_group(state, g, key, pulled) for g in groups])
 
-    if not inference.backend.jit_group:
-        return _steps(inference, problem, layout, rest, group_step, apply, runner)
+    if not config.backend.jit_group:
+        return _steps(config, problem, layout, rest, group_step, apply, runner)
     fused, run_one = jax.jit(group_step), jax.jit(run_group)
 
     def jitted_group_step(
@@ -130,11 +132,11 @@ def compile_steps(inference: Any, problem: ClientProblem, layout: ArgsLayout, re
             return fused(state, groups, key, pulled)
         return merge_groups(state, groups, [run_one(state, g, key, pulled) for g in groups])
 
-    return _steps(inference, problem, layout, rest, jitted_group_step, apply, runner)
+    return _steps(config, problem, layout, rest, jitted_group_step, apply, runner)
 
 
 def _steps(
-    inference: Any,
+    config: PVIConfig,
     problem: ClientProblem,
     layout: ArgsLayout,
     rest: tuple,
@@ -144,9 +146,9 @@ def _steps(
 ) -> Steps:
     """The :class:`Steps` around ``group_step``: the prior factor's steps, the ELBO and the
     hyperparameters' step."""
-    prior_logdensity = _prior_logdensity(inference.model, problem.sites, layout)
-    prior_init, prior_step = _prior_steps(inference, problem, prior_logdensity, rest)
-    elbo = _elbo_fn(inference.family, problem, prior_logdensity)
+    prior_logdensity = _prior_logdensity(config.model, problem.sites, layout)
+    prior_init, prior_step = _prior_steps(config, problem, prior_logdensity, rest)
+    elbo = _elbo_fn(config.family, problem, prior_logdensity)
     return Steps(
         group_step,
         apply,
@@ -154,7 +156,7 @@ def _steps(
         prior_init,
         prior_step,
         elbo,
-        _hyper_step(inference.hyper_optimizer) if problem.has_hyper else None,
+        _hyper_step(config.hyper_optimizer) if problem.has_hyper else None,
     )
 
 
@@ -181,7 +183,7 @@ def _apply_fn(family: Any, server: Any, local_update: Any) -> Callable:
             ids,
             result.delta,
             finite & allow & cavity_ok,
-            current_damping(server.damping, state.damping),
+            server.damping.rho(state.damping),
             server.max_backtracks,
         )
         accepted = finite & allow & cavity_ok & merged.valid
@@ -245,13 +247,13 @@ def _prior_logdensity(model: Callable, sites: Any, layout: ArgsLayout) -> Callab
 
 
 def _prior_steps(
-    inference: Any, problem: ClientProblem, prior_logdensity: Callable, rest: tuple
+    config: PVIConfig, problem: ClientProblem, prior_logdensity: Callable, rest: tuple
 ) -> tuple:
     """``(prior_init, prior_step)`` for the prior factor ``t_0`` of the sites ``rest``, or ``(None,
     None)``."""
     if not rest:
         return None, None
-    family, server, slices = inference.family, inference.server, problem.sites.slices()
+    family, server, slices = config.family, config.server, problem.sites.slices()
     rest_mask = np.zeros(problem.dim, bool)
     for name in rest:
         rest_mask[slices[name]] = True
@@ -272,9 +274,7 @@ def _prior_steps(
                 family, q_new, state.factors
             )
 
-        out = backtrack(
-            propose, current_damping(server.damping, state.damping), server.max_backtracks
-        )
+        out = backtrack(propose, server.damping.rho(state.damping), server.max_backtracks)
         keep = lambda new, old: jnp.where(out.valid, new, old)  # noqa: E731
         q, t0 = out.value
         return state._replace(

@@ -17,7 +17,7 @@ def assert_checkpoint_resumes(inference, result, path):
     """Save ``result``, load it back (identical state) and take one more round from both: identical
     ``q``."""
     pvi.save(result, path)
-    loaded = pvi.load(path, inference, result.problem)
+    loaded = pvi.load(path, inference.config, result.problem)
     for a, b in zip(jax.tree.leaves(result.state), jax.tree.leaves(loaded)):
         np.testing.assert_array_equal(a, b)
     resumed, _ = inference.update(loaded, result.problem)

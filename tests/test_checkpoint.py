@@ -60,7 +60,7 @@ def test_resume_from_a_checkpoint_equals_an_uninterrupted_run(linear_data, tmp_p
     pvi.save(first.state, tmp_path / "state.npz")
     np.savez(tmp_path / "history.npz", **first.history._asdict())
     history = pvi.RoundInfo(**np.load(tmp_path / "history.npz"))
-    loaded = pvi.load(tmp_path / "state.npz", inference, first.problem)
+    loaded = pvi.load(tmp_path / "state.npz", inference.config, first.problem)
     assert loaded.made_for == first.state.made_for
     from_checkpoint = inference.run(
         random.PRNGKey(1), 2, X, y=y, progress_bar=False, init_state=loaded, init_history=history
@@ -177,16 +177,16 @@ def test_a_checkpoint_knows_what_it_was_made_for(sequential_run, linear_data, tm
     )
     path = tmp_path / "state.npz"
     pvi.save(result.state, path)  # bare
-    state = pvi.load(path, inference, result.problem)  # the same set-up: fine
+    state = pvi.load(path, inference.config, result.problem)  # the same set-up: fine
     np.testing.assert_array_equal(state.q.eta2, result.state.q.eta2)
     other_server = pvi.PVI(
         linear_model, pvi.MeanFieldGaussian(), PARTS, update, pvi.Synchronous(0.5)
     )
     server = r"server: made for 'Sequential\(damping=1.0\)', now 'Synchronous\(damping=0.5\)'"
     with pytest.raises(ValueError, match="different set-up: " + server):
-        pvi.load(path, other_server, other_server.build(X, y=y))
+        pvi.load(path, other_server.config, other_server.build(X, y=y))
     with pytest.raises(ValueError, match="different set-up: " + server):
-        pvi.load(path, other_server)  # without the problem: the family and the server
+        pvi.load(path, other_server.config)  # without the problem: the family and the server
     with pytest.raises(ValueError, match="made for another set-up: " + server):
         other_server.run(
             random.PRNGKey(0), 1, X, y=y, init_state=pvi.load(path), progress_bar=False
@@ -195,10 +195,10 @@ def test_a_checkpoint_knows_what_it_was_made_for(sequential_run, linear_data, tm
     with pytest.raises(
         ValueError, match="family: made for 'MeanFieldGaussian\\(\\)', now 'FullRankGaussian\\(\\)'"
     ):
-        pvi.load(path, other_family)
+        pvi.load(path, other_family.config)
     other_model = pvi.PVI(renamed_model, pvi.MeanFieldGaussian(), PARTS, update, pvi.Sequential())
     with pytest.raises(ValueError, match=r"sites: made for \[w \[3\]\], now \[v \[3\]\]"):
-        pvi.load(path, other_model, other_model.build(X, y=y))
+        pvi.load(path, other_model.config, other_model.build(X, y=y))
     with pytest.raises(
         ValueError,
         match=r"made for another set-up: sites: made for \[w \[3\]\], "
@@ -217,7 +217,9 @@ def test_a_checkpoint_knows_what_it_was_made_for(sequential_run, linear_data, tm
             pvi.Sequential(),
         ).update(pvi.load(path), X, y=y)
     with pytest.raises(ValueError, match="nothing was written"):
-        pvi.save(result.state, tmp_path / "other.npz", other_model, other_model.build(X, y=y))
+        pvi.save(
+            result.state, tmp_path / "other.npz", other_model.config, other_model.build(X, y=y)
+        )
     assert not (tmp_path / "other.npz").exists()
 
 
@@ -343,7 +345,7 @@ def test_every_kind_of_state_round_trips(linear_data, tmp_path):
         inference = pvi.PVI(model, family, parts, update, server)
         state = inference.init(random.PRNGKey(0), X, y=y)
         pvi.save(state, path)
-        loaded = pvi.load(path, inference, inference.build(X, y=y))
+        loaded = pvi.load(path, inference.config, inference.build(X, y=y))
         assert jax.tree.structure(loaded) == jax.tree.structure(state), (update, server)
         for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(loaded)):
             assert jnp.result_type(a) == jnp.result_type(b), (update, server)

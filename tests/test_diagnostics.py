@@ -79,7 +79,7 @@ def test_posterior_has_every_global_site_with_named_dims(fitted):
 def test_posterior_draws_are_q(fitted):
     idata = to_arviz(fitted, num_samples=4000, rng_key=random.PRNGKey(7))
     # flat order: W (6), b (2), log sigma (1)
-    loc, scale = fitted.inference.family.loc_scale(fitted.state.q)
+    loc, scale = fitted.config.family.loc_scale(fitted.state.q)
     loc, scale = np.asarray(loc), np.asarray(scale)
     draws = np.concatenate(
         [

@@ -70,7 +70,12 @@ def test_a_skewed_split_is_bucketed_by_size_and_gives_the_loop_backends_q(linear
         qs = []
         for backend in ("vmap", "loop"):
             inference = pvi.PVI(
-                linear_model, pvi.MeanFieldGaussian(), parts, update, pvi.Synchronous(0.5), backend
+                linear_model,
+                pvi.MeanFieldGaussian(),
+                parts,
+                update,
+                pvi.Synchronous(0.5),
+                backend=backend,
             )
             problem = inference.build(X, y=y)
             if backend == "vmap":

@@ -157,7 +157,7 @@ def test_plot_clients_shows_q_and_every_cavity(fitted):
     fig = plot_clients(fitted, sites=["w", "b"])
     top = fig.axes[:4]  # the top row (the bottom row holds the precision shares)
     assert [ax.get_title() for ax in top] == ["w[0]", "w[1]", "w[2]", "b"]
-    family, q = fitted.inference.family, fitted.state.q
+    family, q = fitted.config.family, fitted.state.q
     loc, scale = (np.asarray(a) for a in family.loc_scale(q))
     for i, ax in enumerate(top):
         q_line = [line for line in ax.lines if line.get_label() == "q"][0]
@@ -230,7 +230,7 @@ def test_plots_do_not_need_a_pyplot_show(fitted, monkeypatch):
         x, y = next(line for line in ax.lines if line.get_label() == "PVI").get_data()
         assert np.sum(np.diff(x) * 0.5 * (y[1:] + y[:-1])) == pytest.approx(1.0, abs=0.02)
     assert [ax.get_title() for ax in figs[2].axes[:4]] == titles
-    loc = np.asarray(fitted.inference.family.loc_scale(fitted.state.q)[0])
+    loc = np.asarray(fitted.config.family.loc_scale(fitted.state.q)[0])
     for i, ax in enumerate(figs[2].axes[:4]):
         x, y = next(line for line in ax.lines if line.get_label() == "q").get_data()
         assert x[np.argmax(y)] == pytest.approx(loc[i], abs=3 * (x[1] - x[0]))

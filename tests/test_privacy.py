@@ -48,6 +48,13 @@ def budget_run(linear_data):
     return result, [str(w.message) for w in caught if issubclass(w.category, pvi.PVIWarning)]
 
 
+def _releases(result):
+    """Each client's releases in ``result``, as its state counts them."""
+    return privacy.releases(
+        result.config.local_update, result.state.client_states, result.num_clients
+    )
+
+
 def test_privacy_spent_equals_dp_accountings_epsilon(budget_run):
     result, _ = budget_run
     allowed = [
@@ -55,7 +62,7 @@ def test_privacy_spent_equals_dp_accountings_epsilon(budget_run):
     ]
     # the run exercises a client refused at once, one midway, one near the end
     assert allowed == [0, 2, 4]
-    np.testing.assert_array_equal(privacy.releases(result), allowed)
+    np.testing.assert_array_equal(_releases(result), allowed)
     expected = [_dp_sgd_epsilon(n, r) if r else 0.0 for n, r in zip(SIZES, allowed)]
     np.testing.assert_allclose(result.privacy_spent(DELTA), expected, rtol=1e-12)
     assert np.all(result.privacy_spent(DELTA) <= 2.0)
@@ -106,7 +113,7 @@ def test_updates_the_server_rejects_still_count_towards_the_budget(linear_data):
         result = inference.run(random.PRNGKey(0), ROUNDS, X, y=y, progress_bar=False)
     codes = np.asarray(result.history.rejection)
     assert np.sum(codes == int(pvi.Rejection.STALE)) > 0  # the server did reject sent updates
-    released = privacy.releases(result)
+    released = _releases(result)
     np.testing.assert_array_equal(np.asarray(result.state.client_states.releases), released)
     # what the budget allows (test_privacy_spent_equals_dp_accountings_epsilon)
     assert list(released) == [0, 2, 4]
@@ -159,7 +166,7 @@ def test_a_client_that_times_out_is_counted_once_by_budget_and_privacy_spent(lin
         PARTS,
         update,
         pvi.Sequential(),
-        TimingOutBackend(timeouts=3),
+        backend=TimingOutBackend(timeouts=3),
     )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", pvi.PVIWarning)
@@ -167,7 +174,7 @@ def test_a_client_that_times_out_is_counted_once_by_budget_and_privacy_spent(lin
     codes = np.asarray(result.history.rejection)[:, 1]
     np.testing.assert_array_equal(codes, [pvi.Rejection.TIMEOUT] * 3 + [pvi.Rejection.NONE] * 2)
     assert np.asarray(result.history.attempts)[:, 1].sum() == ROUNDS  # the history saw 5 attempts
-    released = privacy.releases(result)
+    released = _releases(result)
     np.testing.assert_array_equal(released, np.asarray(result.state.client_states.releases))
     # client 1: its two rounds after the time-outs
     np.testing.assert_array_equal(released, [0, 2, 4])
@@ -187,14 +194,14 @@ def test_a_run_resumed_without_its_history_spends_what_its_releases_spent(sample
     first = sampled_run
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", pvi.PVIWarning)
-        resumed = first.inference.run(
+        resumed = pvi.PVI(**first.config._asdict()).run(
             random.PRNGKey(1), 1, X, y=y, progress_bar=False, init_state=first.state
         )
     made = np.sum(np.asarray(first.history.attempts), 0) + np.sum(
         np.asarray(resumed.history.attempts), 0
     )
     assert made.sum() == 2 * (ROUNDS + 1)
-    np.testing.assert_array_equal(privacy.releases(resumed), made)
+    np.testing.assert_array_equal(_releases(resumed), made)
     np.testing.assert_allclose(
         resumed.privacy_spent(DELTA),
         [_dp_sgd_epsilon(n, int(r)) for n, r in zip(SIZES, made)],
@@ -211,7 +218,7 @@ def test_a_run_resumed_without_its_history_spends_what_its_releases_spent(sample
             )
         )
     )
-    update = first.inference.local_update
+    update = first.config.local_update
     np.testing.assert_allclose(
         whole.privacy_spent(DELTA, client_sampling="secret"),
         [
@@ -252,11 +259,9 @@ def test_local_averaging_is_the_gaussian_mechanism_per_release(budget_run):
     counted = result.state.client_states._replace(releases=np.array([4, 2, 2]))
     averaged = result._replace(
         state=result.state._replace(client_states=counted),
-        inference=result.inference.__class__(
-            linear_model, pvi.MeanFieldGaussian(), PARTS, update, pvi.Sequential()
-        ),
+        config=result.config._replace(local_update=update, server=pvi.Sequential()),
     )
-    np.testing.assert_array_equal(privacy.releases(averaged), [4, 2, 2])
+    np.testing.assert_array_equal(_releases(averaged), [4, 2, 2])
     spent = averaged.privacy_spent(DELTA)
     for releases, eps in zip([4, 2, 2], spent):
         event = dpa.SelfComposedDpEvent(dpa.GaussianDpEvent(3.0), releases)
@@ -294,13 +299,7 @@ def test_bad_requests_are_named(budget_run):
     with pytest.raises(ValueError, match="sampling_rate"):
         pvi.calibrate_noise_multiplier(1.0, DELTA, 1.5, 10)
     plain = result._replace(
-        inference=result.inference.__class__(
-            linear_model,
-            pvi.MeanFieldGaussian(),
-            PARTS,
-            pvi.GradientUpdate(optax.adam(1e-2), 10),
-            pvi.Sequential(),
-        )
+        config=result.config._replace(local_update=pvi.GradientUpdate(optax.adam(1e-2), 10))
     )
     with pytest.raises(TypeError, match="not differentially private"):
         plain.privacy_spent(DELTA)
@@ -393,7 +392,7 @@ def sampled_run(linear_data):
 
 def test_secret_client_sampling_credits_every_round_at_rate_k_over_m(sampled_run):
     result = sampled_run
-    released = privacy.releases(result)
+    released = _releases(result)
     # 2 of 3 clients a round, every one drawn
     assert released.sum() == 2 * ROUNDS and np.all(released > 0)
     secret = result.privacy_spent(DELTA, client_sampling="secret")
@@ -423,13 +422,7 @@ def test_secret_client_sampling_of_all_clients_is_the_unamplified_epsilon(sample
     everyone = result._replace(
         history=every,
         state=result.state._replace(client_states=counted),
-        inference=result.inference.__class__(
-            linear_model,
-            pvi.MeanFieldGaussian(),
-            PARTS,
-            result.inference.local_update,
-            pvi.Synchronous(damping=0.5),
-        ),
+        config=result.config._replace(server=pvi.Synchronous(damping=0.5)),
     )
     np.testing.assert_allclose(
         everyone.privacy_spent(DELTA, client_sampling="secret"),
@@ -445,21 +438,17 @@ def test_client_sampling_requests_that_cannot_be_credited_are_named(sampled_run,
     result = sampled_run
     with pytest.raises(ValueError, match="'known' or 'secret'"):
         result.privacy_spent(DELTA, client_sampling="hidden")
-    with pytest.raises(ValueError, match="Synchronous rounds"):
+    with pytest.raises(ValueError, match="draw their clients afresh"):
         budget_run[0].privacy_spent(DELTA, client_sampling="secret")  # a Sequential run
     weighted = result._replace(
-        inference=result.inference.__class__(
-            linear_model,
-            pvi.MeanFieldGaussian(),
-            PARTS,
-            result.inference.local_update,
-            pvi.Synchronous(damping=0.5, clients_per_round=2, client_weights=[1.0, 2.0, 3.0]),
+        config=result.config._replace(
+            server=pvi.Synchronous(damping=0.5, clients_per_round=2, client_weights=[1.0, 2.0, 3.0])
         )
     )
     with pytest.raises(ValueError, match="client_rates"):
         weighted.privacy_spent(DELTA, client_sampling="secret")
     spent = weighted.privacy_spent(DELTA, client_sampling="secret", client_rates=[0.4, 0.7, 0.9])
-    update = result.inference.local_update
+    update = result.config.local_update
     np.testing.assert_allclose(
         spent,
         [

@@ -133,7 +133,10 @@ def test_a_problem_is_used_only_by_the_pvi_that_built_it(logistic):
         backend=inference.backend,
         hyper_optimizer=inference.hyper_optimizer,
     )
-    assert same.build(X, y=y) is not None and inference.build(X, y=y).mismatch(same) == []
+    assert (
+        same.build(X, y=y) is not None
+        and inference.build(X, y=y).config.mismatch(same.config) == []
+    )
 
 
 def test_adding_ten_clients_compiles_the_round_about_log2_times(linear_data):

@@ -17,7 +17,14 @@ from numpyro.infer import Predictive
 import numpyro_pvi as pvi
 
 from fakes import ExactLinearUpdate
-from models import NOISE, exact_linear_posterior, linear_model, logistic_model, scale_model
+from models import (
+    NOISE,
+    exact_linear_posterior,
+    linear_model,
+    logistic_model,
+    noise_model,
+    scale_model,
+)
 from references import (
     ONLINE_VI_LOGISTIC_LOC,
     ONLINE_VI_LOGISTIC_SCALE,
@@ -114,7 +121,7 @@ def test_one_partition_equals_numpyro_svi(logistic_data, family):
     [
         (pvi.Synchronous(0.5), 12),
         (pvi.Sequential(), 4),
-        (pvi.Asynchronous(0.5, speeds=[1.0] * 9 + [0.5], seed=0), 12),
+        (pvi.Asynchronous(0.5, speeds=[1.0] * 9 + [0.5], rng_key=random.PRNGKey(0)), 12),
     ],
     ids=str,
 )
@@ -358,3 +365,77 @@ def test_help_names_every_family_update_server_and_damping():
     ]
     for name in [*families, *updates, *servers, "HeavyBall", "AdaptiveDamping", "RayBackend"]:
         assert re.search(rf"\b{name}\b", text), f"help(pvi.PVI) does not name {name}"
+
+
+CONFIGURATION_MODULES = ("pvi", "problem", "results", "privacy", "checkpoint", "diagnostics")
+
+
+def _package_imports() -> dict:
+    """Each ``numpyro_pvi`` module's imports of other ``numpyro_pvi`` modules, read from its source:
+    module level, inside functions and under ``TYPE_CHECKING`` alike."""
+    import ast
+    import pathlib
+
+    root = pathlib.Path(pvi.__file__).parent
+    names = {
+        ".".join(path.relative_to(root).with_suffix("").parts): path
+        for path in root.rglob("*.py")
+        if path.name != "__init__.py"
+    }
+    graph = {}
+    for name, path in names.items():
+        edges = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                submodules = [f"{node.module}.{a.name}" for a in node.names]
+                known = [m for m in submodules if m.removeprefix("numpyro_pvi.") in names]
+                targets = known or [node.module]
+            elif isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            else:
+                continue
+            for target in targets:
+                if target.startswith("numpyro_pvi."):
+                    target = target.removeprefix("numpyro_pvi.")
+                    edges |= {target} if target in names else set()
+                elif target == "numpyro_pvi":
+                    edges.add("__init__")
+        graph[name] = edges
+    return graph
+
+
+def test_the_configuration_modules_import_one_way():
+    """Issue 24 item 3: no import cycle through pvi/problem/results/privacy/checkpoint/diagnostics,
+    not even through ``TYPE_CHECKING`` or function-level imports (on 16f0d19: problem -> pvi and
+    results -> pvi under ``TYPE_CHECKING``, diagnostics -> numpyro_pvi in a function)."""
+    graph = _package_imports()
+    for start in CONFIGURATION_MODULES:
+        seen, stack = set(), list(graph[start])
+        while stack:
+            module = stack.pop()
+            assert module != start, f"{start} imports itself through {sorted(seen)}"
+            assert module != "__init__", f"{start} reaches the package's __init__ ({sorted(seen)})"
+            if module not in seen:
+                seen.add(module)
+                stack.extend(graph.get(module, ()))
+
+
+def test_get_params_needs_no_data_and_a_result_holds_the_configuration(linear_data):
+    """Issue 24 item 3. On 16f0d19 ``PVIRunResult`` held the ``PVI`` (``result.inference``), and
+    ``PVI.get_params`` / ``hyperparameters`` / ``sample_posterior`` / ``guide`` without ``problem=``
+    read whichever problem was built last (``PVI._latest``). Now a result holds the configuration
+    value, and ``get_params(state)`` reads only the model's param constraints."""
+    X, y = linear_data
+    inference = pvi.PVI(
+        noise_model, pvi.MeanFieldGaussian(), PARTS, gradient_update(), pvi.Sequential()
+    )
+    assert "config" in pvi.PVIRunResult._fields and "inference" not in pvi.PVIRunResult._fields
+    assert isinstance(inference.config, pvi.config.PVIConfig) and inference.family is not None
+    with pytest.raises(RuntimeError, match="build/init/run first"):
+        inference.get_params(pvi.PVIState(*[()] * 6, {"sigma": jnp.zeros(())}))
+    state = inference.init(random.PRNGKey(0), X, y=y)
+    assert inference.get_params(state)["sigma"] == pytest.approx(1.0)  # the param's init value
+    inference.build(2.0 * X, y=-y)  # other data built last: the same answer
+    assert inference.get_params(state)["sigma"] == pytest.approx(1.0)
+    with pytest.raises(TypeError):
+        pvi.PVI(noise_model, pvi.MeanFieldGaussian(), PARTS, gradient_update(), None, "loop")

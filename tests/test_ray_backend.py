@@ -121,7 +121,7 @@ def fit_noise_model(server, backend, rounds, X, y, warm_up=False):
         UNEQUAL,
         update,
         server,
-        backend,
+        backend=backend,
         hyper_optimizer=optax.adam(optax.exponential_decay(0.05, rounds, 0.05)),
     )
     state = inference.init(random.PRNGKey(0), X, y=y)
@@ -158,7 +158,7 @@ def test_actors_hold_their_own_rows_and_the_current_data(backend, linear_data):
         clients,
         ExactLinearUpdate(),
         pvi.Synchronous(1.0),
-        backend,
+        backend=backend,
     )
 
     def held_by_actors_is(problem):
@@ -192,7 +192,7 @@ def test_actors_hold_their_own_rows_and_the_current_data(backend, linear_data):
         UNEQUAL,
         ExactLinearUpdate(),
         pvi.Synchronous(1.0),
-        backend,
+        backend=backend,
     )
     for scale in (2.0, 1.0):
         new = other.build(X * scale, y=y)
@@ -220,7 +220,7 @@ def test_ray_asynchronous_with_a_5x_slower_client(backend, linear_data):
         UNEQUAL,
         update,
         pvi.Asynchronous(damping=0.5),
-        backend,
+        backend=backend,
     )
     state = inference.init(random.PRNGKey(0), X, y=y)
     inference.update(state, X, y=y)  # compiles in every actor
@@ -242,7 +242,12 @@ def test_ray_faults_are_rejected_and_recovered(backend, linear_data):
     # a NaN update and a raising client are rejected, the others merge
     for update, bad in [(PoisonedUpdate(bad_size=20), 2), (FaultyUpdate(90, "raise"), 1)]:
         inference = pvi.PVI(
-            linear_model, pvi.FullRankGaussian(), UNEQUAL, update, pvi.Synchronous(1.0), backend
+            linear_model,
+            pvi.FullRankGaussian(),
+            UNEQUAL,
+            update,
+            pvi.Synchronous(1.0),
+            backend=backend,
         )
         state, info = inference.update(inference.init(random.PRNGKey(0), X, y=y), X, y=y)
         expected = np.ones(4, int)
@@ -256,7 +261,7 @@ def test_ray_faults_are_rejected_and_recovered(backend, linear_data):
         UNEQUAL,
         ExactLinearUpdate(),
         pvi.Synchronous(1.0),
-        backend,
+        backend=backend,
     )
     state, info = inference.update(inference.init(random.PRNGKey(0), X, y=y), X, y=y)
     ray.kill(backend.actors[3])
@@ -302,7 +307,7 @@ def test_a_second_run_merges_nothing_from_the_first(backend, linear_data):
         UNEQUAL,
         MarkerUpdate(0.2),
         pvi.Asynchronous(0.5),
-        backend,
+        backend=backend,
     )
     state = inference.init(random.PRNGKey(0), X, y=y)
     marked = lambda value: state._replace(q=state.q._replace(eta1=state.q.eta1.at[0].set(value)))  # noqa: E731
@@ -330,7 +335,7 @@ def test_a_timeout_rejects_and_restarts_but_does_not_count_compilation(
         UNEQUAL,
         ExactLinearUpdate(),
         pvi.Synchronous(1.0),
-        backend,
+        backend=backend,
     )
     result = inference.run(random.PRNGKey(0), 2, X, y=y, progress_bar=False)
     assert backend.runners[-1].timeout == 0.3
@@ -346,7 +351,7 @@ def test_a_timeout_rejects_and_restarts_but_does_not_count_compilation(
         UNEQUAL,
         FaultyUpdate(size=20, mode="sleep", seconds=1.0),
         pvi.Synchronous(1.0),
-        backend,
+        backend=backend,
     )
     state, info = slow.update(slow.init(random.PRNGKey(0), X, y=y), X, y=y)
     np.testing.assert_array_equal(info.accepted, [1, 1, 0, 1])
@@ -371,7 +376,7 @@ def test_ray_asynchronous_samples_at_most_k_clients_in_flight(backend, linear_da
         UNEQUAL,
         ExactLinearUpdate(),
         pvi.Asynchronous(1.0, clients_per_round=2),
-        backend,
+        backend=backend,
     )
     result = inference.run(random.PRNGKey(0), 6, X, y=y, progress_bar=False)
     runner = backend.runners[-1]
@@ -416,7 +421,7 @@ def test_ray_synchronous_run_with_hyperparameters_equals_vmap(backend, two_clien
             TWO_CLIENTS,
             update,
             pvi.Synchronous(0.5),
-            where,
+            backend=where,
             hyper_optimizer=optax.adam(optax.exponential_decay(0.05, 2, 0.05)),
         )
         # 2 rounds: far from converged on purpose (PVIWarning "far")
@@ -452,7 +457,7 @@ def test_ray_site_families_equal_vmap(backend, two_client_data):
         # load)
         update = pvi.GradientUpdate(optax.adam(0.05), num_steps=10, num_particles=2)
         inference = pvi.PVI(
-            normal_gamma_model, family, TWO_CLIENTS, update, pvi.Sequential(), where
+            normal_gamma_model, family, TWO_CLIENTS, update, pvi.Sequential(), backend=where
         )
         runs.append(inference.run(random.PRNGKey(1), 2, X, y=y, progress_bar=False))
     # one eta2 per block
@@ -474,7 +479,7 @@ def test_close_kills_every_actor_and_the_next_update_starts_new_ones(backend, tw
         TWO_CLIENTS,
         ExactLinearUpdate(),
         pvi.Synchronous(1.0),
-        backend,
+        backend=backend,
     )
     state, _ = inference.update(inference.init(random.PRNGKey(0), X, y=y), X, y=y)
     old = list(backend.actors)

@@ -40,7 +40,7 @@ from flwr.supercore import log
 
 from numpyro_pvi.backends import stack
 from numpyro_pvi.checkpoint import save
-from numpyro_pvi.damping import AdaptiveDamping
+from numpyro_pvi.damping import Fixed
 from numpyro_pvi.families import FactorFamily, NatParams
 from numpyro_pvi.flower.wire import (
     adopt_layout,
@@ -49,7 +49,6 @@ from numpyro_pvi.flower.wire import (
     tree_from_record,
     tree_to_record,
 )
-from numpyro_pvi.heavy_ball import HeavyBall
 from numpyro_pvi.merge import merge, rejection_codes, screen
 from numpyro_pvi.monitor import RunMonitor, q_change
 from numpyro_pvi.servers import Sequential, Synchronous
@@ -100,15 +99,12 @@ class PVIStrategy(Strategy):
                 f"PVIStrategy runs pvi.Synchronous or pvi.Sequential rounds; got {server!r}."
             )
         server.sampling.check(num_clients)
-        if isinstance(server.damping, AdaptiveDamping):
+        if not isinstance(server.damping, Fixed):
             raise ValueError(
-                "PVIStrategy needs a fixed damping, e.g. pvi.Synchronous(0.5): AdaptiveDamping "
-                "follows the global ELBO, which needs every site's data."
-            )
-        if isinstance(server.damping, HeavyBall):
-            raise ValueError(
-                "PVIStrategy needs a fixed damping, e.g. pvi.Synchronous(0.5): pvi.HeavyBall (the "
-                "default of pvi.Synchronous()) is not wired through Flower yet."
+                "PVIStrategy needs a fixed damping, e.g. pvi.Synchronous(0.5), got "
+                f"{server.damping!r}: AdaptiveDamping follows the global ELBO, which needs every "
+                "site's data, and pvi.HeavyBall (the default of pvi.Synchronous()) is not wired "
+                "through Flower yet."
             )
         self.family, self.num_clients, self.rng_key, self.server = (
             family,
@@ -124,7 +120,14 @@ class PVIStrategy(Strategy):
         # self.family when first traced: the family as start() laid it out from the sites' layout
         self._merge = jax.jit(
             lambda q, factors, ids, deltas, ok: merge(
-                self.family, q, factors, ids, deltas, ok, server.damping, server.max_backtracks
+                self.family,
+                q,
+                factors,
+                ids,
+                deltas,
+                ok,
+                server.damping.rho(()),
+                server.max_backtracks,
             )
         )
         self._accepted, self._monitor = np.zeros(num_clients, bool), RunMonitor(server)
