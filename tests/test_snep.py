@@ -15,7 +15,7 @@ import pytest
 from jax import random
 
 import numpyro_pvi as pvi
-from numpyro_pvi.local_updates.laplace import laplace
+from numpyro_pvi.local_updates._numerics import laplace
 from numpyro_pvi.local_updates.moment_matching import importance_moments
 from numpyro_pvi.local_updates.snep import _laplace_q
 
@@ -40,7 +40,7 @@ def ep_fixed_point(logistic_data):
         logistic_model,
         pvi.FullRankGaussian(),
         pvi.split_iid(random.PRNGKey(3), 400, 4),
-        pvi.MomentMatchingUpdate(num_samples=4096),
+        pvi.MomentMatchingUpdate(tilted=pvi.Importance(num_particles=4096)),
         pvi.Sequential(),
     )
     state = inference.run(random.PRNGKey(0), 5, X, y=y, progress_bar=False).state

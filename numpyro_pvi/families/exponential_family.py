@@ -23,7 +23,8 @@ from numpyro.distributions.transforms import (
     biject_to,
 )
 
-from numpyro_pvi.families.params import Marginals, NatParams
+from numpyro_pvi.families.factor import member_proposal
+from numpyro_pvi.families.params import Marginals, NatParams, Proposal
 
 # draws at which an exponential-family block's prior is read off by least squares
 NUM_PRIOR_DRAWS = 256
@@ -203,6 +204,13 @@ class ExponentialFamily:
         return NatParams(coef[:dim], coef[dim:])
 
     # ------------------------------------------------------------------ moment matching
+    def laplace_proposal(
+        self, mode: jax.Array, precision: jax.Array, rng_key: jax.Array, pairs: int
+    ) -> Proposal:
+        """Draws of the member :meth:`from_laplace`
+        (:func:`~numpyro_pvi.families.factor.member_proposal`)."""
+        return member_proposal(self, self.from_laplace(mode, precision), rng_key, pairs)
+
     def match_moments(self, proposal: NatParams, zeta: jax.Array, weights: jax.Array) -> NatParams:
         """The member with ``E[T]`` = the weighted mean of ``T`` (control variate: the proposal's
         exact ``E[T]``)."""

@@ -8,7 +8,7 @@ from typing import Any, Callable, Protocol, runtime_checkable
 import jax
 import numpyro.distributions as dist
 
-from numpyro_pvi.families.params import Marginals, NatParams
+from numpyro_pvi.families.params import Marginals, NatParams, Proposal
 
 
 @runtime_checkable
@@ -33,7 +33,10 @@ class FactorFamily(Protocol):
       :meth:`laplace_precision`, :meth:`from_laplace` (the family's unconstrained coordinates ``x``,
       ``(D,)``: ``zeta`` for a Gaussian, ``log theta`` for a ``Gamma``, ``logit theta`` for a
       ``Beta``).
-    * **Moment matching** (EP): :meth:`match_moments`.
+    * **Moment matching** (EP): :meth:`match_moments`, and the importance proposal at the Laplace
+      approximation, :meth:`laplace_proposal` (a Gaussian's: the dense ``N(mode, P^-1)``, whose
+      correlations a mean-field member would drop; the others': :func:`member_proposal` of
+      :meth:`from_laplace`).
     * **Start and prior** (PVI's chosen start, the exact prior ``lambda_0`` and the prior factor
       ``t_0``):
       :meth:`initial_q`, :meth:`reference_draws`, :meth:`exact_prior`, :meth:`standard_normal`,
@@ -138,6 +141,13 @@ class FactorFamily(Protocol):
         tilted distribution is in the family)."""
         ...
 
+    def laplace_proposal(
+        self, mode: jax.Array, precision: jax.Array, rng_key: jax.Array, pairs: int
+    ) -> Proposal:
+        """``2 pairs`` importance draws near the Laplace approximation ``(mode, precision)`` (in the
+        Laplace coordinates), with :meth:`from_laplace` as the member: EP's proposal."""
+        ...
+
     def initial_q(self, loc: jax.Array, scale: float) -> NatParams:
         """The chosen start: the member with mean ``loc`` (``(D,)``, the block's coordinates) and
         spread ``scale`` (``ValueError`` if the family cannot take it); see :mod:`numpyro_pvi.start`
@@ -181,3 +191,26 @@ class FactorFamily(Protocol):
         :param use_hessian: whether to use Hessians (else Stein's lemma from gradients).
         """
         ...
+
+
+def member_proposal(
+    family: FactorFamily, member: NatParams, rng_key: jax.Array, pairs: int
+) -> Proposal:
+    """The valid ``member`` as an importance proposal: its ``2 pairs`` draws (``family.draw``) and
+    their log density.
+
+    **Example:**
+
+    .. doctest::
+
+        >>> import jax, jax.numpy as jnp, numpyro_pvi as pvi
+        >>> from numpyro_pvi.families.factor import member_proposal
+        >>> family = pvi.Gamma()
+        >>> proposal = member_proposal(
+        ...     family, family.from_params(jnp.ones(1), jnp.ones(1)), jax.random.PRNGKey(0), 8
+        ... )
+        >>> proposal.draws.shape, proposal.log_density.shape
+        ((16, 1), (16,))
+    """
+    draws = family.draw(member, rng_key, pairs)
+    return Proposal(member, draws, family.to_dist(member).log_prob(draws))

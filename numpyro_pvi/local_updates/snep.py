@@ -49,8 +49,8 @@ import jax.numpy as jnp
 
 from numpyro_pvi.families import Family, NatParams
 from numpyro_pvi.families.gaussian import variance_inflation
+from numpyro_pvi.local_updates._numerics import laplace
 from numpyro_pvi.local_updates.base import Client, ClientProblem, ClientResult, local_free_energy
-from numpyro_pvi.local_updates.laplace import laplace
 from numpyro_pvi.local_updates.snep_blocks import bind_blocks, init_block_state
 from numpyro_pvi.local_updates.snep_inner import SNEPVisit, averaged_site, run_inner
 

@@ -52,6 +52,7 @@ from jax.flatten_util import ravel_pytree
 
 from numpyro_pvi.families import MeanParamFamily, NatParams
 from numpyro_pvi.families.gaussian import tilted_inflation
+from numpyro_pvi.local_updates._numerics import matches, stein_coefficients, stein_features
 from numpyro_pvi.local_updates.base import Client, ClientProblem, ClientResult, local_free_energy
 from numpyro_pvi.local_updates.snep_inner import adapted_log_step, nuts_kernel
 
@@ -71,12 +72,6 @@ class SNEPBlockState(NamedTuple):
     visited: jax.Array
 
 
-# draws of q (fixed key) from which a visit's control-variate coefficients are read
-NUM_CV_DRAWS = 256
-# largest relative residual of a step's mean parameters (from_mean_params did not converge above)
-MEAN_TOL = 1e-4
-
-
 class BlockVisit(NamedTuple):
     """What every inner step of one visit shares: the family, the cavity, the chains' frame (from
     the ``q`` at the start of the visit), ``theta -> log p(y_m | theta)``, the client's inner steps
@@ -89,38 +84,6 @@ class BlockVisit(NamedTuple):
     loglik: Callable
     count: jax.Array
     coef: jax.Array
-
-
-def stein_features(u: jax.Array, score: jax.Array) -> jax.Array:
-    """Zero-mean functions ``(K + K^2,)`` of a draw ``u`` of any ``p`` with score ``grad log p(u)``:
-    ``score`` and ``I + u score^T`` (Stein's identity ``E_p[div f + f . score] = 0`` for ``f = e_k``
-    and ``f = u_j e_k``)."""
-    return jnp.concatenate([score, (jnp.eye(u.shape[-1]) + jnp.outer(u, score)).reshape(-1)])
-
-
-def stein_coefficients(family: MeanParamFamily, frame: Any, q: NatParams) -> jax.Array:
-    """The regression coefficients ``(P, K + K^2)`` of ``T`` on :func:`stein_features` under ``q``.
-
-    ``T - C features`` has the mean of ``T`` under any ``p`` (the features have mean zero under
-    every ``p``), and with ``q``'s regression coefficients the least variance when ``p`` is ``q``:
-    exact where ``T`` is in their span (a Gaussian block's ``zeta`` and ``zeta zeta^T``, a Gamma's
-    ``theta``). Read off ``NUM_CV_DRAWS`` draws of ``q`` (a fixed key), the control variates of this
-    path as Stein's are of the Gaussian path.
-    """
-    theta = family.to_dist(q).sample(jax.random.PRNGKey(1), (NUM_CV_DRAWS,))
-    u = jax.vmap(lambda t: family.to_chain(frame, t))(theta)
-
-    def log_q(v: jax.Array) -> jax.Array:
-        value, log_det = family.from_chain(frame, v)
-        return family.log_factor(q, value) + log_det
-
-    features = jax.vmap(stein_features)(u, jax.vmap(jax.grad(log_q))(u))
-    stats = jax.vmap(lambda t: ravel_pytree(family.chain_mean_params(t[None]))[0])(theta)
-    features, stats = features - jnp.mean(features, axis=0), stats - jnp.mean(stats, axis=0)
-    gram = features.T @ features + 1e-6 * jnp.trace(features.T @ features) * jnp.eye(
-        features.shape[1]
-    )
-    return jnp.linalg.solve(gram, features.T @ stats).T
 
 
 class BlockCarry(NamedTuple):
@@ -286,14 +249,6 @@ def _mirror_step(
     target = carry.mean * (1.0 - eps) + estimate * eps
     nat = family.from_mean_params(target, carry.nat)
     return target, nat, matches(family, nat, target)
-
-
-def matches(family: MeanParamFamily, nat: NatParams, target: NatParams) -> jax.Array:
-    """Whether ``nat`` is valid and its mean parameters are ``target`` (to ``MEAN_TOL`` relative): a
-    target outside the family's mean domain (a control-variate estimate may be) has no inverse."""
-    flat = ravel_pytree(target)[0]
-    residual = ravel_pytree(family.mean_params(nat))[0] - flat
-    return family.is_valid(nat) & jnp.all(jnp.abs(residual) <= MEAN_TOL * (1.0 + jnp.abs(flat)))
 
 
 def run_blocks(
