@@ -203,3 +203,32 @@ def matches(family: MeanParamFamily, nat: NatParams, target: NatParams) -> jax.A
     flat = ravel_pytree(target)[0]
     residual = ravel_pytree(family.mean_params(nat))[0] - flat
     return family.is_valid(nat) & jnp.all(jnp.abs(residual) <= MEAN_TOL * (1.0 + jnp.abs(flat)))
+
+
+def nuts_kernel(potential_gen: Callable, max_tree_depth: int) -> Callable:
+    """``(key, u, tau, step_size) -> (u, grad log p(u), accept prob)``: one NUTS transition (unit
+    mass matrix, fixed step size) of the target ``exp(-potential_gen(tau)(u))``; both SNEP paths'
+    sampler."""
+    init_kernel, sample_kernel = hmc(potential_fn_gen=potential_gen, algo="NUTS")
+
+    def transition(key: jax.Array, u: jax.Array, tau: NatParams, step_size: jax.Array) -> tuple:
+        hmc_state = init_kernel(
+            u,
+            0,
+            step_size=step_size,
+            adapt_step_size=False,
+            adapt_mass_matrix=False,
+            max_tree_depth=max_tree_depth,
+            model_args=(tau,),
+            rng_key=key,
+        )
+        hmc_state = sample_kernel(hmc_state, model_args=(tau,))
+        return hmc_state.z, -hmc_state.z_grad, hmc_state.mean_accept_prob
+
+    return transition
+
+
+def adapted_log_step(log_step: jax.Array, accept: jax.Array) -> jax.Array:
+    """The log step size after one Robbins-Monro step towards 80 % mean acceptance of the chains
+    ``accept`` ``(C,)``."""
+    return log_step + 0.1 * (jnp.mean(accept) - 0.8)
