@@ -270,6 +270,11 @@ class GaussianFamily:
             -0.5 * jnp.sum(eps**2, axis=-1),
         )
 
+    def min_effective_draws(self) -> int:
+        """0: the control-variate moments of a few draws stay near the proposal's (EP halves a step
+        whose covariance is not positive definite)."""
+        return 0
+
     def match_moments(self, proposal: NatParams, zeta: jax.Array, weights: jax.Array) -> NatParams:
         """Weighted mean and covariance, with the proposal's exact moments as control variate."""
         loc, cov = self.moments(proposal)

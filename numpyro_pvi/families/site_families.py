@@ -350,6 +350,10 @@ class SiteFamilies:
         (:func:`~numpyro_pvi.families.factor.member_proposal`)."""
         return member_proposal(self, self.from_laplace(mode, precision), rng_key, pairs)
 
+    def min_effective_draws(self) -> int:
+        """The largest of the blocks' (the weights are shared by every block)."""
+        return max(family.min_effective_draws() for family, _, _, _ in self._laid_out())
+
     def match_moments(self, proposal: NatParams, zeta: jax.Array, weights: jax.Array) -> NatParams:
         """Each block matched to its marginal weighted moments."""
         return self.join(

@@ -21,9 +21,10 @@ where the tilted density is not log-concave:
   from ``q_alpha``; the statistics come from the proposal whose weights have the largest effective
   sample size. Exact (every weight equal) when the tilted distribution is the Laplace proposal: a
   conjugate likelihood. Weights whose effective sample size is below ``min_ess`` halve the step;
-  below ``MIN_EFFECTIVE_DRAWS`` draws they give no step (their matched member is concentrated on a
-  few draws: sweep cell 3 of issue 23, a Gamma block's shape went from 179 to ``9e9`` in one such
-  step, from 2 effective draws of 1,024).
+  below the family's :meth:`~numpyro_pvi.families.FactorFamily.min_effective_draws` they give no
+  step (an exponential family's member matched to a few draws is concentrated on them: sweep cell
+  3 of issue 23, a Gamma block's shape went from 179 to ``9e9`` in one such step, from 2 effective
+  draws of 1,024).
 * :class:`NUTSMoments`: NUTS chains of the tilted distribution in the family's chain coordinates
   (:meth:`~numpyro_pvi.families.MeanParamFamily.from_chain`, standardised by the Laplace
   approximation; the log Jacobian in the potential), the draws' average of the sufficient
@@ -59,11 +60,6 @@ from numpyro_pvi.local_updates._numerics import (
     stein_features,
 )
 from numpyro_pvi.local_updates.base import Client, ClientProblem, ClientResult, local_free_energy
-
-#: Importance weights with fewer effective draws than this give no step (counted as clamped): the
-#: member matched to them is concentrated on those few draws. Between this and ``min_ess`` of the
-#: draws the step is halved.
-MIN_EFFECTIVE_DRAWS = 10
 
 
 class Tilted(NamedTuple):
@@ -184,7 +180,8 @@ class Importance:
         for other, other_ess, _ in outs[1:]:
             better = other_ess > ess
             target, ess = _where(better, other, target), jnp.maximum(ess, other_ess)
-        degenerate = ess * 2 * pairs < MIN_EFFECTIVE_DRAWS  # no step
+        # no step: the member matched to a few draws is concentrated on them
+        degenerate = ess * 2 * pairs < family.min_effective_draws()
         return TiltedEstimate(
             _where(degenerate, tilted.q, target),
             ess < self.min_ess,
