@@ -33,7 +33,8 @@ class FactorFamily(Protocol):
       :meth:`laplace_precision`, :meth:`from_laplace` (the family's unconstrained coordinates ``x``,
       ``(D,)``: ``zeta`` for a Gaussian, ``log theta`` for a ``Gamma``, ``logit theta`` for a
       ``Beta``).
-    * **Moment matching** (EP): :meth:`match_moments`, and the importance proposal at the Laplace
+    * **Moment matching** (EP): :meth:`match_moments` (trusted from :meth:`min_effective_draws`
+      effective draws on), and the importance proposal at the Laplace
       approximation, :meth:`laplace_proposal` (a Gaussian's: the dense ``N(mode, P^-1)``, whose
       correlations a mean-field member would drop; the others': :func:`member_proposal` of
       :meth:`from_laplace`).
