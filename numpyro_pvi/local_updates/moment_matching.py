@@ -22,10 +22,10 @@ where the tilted density is not log-concave:
   effective sample size where the Laplace proposal's is below ``min_ess`` or the other's weights are
   uniform (it is the tilted distribution: an exponential family's conjugate likelihood). Exact
   (every weight equal) when the tilted distribution is a proposal: a conjugate likelihood. Weights
-  whose effective sample size is below ``min_ess`` halve the step; below the family's :meth:`~numpyro_pvi.families.FactorFamily.min_effective_draws` they give no
-  step (an exponential family's member matched to a few draws is concentrated on them: sweep cell
-  3 of issue 23, a Gamma block's shape went from 179 to ``9e9`` in one such step, from 2 effective
-  draws of 1,024).
+  whose effective sample size is below ``min_ess`` halve the step; below the family's
+  :meth:`~numpyro_pvi.families.FactorFamily.min_effective_draws` they give no step (an exponential
+  family's member matched to a few draws is concentrated on them: sweep cell 3 of issue 23, a Gamma
+  block's shape went from 179 to ``9e9`` in one such step, from 2 effective draws of 1,024).
 * :class:`NUTSMoments`: NUTS chains of the tilted distribution in the family's chain coordinates
   (:meth:`~numpyro_pvi.families.MeanParamFamily.from_chain`, standardised by the Laplace
   approximation; the log Jacobian in the potential), the draws' average of the sufficient
