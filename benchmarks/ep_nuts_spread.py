@@ -1,5 +1,5 @@
-"""Monte Carlo spread of ``MomentMatchingUpdate(tilted="nuts")`` on the families beyond one
-Gaussian.
+"""Monte Carlo spread of ``MomentMatchingUpdate(tilted=pvi.NUTSMoments(...))`` on the families
+beyond one Gaussian.
 
 EP is exact for the conjugate models (the tilted distribution is in the family), and with one client
 its fixed point is the exact posterior moment-matched block by block, so every error below is the
@@ -21,7 +21,9 @@ import test_snep_blocks as ref  # noqa: E402
 
 import numpyro_pvi as pvi  # noqa: E402
 
-UPDATE = pvi.MomentMatchingUpdate(tilted="nuts", num_samples=400, num_warmup=200, num_chains=2)
+UPDATE = pvi.MomentMatchingUpdate(
+    tilted=pvi.NUTSMoments(num_samples=400, num_warmup=200, num_chains=2)
+)
 
 
 def main(num_seeds: int = 5) -> None:

@@ -148,9 +148,9 @@ def main():
     print(f"\nNUTS reference: 1 chain, 500 warm-up + {nuts_samples} draws, {reference[2]:.1f} s")
     fr = pvi.FullRankGaussian()
     methods = {
-        "EP importance (1024)": pvi.MomentMatchingUpdate(num_samples=1024),
+        "EP importance (1024)": pvi.MomentMatchingUpdate(tilted=pvi.Importance(num_particles=1024)),
         "EP NUTS (2x300 draws)": pvi.MomentMatchingUpdate(
-            tilted="nuts", num_samples=300, num_warmup=200
+            tilted=pvi.NUTSMoments(num_samples=300, num_warmup=200)
         ),
         "SNEP (defaults: eps .05, 200 inner, 8 chains)": pvi.SNEPUpdate(),
         "CVI (global VI fixed point)": pvi.NaturalGradientUpdate(

@@ -250,7 +250,7 @@ def local_update(level: str) -> Any:
         return pvi.NaturalGradientUpdate(step_size=0.5, num_steps=5, num_particles=32)
     if level == "ep":
         return pvi.MomentMatchingUpdate()
-    return pvi.SNEPUpdate(num_inner=50, num_outer=4, num_chains=4)
+    return pvi.SNEPUpdate(num_steps=50, refresh_every=4, num_chains=4)
 
 
 def family(level: str, model: Model) -> Any:

@@ -47,9 +47,11 @@ from numpyro_pvi.local_updates import (
     DPGradientUpdate,
     DPLocalAveraging,
     GradientUpdate,
+    Importance,
     LocalUpdate,
     MomentMatchingUpdate,
     NaturalGradientUpdate,
+    NUTSMoments,
     SNEPUpdate,
 )
 from numpyro_pvi.monitor import PVIWarning
@@ -92,6 +94,8 @@ __all__ = [
     "LoopBackend",
     "MeanFieldGaussian",
     "MomentMatchingUpdate",
+    "Importance",
+    "NUTSMoments",
     "NaturalGradientUpdate",
     "NatParams",
     "PVIRunResult",

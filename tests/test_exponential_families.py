@@ -194,7 +194,7 @@ def test_moment_matching_is_exact_for_a_conjugate_likelihood(model, family):
         family,
         partitions=PARTS,
         server=pvi.Synchronous(1.0),
-        local_update=pvi.MomentMatchingUpdate(num_samples=64),
+        local_update=pvi.MomentMatchingUpdate(tilted=pvi.Importance(num_particles=64)),
     )
     result = inference.run(random.PRNGKey(1), 1, y=y, progress_bar=False)
     np.testing.assert_allclose(
@@ -240,7 +240,9 @@ def test_moment_matching_with_the_cavity_proposal():
         pvi.Gamma(),
         partitions=PARTS,
         server=pvi.Sequential(),
-        local_update=pvi.MomentMatchingUpdate(num_samples=4096, proposal="cavity"),
+        local_update=pvi.MomentMatchingUpdate(
+            tilted=pvi.Importance(num_particles=4096), proposal="cavity"
+        ),
     )
     result = inference.run(random.PRNGKey(1), 2, y=y, progress_bar=False)
     shape, rate = pvi.Gamma().to_params(result.state.q)

@@ -50,7 +50,9 @@ def test_ep_with_nuts_is_exact_on_a_conjugate_model_up_to_mc_error(linear_data):
     X, y = linear_data
     mean, cov = exact_linear_posterior(X, y)
     sd = np.sqrt(np.diag(cov))
-    update = pvi.MomentMatchingUpdate(tilted="nuts", num_samples=200, num_warmup=100, num_chains=2)
+    update = pvi.MomentMatchingUpdate(
+        tilted=pvi.NUTSMoments(num_samples=200, num_warmup=100, num_chains=2)
+    )
     partitions = pvi.split_iid(random.PRNGKey(4), X.shape[0], 4)
     inference = pvi.PVI(
         linear_model, pvi.FullRankGaussian(), partitions, update, pvi.Synchronous(1.0)
@@ -140,7 +142,9 @@ def test_power_ep_halves_steps_that_would_make_q_improper(family):
     # importance sampling from the cavity (not the Laplace proposal, whose well-centred draws no
     # longer need halving here): with 10 outliers the weights collapse, and (q_tilde - q) / alpha
     # overshoots out of the PD cone
-    update = pvi.MomentMatchingUpdate(alpha=0.5, num_samples=512, proposal="cavity")
+    update = pvi.MomentMatchingUpdate(
+        alpha=0.5, tilted=pvi.Importance(num_particles=512), proposal="cavity"
+    )
     inference = pvi.PVI(
         robust_model, family, pvi.split_iid(random.PRNGKey(3), 40, 4), update, pvi.Synchronous(0.5)
     )
@@ -159,7 +163,9 @@ def test_low_effective_sample_size_halves_the_step(linear_data):
     X, y = linear_data
     # Importance sampling from the prior (the cavity) for all 300 rows: almost all the weight on one
     # draw.
-    update = pvi.MomentMatchingUpdate(proposal="cavity", num_samples=256, min_ess=0.1)
+    update = pvi.MomentMatchingUpdate(
+        proposal="cavity", tilted=pvi.Importance(num_particles=256, min_ess=0.1)
+    )
     inference = pvi.PVI(linear_model, pvi.FullRankGaussian(), None, update, pvi.Sequential())
     result = inference.run(random.PRNGKey(0), 2, X, y=y, progress_bar=False)
     assert (result.history.clamped >= 1).all()
@@ -169,21 +175,30 @@ def test_low_effective_sample_size_halves_the_step(linear_data):
 
 
 @pytest.mark.parametrize(
-    "kwargs, match",
+    "make, error, match",
     [
-        (dict(alpha=0.0), "alpha"),
-        (dict(alpha=1.5), "alpha"),
-        (dict(tilted="mcmc"), "tilted"),
-        (dict(proposal="q"), "proposal"),
-        (dict(num_samples=1), "num_samples"),
-        (dict(min_ess=1.0), "min_ess"),
-        (dict(num_chains=0), "num_chains"),
-        (dict(num_warmup=-1), "num_warmup"),
+        (lambda: pvi.MomentMatchingUpdate(alpha=0.0), ValueError, "alpha"),
+        (lambda: pvi.MomentMatchingUpdate(alpha=1.5), ValueError, "alpha"),
+        (lambda: pvi.MomentMatchingUpdate(tilted="nuts"), TypeError, "tilted"),
+        (lambda: pvi.MomentMatchingUpdate(proposal="q"), ValueError, "proposal"),
+        (lambda: pvi.MomentMatchingUpdate(num_newton=-1), ValueError, "num_newton"),
+        (lambda: pvi.Importance(num_particles=1), ValueError, "num_particles"),
+        (lambda: pvi.Importance(min_ess=1.0), ValueError, "min_ess"),
+        (lambda: pvi.NUTSMoments(num_chains=0), ValueError, "num_chains"),
+        (lambda: pvi.NUTSMoments(num_warmup=-1), ValueError, "num_warmup"),
+        (lambda: pvi.NUTSMoments(num_samples=1), ValueError, "num_samples"),
     ],
 )
-def test_moment_matching_update_arguments_are_checked(kwargs, match):
-    with pytest.raises(ValueError, match=match):
-        pvi.MomentMatchingUpdate(**kwargs)
+def test_moment_matching_update_arguments_are_checked(make, error, match):
+    with pytest.raises(error, match=match):
+        make()
+
+
+def test_moment_matching_options_are_keyword_only():
+    """Everything after ``alpha`` is keyword-only (on main, ``MomentMatchingUpdate(1.0, "nuts")``
+    silently meant NUTS)."""
+    with pytest.raises(TypeError):
+        pvi.MomentMatchingUpdate(1.0, pvi.NUTSMoments())
 
 
 def correlated_linear_data(rho):
@@ -245,7 +260,7 @@ def test_mean_field_site_families_ep_over_correlated_clients_is_flagged_and_unco
         normal_gamma_model,
         family,
         pvi.split_iid(random.PRNGKey(1), 120, 4),
-        pvi.MomentMatchingUpdate(num_samples=512),
+        pvi.MomentMatchingUpdate(tilted=pvi.Importance(num_particles=512)),
         pvi.Sequential(),
     )
     verdicts = {}

@@ -12,7 +12,7 @@ from jax import random
 
 import numpyro_pvi as pvi
 from numpyro_pvi.families import NatParams
-from numpyro_pvi.local_updates.laplace import laplace_site
+from numpyro_pvi.local_updates._numerics import laplace_site
 
 from models import (
     exact_linear_posterior,

@@ -1,6 +1,6 @@
 """EP on the families beyond one Gaussian: with NUTS tilted moments
-(``MomentMatchingUpdate(tilted="nuts")``), and the importance path's guards (a collapsed Gamma
-block's update returns; weights of a few draws give no step).
+(``MomentMatchingUpdate(tilted=pvi.NUTSMoments(...))``), and the importance path's guards (a
+collapsed Gamma block's update returns; weights of a few draws give no step).
 
 EP is exact on conjugate models (the tilted distribution is in the family), and with one client its
 fixed point is the exact posterior moment-matched block by block (a quadrature reference), so every
@@ -34,7 +34,9 @@ from models import (
     normal_gamma_pvi,
 )
 
-UPDATE = pvi.MomentMatchingUpdate(tilted="nuts", num_samples=400, num_warmup=200, num_chains=2)
+UPDATE = pvi.MomentMatchingUpdate(
+    tilted=pvi.NUTSMoments(num_samples=400, num_warmup=200, num_chains=2)
+)
 
 
 def test_dirichlet_categorical_is_the_exact_posterior():

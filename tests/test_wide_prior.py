@@ -24,7 +24,7 @@ from jax import random
 from numpyro.infer import MCMC, NUTS
 
 import numpyro_pvi as pvi
-from numpyro_pvi.local_updates.laplace import laplace
+from numpyro_pvi.local_updates._numerics import laplace
 
 PHI = 2.25  # the dispersion, where it is fixed
 MEAN_TOL, SD_RTOL = 0.25, 0.15

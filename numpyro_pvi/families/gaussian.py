@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpyro
 import numpyro.distributions as dist
 
+from numpyro_pvi.families.params import Proposal
 from numpyro_pvi.families.protocol import Family, NatParams
 from numpyro_pvi.families.reparameterised import GaussianParameters
 
@@ -250,6 +251,30 @@ class GaussianFamily:
         """``N(mode, precision^-1)`` (:meth:`from_dense_precision`: mean field keeps its marginal
         variances)."""
         return self.from_dense_precision(mode, precision)
+
+    def laplace_proposal(
+        self, mode: jax.Array, precision: jax.Array, rng_key: jax.Array, pairs: int
+    ) -> Proposal:
+        """Antithetic draws of the dense ``N(mode, precision^-1)`` (its correlations too, which a
+        mean-field member drops), with :meth:`from_laplace` as the member: for a Gaussian tilted
+        distribution every weight is equal and EP's step is exact."""
+        chol_precision = jnp.linalg.cholesky(precision)
+        inv = jax.scipy.linalg.solve_triangular(
+            chol_precision, jnp.eye(mode.shape[-1], dtype=mode.dtype), lower=True
+        )
+        chol_cov = jnp.linalg.cholesky(inv.T @ inv)
+        half = jax.random.normal(rng_key, (pairs, mode.shape[-1]), mode.dtype)
+        eps = jnp.concatenate([half, -half])
+        return Proposal(
+            self.from_laplace(mode, precision),
+            mode + eps @ chol_cov.T,
+            -0.5 * jnp.sum(eps**2, axis=-1),
+        )
+
+    def min_effective_draws(self) -> int:
+        """0: the control-variate moments of a few draws stay near the proposal's (EP halves a step
+        whose covariance is not positive definite)."""
+        return 0
 
     def match_moments(self, proposal: NatParams, zeta: jax.Array, weights: jax.Array) -> NatParams:
         """Weighted mean and covariance, with the proposal's exact moments as control variate."""

@@ -69,3 +69,17 @@ class Marginals(NamedTuple):
     mean: np.ndarray
     variance: np.ndarray
     precision: np.ndarray
+
+
+class Proposal(NamedTuple):
+    """Draws from an importance proposal: the family member with its moments (the control variate
+    of :meth:`~numpyro_pvi.families.FactorFamily.match_moments`), the draws ``(S, D)`` and their log
+    density ``(S,)`` up to a constant.
+
+    **Example:** ``family.laplace_proposal(mode, precision, key, 512)`` (EP's proposal), or
+    :func:`~numpyro_pvi.families.factor.member_proposal` of any member.
+    """
+
+    member: NatParams
+    draws: jax.Array
+    log_density: jax.Array

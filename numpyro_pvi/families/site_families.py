@@ -24,10 +24,10 @@ import numpyro.distributions as dist
 from numpyro_pvi.families import tilted
 from numpyro_pvi.families.block_distribution import BlockDistribution
 from numpyro_pvi.families.exponential_family import ExponentialFamily
-from numpyro_pvi.families.factor import FactorFamily
+from numpyro_pvi.families.factor import FactorFamily, member_proposal
 from numpyro_pvi.families.mean_field import MeanFieldGaussian
 from numpyro_pvi.families.mean_params import MeanParamFamily
-from numpyro_pvi.families.params import Marginals, NatParams
+from numpyro_pvi.families.params import Marginals, NatParams, Proposal
 from numpyro_pvi.families.reparameterised import GuideParameters
 
 
@@ -344,6 +344,17 @@ class SiteFamilies:
                 for family, a, b, _ in self._laid_out()
             ]
         )
+
+    def laplace_proposal(
+        self, mode: jax.Array, precision: jax.Array, rng_key: jax.Array, pairs: int
+    ) -> Proposal:
+        """Draws of the member :meth:`from_laplace`
+        (:func:`~numpyro_pvi.families.factor.member_proposal`)."""
+        return member_proposal(self, self.from_laplace(mode, precision), rng_key, pairs)
+
+    def min_effective_draws(self) -> int:
+        """The largest of the blocks' (the weights are shared by every block)."""
+        return max(family.min_effective_draws() for family, _, _, _ in self._laid_out())
 
     def match_moments(self, proposal: NatParams, zeta: jax.Array, weights: jax.Array) -> NatParams:
         """Each block matched to its marginal weighted moments."""

@@ -10,7 +10,11 @@ from numpyro_pvi.local_updates.base import (
 from numpyro_pvi.local_updates.dp_averaging import DPLocalAveraging
 from numpyro_pvi.local_updates.dp_gradient import DPGradientUpdate, DPState
 from numpyro_pvi.local_updates.gradient import GradientUpdate
-from numpyro_pvi.local_updates.moment_matching import MomentMatchingUpdate
+from numpyro_pvi.local_updates.moment_matching import (
+    Importance,
+    MomentMatchingUpdate,
+    NUTSMoments,
+)
 from numpyro_pvi.local_updates.natural_gradient import NaturalGradientUpdate
 from numpyro_pvi.local_updates.snep import SNEPState, SNEPUpdate
 
@@ -22,9 +26,11 @@ __all__ = [
     "DPLocalAveraging",
     "DPState",
     "GradientUpdate",
+    "Importance",
     "CountsRejectedUpdates",
     "LocalUpdate",
     "MomentMatchingUpdate",
+    "NUTSMoments",
     "NaturalGradientUpdate",
     "SNEPState",
     "SNEPUpdate",

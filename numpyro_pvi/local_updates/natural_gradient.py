@@ -32,6 +32,7 @@ import jax.numpy as jnp
 
 from numpyro_pvi.backtracking import backtrack
 from numpyro_pvi.families import FactorFamily, NatParams
+from numpyro_pvi.local_updates._numerics import laplace_site
 from numpyro_pvi.local_updates.base import (
     Client,
     ClientProblem,
@@ -40,7 +41,6 @@ from numpyro_pvi.local_updates.base import (
     local_free_energy,
 )
 from numpyro_pvi.local_updates.gradient import check_hyper_particles
-from numpyro_pvi.local_updates.laplace import laplace_site
 
 
 class NaturalGradientUpdate(LocalUpdate):

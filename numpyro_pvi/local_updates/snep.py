@@ -8,9 +8,10 @@ parameter ``theta'`` (the local ``q = cavity * t_m`` when last refreshed), each 
 the paper)
 
 invariant, ``s(zeta) = (zeta, zeta zeta^T)``, and takes a stochastic mirror-descent step on the
-convex dual of eq. 16, whose gradient in ``t_m`` is ``E_q[s] - E_{p_m}[s]``. Every ``num_outer``
-inner steps ``theta'`` is refreshed to ``q`` (eq. 23). The step is zero exactly when the tilted
-moments equal ``q``'s: the fixed points are those of power EP (EP for ``alpha = 1``).
+convex dual of eq. 16, whose gradient in ``t_m`` is ``E_q[s] - E_{p_m}[s]``. Every
+``refresh_every`` inner steps ``theta'`` is refreshed to ``q`` (eq. 23). The step is zero exactly
+when the tilted moments equal ``q``'s: the fixed points are those of power EP (EP for ``alpha =
+1``).
 
 Three choices differ from the paper's eq. 22; without them full PVI runs ended 0.2-0.3 posterior
 sd and 7-17 % (in sd) from EP's fixed point, with them within 0.005 sd and 0.4 % (EP's own Monte
@@ -31,7 +32,7 @@ Carlo error; ``docs/local_updates/snep.md`` has the measurements):
   importance-sampling control variate. A step whose covariance estimate is not positive definite
   uses the chains' plain moments (counted in ``RoundInfo.clamped``).
 * **Averaging.** The visit returns the Polyak-Ruppert average (in mean parameters) of the iterates
-  of its last ``average`` fraction of inner steps, not the last iterate.
+  of its last ``average_fraction`` of inner steps, not the last iterate.
 
 The chains and the sampler's step size are the client's persistent state (never sent): between
 visits the chains are carried to the new local ``q`` by the affine map of the paper's eq. 28. A
@@ -49,6 +50,8 @@ import jax.numpy as jnp
 
 from numpyro_pvi.families import Family, NatParams
 from numpyro_pvi.families.gaussian import variance_inflation
+from numpyro_pvi.local_updates._numerics import laplace
+from numpyro_pvi.local_updates._snep_settings import SNEPSettings
 from numpyro_pvi.local_updates.base import (
     Client,
     ClientProblem,
@@ -56,7 +59,6 @@ from numpyro_pvi.local_updates.base import (
     LocalUpdate,
     local_free_energy,
 )
-from numpyro_pvi.local_updates.laplace import laplace
 from numpyro_pvi.local_updates.snep_blocks import bind_blocks, init_block_state
 from numpyro_pvi.local_updates.snep_inner import SNEPVisit, averaged_site, run_inner
 
@@ -92,16 +94,17 @@ class SNEPUpdate(LocalUpdate):
 
     :param float step_size: ``eps`` in ``(0, 1)``, the step in ``q``'s mean parameters: ``E_q[s] <-
         (1 - eps) E_q[s] + eps E_tilted[s]``. Near the fixed point the error shrinks by a factor of
-        about ``1 - (1 + alpha) eps`` per inner step (``1 - alpha eps`` when ``num_outer = 1``),
+        about ``1 - (1 + alpha) eps`` per inner step (``1 - alpha eps`` when ``refresh_every = 1``),
         whatever the number of clients.
-    :param int num_inner: inner (MCMC + mirror-descent) steps per client visit (the paper's
+    :param int num_steps: inner (MCMC + mirror-descent) steps per client visit (the paper's
         ``N_sync``).
-    :param int num_outer: inner steps between refreshes of the auxiliary ``theta'`` (the paper's
-        ``N_outer``).
+    :param int refresh_every: inner steps between refreshes of the auxiliary ``theta'`` (the
+        paper's ``N_outer``).
     :param float alpha: the power-EP power ``1 / beta`` in ``(0, 1]``; 1 is EP.
     :param int num_chains: persistent NUTS chains per client; each inner step averages their states.
-    :param float average: the fraction of each visit's last inner steps whose iterates are averaged
-        (Polyak-Ruppert) into the returned site, in ``(0, 1]``.
+    :param float average_fraction: the fraction of each visit's last inner steps whose iterates are
+        averaged (Polyak-Ruppert) into the returned site, in ``[0, 1)`` (0: the last iterate), as
+        ``GradientUpdate``'s.
     :param bool control_variates: estimate the tilted moments with zero-variance control variates
         (default); ``False`` uses the chains' plain sample moments, as the paper (far noisier).
     :param tuple site_variance: optional ``(v_min, v_max)``: clamp the site's covariance eigenvalues
@@ -129,7 +132,7 @@ class SNEPUpdate(LocalUpdate):
     .. doctest::
 
         >>> import numpyro_pvi as pvi
-        >>> update = pvi.SNEPUpdate(step_size=0.05, num_inner=200, num_outer=10, num_chains=8)
+        >>> update = pvi.SNEPUpdate(0.05, num_steps=200, refresh_every=10, num_chains=8)
     """
 
     # SiteFamilies, Gamma, Beta, Dirichlet: SNEP in mean parameters (snep_blocks)
@@ -138,11 +141,12 @@ class SNEPUpdate(LocalUpdate):
     def __init__(
         self,
         step_size: float = 0.05,
-        num_inner: int = 200,
-        num_outer: int = 10,
+        *,
+        num_steps: int = 200,
+        refresh_every: int = 10,
         alpha: float = 1.0,
         num_chains: int = 8,
-        average: float = 0.5,
+        average_fraction: float = 0.5,
         control_variates: bool = True,
         site_variance: tuple | None = None,
         step_decay: float | None = None,
@@ -154,16 +158,18 @@ class SNEPUpdate(LocalUpdate):
         if not (isinstance(alpha, (int, float)) and 0.0 < alpha <= 1.0):
             raise ValueError(f"SNEPUpdate: alpha must be in (0, 1], got {alpha!r}.")
         for name, value, low in [
-            ("num_inner", num_inner, 1),
-            ("num_outer", num_outer, 1),
+            ("num_steps", num_steps, 1),
+            ("refresh_every", refresh_every, 1),
             ("num_chains", num_chains, 1),
             ("max_tree_depth", max_tree_depth, 1),
             ("num_newton", num_newton, 0),
         ]:
-            if not isinstance(value, int) or value < low:
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ValueError(f"SNEPUpdate: {name} must be an integer >= {low}, got {value!r}.")
-        if not (isinstance(average, (int, float)) and 0.0 < average <= 1.0):
-            raise ValueError(f"SNEPUpdate: average must be in (0, 1], got {average!r}.")
+        if not (isinstance(average_fraction, (int, float)) and 0.0 <= average_fraction < 1.0):
+            raise ValueError(
+                f"SNEPUpdate: average_fraction must be in [0, 1), got {average_fraction!r}."
+            )
         if site_variance is not None and not _is_interval(site_variance):
             raise ValueError(
                 "SNEPUpdate: site_variance must be None or a pair (v_min, v_max) of numbers with "
@@ -173,38 +179,30 @@ class SNEPUpdate(LocalUpdate):
             raise ValueError(
                 f"SNEPUpdate: step_decay must be positive or None, got {step_decay!r}."
             )
-        self.step_size, self.num_inner, self.num_outer, self.alpha = (
-            float(step_size),
-            num_inner,
-            num_outer,
-            alpha,
-        )
-        self.num_chains, self.average = num_chains, float(average)
-        self.control_variates = bool(control_variates)
         self.site_variance = None if site_variance is None else tuple(site_variance)
-        self.step_decay, self.max_tree_depth, self.num_newton = (
-            step_decay,
-            max_tree_depth,
-            num_newton,
+        #: what the inner loops read: a value (the first inner step whose iterate enters the
+        #: Polyak-Ruppert average is ``first_averaged``)
+        self.settings = SNEPSettings(
+            step_size=float(step_size),
+            num_steps=num_steps,
+            refresh_every=refresh_every,
+            alpha=float(alpha),
+            num_chains=num_chains,
+            first_averaged=min(int(round(num_steps * (1.0 - average_fraction))), num_steps - 1),
+            control_variates=bool(control_variates),
+            site_variance=self.site_variance,
+            step_decay=step_decay,
+            max_tree_depth=max_tree_depth,
+            num_newton=num_newton,
         )
-        #: the first inner step whose iterate enters the Polyak-Ruppert average
-        self.first_averaged = min(int(round(num_inner * (1.0 - self.average))), num_inner - 1)
-
-    def inner_step_size(self, t: jax.Array) -> jax.Array | float:
-        """``eps_t`` of the client's inner step ``t``: ``step_size``, or its Robbins-Monro decay
-        with ``step_decay``."""
-        t = t.astype(jnp.result_type(float))
-        return (
-            self.step_size
-            if self.step_decay is None
-            else self.step_size / (1.0 + t / self.step_decay) ** 0.6
-        )
+        self.step_size, self.num_steps, self.alpha = float(step_size), num_steps, float(alpha)
+        self.num_chains, self.average_fraction = num_chains, float(average_fraction)
 
     def init_state(self, problem: ClientProblem) -> SNEPState | Any:
         """Unvisited: chains at 0 (replaced on the first visit), an initial sampler step size of
         0.5."""
         if not isinstance(problem.family, Family):
-            return init_block_state(self, problem)
+            return init_block_state(self.settings, problem)
         return SNEPState(
             jnp.zeros((self.num_chains, problem.dim)),
             problem.family.zeros(problem.dim),
@@ -221,12 +219,12 @@ class SNEPUpdate(LocalUpdate):
         (:func:`~numpyro_pvi.local_updates.snep_blocks.bind_blocks`).
         """
         if not isinstance(problem.family, Family):
-            return bind_blocks(self, problem)
-        return partial(_client_update, self, problem)
+            return bind_blocks(self.settings, problem)
+        return partial(_client_update, self.settings, problem)
 
 
 def _client_update(
-    update: SNEPUpdate,
+    settings: SNEPSettings,
     problem: ClientProblem,
     rng_key: jax.Array,
     client: Client,
@@ -235,26 +233,26 @@ def _client_update(
     state: SNEPState,
     hyper: Any = (),
 ) -> ClientResult:
-    """One SNEP client visit: ``update.num_inner`` inner steps, then the averaged site
+    """One SNEP client visit: ``settings.num_steps`` inner steps, then the averaged site
     (:meth:`SNEPUpdate.bind`)."""
     del hyper  # SNEP does not support hyperparameters; the argument is the shared interface's
     family = problem.family
     loglik = lambda z: problem.log_likelihood(z, client)  # noqa: E731
     chain_key, loop_key, fe_key = jax.random.split(rng_key, 3)
     t_old = q - cavity
-    lap_q, inflation = _laplace_q(family, cavity, q, loglik, update.num_newton)
+    lap_q, inflation = _laplace_q(family, cavity, q, loglik, settings.num_newton)
     q_local = jax.tree.map(lambda a, b: jnp.where(state.visited, a, b), q, lap_q)
     loc, scale = family.loc_scale(q_local)
     visit = SNEPVisit(family, cavity, loc, scale, loglik, state.count)
     carry = run_inner(
-        update,
+        settings,
         visit,
         q_local,
         _carried_chains(family, state, q_local, chain_key),
         state.log_step_size,
         loop_key,
     )
-    site, clamped = averaged_site(update, visit, carry)
+    site, clamped = averaged_site(settings, visit, carry)
 
     finite = (
         family.is_valid(cavity + site)
@@ -267,7 +265,7 @@ def _client_update(
         keep(family.unwhiten(loc, scale, carry.chains), state.chains),
         jax.tree.map(keep, cavity + site, q),
         keep(carry.log_step, state.log_step_size),
-        state.count + update.num_inner,
+        state.count + settings.num_steps,
         finite | state.visited,
     )
     q_new = cavity + site

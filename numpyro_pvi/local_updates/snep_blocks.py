@@ -11,10 +11,10 @@ with the family's sufficient statistics ``T`` and mean parameters ``m = E_q[T]``
 
 invariant, then takes the mirror step ``m <- (1 - eps) m + eps E_hat[T]`` and maps ``m`` back to
 natural parameters (:meth:`~numpyro_pvi.families.MeanParamFamily.from_mean_params`: closed form for
-a Gaussian block, Newton for an exponential-family block). Every ``num_outer`` steps ``theta'`` is
-refreshed to ``q``; the visit returns the Polyak-Ruppert average of ``m`` over its last ``average``
-fraction of steps. For ``alpha = 1`` the step is zero exactly when the tilted distribution's
-``E[T]`` is ``q``'s: EP's fixed point, block by block.
+a Gaussian block, Newton for an exponential-family block). Every ``refresh_every`` steps
+``theta'`` is refreshed to ``q``; the visit returns the Polyak-Ruppert average of ``m`` over its
+last ``average_fraction`` of steps. For ``alpha = 1`` the step is zero exactly when the tilted
+distribution's ``E[T]`` is ``q``'s: EP's fixed point, block by block.
 
 What differs from the Gaussian path:
 
@@ -44,7 +44,7 @@ valid or not finite keeps the old factor.
 from __future__ import annotations
 
 from functools import partial
-from typing import TYPE_CHECKING, Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -52,11 +52,15 @@ from jax.flatten_util import ravel_pytree
 
 from numpyro_pvi.families import MeanParamFamily, NatParams
 from numpyro_pvi.families.gaussian import tilted_inflation
+from numpyro_pvi.local_updates._numerics import (
+    adapted_log_step,
+    matches,
+    nuts_kernel,
+    stein_coefficients,
+    stein_features,
+)
+from numpyro_pvi.local_updates._snep_settings import SNEPSettings
 from numpyro_pvi.local_updates.base import Client, ClientProblem, ClientResult, local_free_energy
-from numpyro_pvi.local_updates.snep_inner import adapted_log_step, nuts_kernel
-
-if TYPE_CHECKING:
-    from numpyro_pvi.local_updates.snep import SNEPUpdate
 
 
 class SNEPBlockState(NamedTuple):
@@ -71,12 +75,6 @@ class SNEPBlockState(NamedTuple):
     visited: jax.Array
 
 
-# draws of q (fixed key) from which a visit's control-variate coefficients are read
-NUM_CV_DRAWS = 256
-# largest relative residual of a step's mean parameters (from_mean_params did not converge above)
-MEAN_TOL = 1e-4
-
-
 class BlockVisit(NamedTuple):
     """What every inner step of one visit shares: the family, the cavity, the chains' frame (from
     the ``q`` at the start of the visit), ``theta -> log p(y_m | theta)``, the client's inner steps
@@ -89,38 +87,6 @@ class BlockVisit(NamedTuple):
     loglik: Callable
     count: jax.Array
     coef: jax.Array
-
-
-def stein_features(u: jax.Array, score: jax.Array) -> jax.Array:
-    """Zero-mean functions ``(K + K^2,)`` of a draw ``u`` of any ``p`` with score ``grad log p(u)``:
-    ``score`` and ``I + u score^T`` (Stein's identity ``E_p[div f + f . score] = 0`` for ``f = e_k``
-    and ``f = u_j e_k``)."""
-    return jnp.concatenate([score, (jnp.eye(u.shape[-1]) + jnp.outer(u, score)).reshape(-1)])
-
-
-def stein_coefficients(family: MeanParamFamily, frame: Any, q: NatParams) -> jax.Array:
-    """The regression coefficients ``(P, K + K^2)`` of ``T`` on :func:`stein_features` under ``q``.
-
-    ``T - C features`` has the mean of ``T`` under any ``p`` (the features have mean zero under
-    every ``p``), and with ``q``'s regression coefficients the least variance when ``p`` is ``q``:
-    exact where ``T`` is in their span (a Gaussian block's ``zeta`` and ``zeta zeta^T``, a Gamma's
-    ``theta``). Read off ``NUM_CV_DRAWS`` draws of ``q`` (a fixed key), the control variates of this
-    path as Stein's are of the Gaussian path.
-    """
-    theta = family.to_dist(q).sample(jax.random.PRNGKey(1), (NUM_CV_DRAWS,))
-    u = jax.vmap(lambda t: family.to_chain(frame, t))(theta)
-
-    def log_q(v: jax.Array) -> jax.Array:
-        value, log_det = family.from_chain(frame, v)
-        return family.log_factor(q, value) + log_det
-
-    features = jax.vmap(stein_features)(u, jax.vmap(jax.grad(log_q))(u))
-    stats = jax.vmap(lambda t: ravel_pytree(family.chain_mean_params(t[None]))[0])(theta)
-    features, stats = features - jnp.mean(features, axis=0), stats - jnp.mean(stats, axis=0)
-    gram = features.T @ features + 1e-6 * jnp.trace(features.T @ features) * jnp.eye(
-        features.shape[1]
-    )
-    return jnp.linalg.solve(gram, features.T @ stats).T
 
 
 class BlockCarry(NamedTuple):
@@ -153,15 +119,15 @@ class BlockCarry(NamedTuple):
         ...     10.0 * jnp.log(theta) - 4.0 * theta
         ... )  # the tilted: Gamma(12, 5)
         >>> q = family.from_params(jnp.array([12.0]), jnp.array([5.0]))
-        >>> update = pvi.SNEPUpdate(num_inner=20, num_chains=4, max_tree_depth=3)
+        >>> settings = pvi.SNEPUpdate(num_steps=20, num_chains=4, max_tree_depth=3).settings
         >>> state = SNEPBlockState(
         ...     jnp.zeros((4, 1)), jnp.log(0.5), jnp.zeros((), jnp.int32), jnp.ones((), bool)
         ... )
         >>> q_local, chains, visit = start_visit(
-        ...     update, family, cavity, q, state, loglik, jax.random.PRNGKey(0)
+        ...     settings, family, cavity, q, state, loglik, jax.random.PRNGKey(0)
         ... )
         >>> carry = run_blocks(
-        ...     update, visit, q_local, chains, state.log_step_size, jax.random.PRNGKey(1)
+        ...     settings, visit, q_local, chains, state.log_step_size, jax.random.PRNGKey(1)
         ... )
         >>> (
         ...     [round(float(p[0]), 1) for p in family.to_params(carry.nat)],
@@ -181,7 +147,7 @@ class BlockCarry(NamedTuple):
     clamped: jax.Array
 
 
-def check_block_options(update: SNEPUpdate, family: Any) -> None:
+def check_block_options(settings: SNEPSettings, family: Any) -> None:
     """Refuse the options that have no meaning on this path, and a family without mean
     parameters."""
     if not isinstance(family, MeanParamFamily):
@@ -189,32 +155,32 @@ def check_block_options(update: SNEPUpdate, family: Any) -> None:
             "SNEPUpdate needs a family with mean parameters (a Gaussian family, SiteFamilies, "
             f"Gamma, Beta or Dirichlet), not {family!r}."
         )
-    if update.site_variance is not None:
+    if settings.site_variance is not None:
         raise ValueError(
             "SNEPUpdate: site_variance (a clamp of a Gaussian site's covariance) has no meaning "
             f"for {family!r}; leave it None (the mean-parameter steps keep q valid)."
         )
 
 
-def init_block_state(update: SNEPUpdate, problem: ClientProblem) -> SNEPBlockState:
+def init_block_state(settings: SNEPSettings, problem: ClientProblem) -> SNEPBlockState:
     """Unvisited: chains at 0 (drawn on the first visit), an initial sampler step size of 0.5."""
-    check_block_options(update, problem.family)
+    check_block_options(settings, problem.family)
     return SNEPBlockState(
-        jnp.zeros((update.num_chains, problem.family.chain_dim(problem.dim))),
+        jnp.zeros((settings.num_chains, problem.family.chain_dim(problem.dim))),
         jnp.log(jnp.asarray(0.5)),
         jnp.zeros((), jnp.int32),
         jnp.zeros((), bool),
     )
 
 
-def bind_blocks(update: SNEPUpdate, problem: ClientProblem) -> Callable:
+def bind_blocks(settings: SNEPSettings, problem: ClientProblem) -> Callable:
     """``client_update`` of :class:`~numpyro_pvi.SNEPUpdate` for a family that is not one Gaussian.
 
     **Example:** ``pvi.SNEPUpdate()`` with ``pvi.Gamma()`` or ``pvi.SiteFamilies({...})`` binds
     this.
     """
-    check_block_options(update, problem.family)
-    return partial(_client_update, update, problem)
+    check_block_options(settings, problem.family)
+    return partial(_client_update, settings, problem)
 
 
 def _where(flag: jax.Array, new: Any, old: Any) -> Any:
@@ -237,7 +203,7 @@ def block_transition(visit: BlockVisit, alpha: float, max_tree_depth: int) -> Ca
 
 
 def block_step(
-    update: SNEPUpdate,
+    settings: SNEPSettings,
     visit: BlockVisit,
     transition: Callable,
     carry: BlockCarry,
@@ -247,12 +213,12 @@ def block_step(
 
     The ``lax.scan`` body of :func:`run_blocks`; :class:`BlockCarry` has an example."""
     family, (i, key) = visit.family, xs
-    tau = carry.theta_aux - update.alpha * (carry.nat - visit.cavity)
+    tau = carry.theta_aux - settings.alpha * (carry.nat - visit.cavity)
     keys = jax.random.split(key, carry.chains.shape[0])
     u, grad, accept = jax.vmap(transition, in_axes=(0, 0, None, None))(
         keys, carry.chains, tau, jnp.exp(carry.log_step)
     )
-    eps = update.inner_step_size(visit.count + i)
+    eps = settings.step_size_at(visit.count + i)
     plain = family.chain_mean_params(jax.vmap(lambda v: family.from_chain(visit.frame, v)[0])(u))
     flat, unravel = ravel_pytree(plain)
     features = jnp.mean(jax.vmap(stein_features)(u, grad), axis=0)
@@ -263,9 +229,9 @@ def block_step(
     mean, nat = _where(ok, mean, plain_mean), _where(ok, nat, plain_nat)
     ok = ok | plain_ok
     mean, nat = _where(ok, mean, carry.mean), _where(ok, nat, carry.nat)
-    theta_aux = _where((i + 1) % update.num_outer == 0, nat, carry.theta_aux)
+    theta_aux = _where((i + 1) % settings.refresh_every == 0, nat, carry.theta_aux)
     # Polyak-Ruppert: the mean parameters' running sum
-    w = (i >= update.first_averaged).astype(u.dtype)
+    w = (i >= settings.first_averaged).astype(u.dtype)
     return BlockCarry(
         mean,
         nat,
@@ -288,32 +254,27 @@ def _mirror_step(
     return target, nat, matches(family, nat, target)
 
 
-def matches(family: MeanParamFamily, nat: NatParams, target: NatParams) -> jax.Array:
-    """Whether ``nat`` is valid and its mean parameters are ``target`` (to ``MEAN_TOL`` relative): a
-    target outside the family's mean domain (a control-variate estimate may be) has no inverse."""
-    flat = ravel_pytree(target)[0]
-    residual = ravel_pytree(family.mean_params(nat))[0] - flat
-    return family.is_valid(nat) & jnp.all(jnp.abs(residual) <= MEAN_TOL * (1.0 + jnp.abs(flat)))
-
-
 def run_blocks(
-    update: SNEPUpdate,
+    settings: SNEPSettings,
     visit: BlockVisit,
     q: NatParams,
     chains: jax.Array,
     log_step: jax.Array,
     rng_key: jax.Array,
 ) -> BlockCarry:
-    """``update.num_inner`` inner steps from the local ``q`` and the chains (in chain
+    """``settings.num_steps`` inner steps from the local ``q`` and the chains (in chain
     coordinates)."""
     mean = visit.family.mean_params(q)
     carry = BlockCarry(
         mean, q, q, chains, log_step, jnp.zeros(()), mean * 0.0, jnp.zeros((), jnp.int32)
     )
     step = partial(
-        block_step, update, visit, block_transition(visit, update.alpha, update.max_tree_depth)
+        block_step,
+        settings,
+        visit,
+        block_transition(visit, settings.alpha, settings.max_tree_depth),
     )
-    xs = (jnp.arange(update.num_inner), jax.random.split(rng_key, update.num_inner))
+    xs = (jnp.arange(settings.num_steps), jax.random.split(rng_key, settings.num_steps))
     carry, _ = jax.lax.scan(step, carry, xs)
     return carry
 
@@ -353,7 +314,7 @@ def carried_chains(
 
 
 def start_visit(
-    update: SNEPUpdate,
+    settings: SNEPSettings,
     family: MeanParamFamily,
     cavity: NatParams,
     q: NatParams,
@@ -368,7 +329,7 @@ def start_visit(
     q_local = _where(
         state.visited,
         q,
-        natural_gradient_start(family, cavity, q, loglik, start_key, update.num_newton),
+        natural_gradient_start(family, cavity, q, loglik, start_key, settings.num_newton),
     )
     chains = jnp.where(
         state.visited, state.chains, jax.random.normal(chain_key, state.chains.shape)
@@ -376,12 +337,12 @@ def start_visit(
     frame = family.chain_frame(q_local)
     coef = stein_coefficients(family, frame, q_local)
     # no control variates: the plain average
-    coef = coef if update.control_variates else jnp.zeros_like(coef)
+    coef = coef if settings.control_variates else jnp.zeros_like(coef)
     return q_local, chains, BlockVisit(family, cavity, frame, loglik, state.count, coef)
 
 
 def _client_update(
-    update: SNEPUpdate,
+    settings: SNEPSettings,
     problem: ClientProblem,
     rng_key: jax.Array,
     client: Client,
@@ -390,13 +351,13 @@ def _client_update(
     state: SNEPBlockState,
     hyper: Any = (),
 ) -> ClientResult:
-    """One visit: ``update.num_inner`` inner steps, then the site of the averaged mean
+    """One visit: ``settings.num_steps`` inner steps, then the site of the averaged mean
     parameters."""
     del hyper  # SNEP does not support hyperparameters; the argument is the shared interface's
     start_key, loop_key, fe_key = jax.random.split(rng_key, 3)
     family, t_old = problem.family, q - cavity
     q_local, chains, visit = start_visit(
-        update,
+        settings,
         family,
         cavity,
         q,
@@ -404,7 +365,7 @@ def _client_update(
         lambda theta: problem.log_likelihood(theta, client),
         start_key,
     )
-    carry = run_blocks(update, visit, q_local, chains, state.log_step_size, loop_key)
+    carry = run_blocks(settings, visit, q_local, chains, state.log_step_size, loop_key)
     mean_avg = carry.sum_mean * (1.0 / carry.weight)
     q_avg = family.from_mean_params(mean_avg, carry.nat)
     averaged = matches(family, q_avg, mean_avg)
@@ -417,7 +378,7 @@ def _client_update(
     new_state = SNEPBlockState(
         jnp.where(finite, chains, state.chains),
         jnp.where(finite, carry.log_step, state.log_step_size),
-        state.count + update.num_inner,
+        state.count + settings.num_steps,
         finite | state.visited,
     )
     q_new = cavity + site
@@ -425,9 +386,9 @@ def _client_update(
         family, q_new, cavity, visit.loglik, family.draw(q_new, fe_key, 32)
     )
     # the tilted's, as EP's (power EP)
-    cavity_alpha = update.alpha * cavity + (1.0 - update.alpha) * q_new
+    cavity_alpha = settings.alpha * cavity + (1.0 - settings.alpha) * q_new
     inflation = tilted_inflation(
-        family, q_new, cavity_alpha, visit.loglik, update.alpha, jax.random.fold_in(fe_key, 1)
+        family, q_new, cavity_alpha, visit.loglik, settings.alpha, jax.random.fold_in(fe_key, 1)
     )
     return ClientResult(
         site - t_old,

@@ -11,16 +11,14 @@ mean and a covariance in the family's form; every family-specific operation is a
 from __future__ import annotations
 
 from functools import partial
-from typing import TYPE_CHECKING, Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
-from numpyro.infer.hmc import hmc
 
 from numpyro_pvi.families import Family, NatParams
-
-if TYPE_CHECKING:
-    from numpyro_pvi.local_updates.snep import SNEPUpdate
+from numpyro_pvi.local_updates._numerics import adapted_log_step, nuts_kernel
+from numpyro_pvi.local_updates._snep_settings import SNEPSettings
 
 
 class SNEPVisit(NamedTuple):
@@ -78,13 +76,13 @@ class SNEPCarry(NamedTuple):
         >>> visit = SNEPVisit(
         ...     family, cavity, *family.loc_scale(q), loglik, jnp.zeros((), jnp.int32)
         ... )
-        >>> update = pvi.SNEPUpdate(num_inner=20, num_chains=4, max_tree_depth=3)
+        >>> settings = pvi.SNEPUpdate(num_steps=20, num_chains=4, max_tree_depth=3).settings
         >>> carry = run_inner(
-        ...     update, visit, q, jnp.zeros((4, 2)), jnp.log(0.5), jax.random.PRNGKey(0)
+        ...     settings, visit, q, jnp.zeros((4, 2)), jnp.log(0.5), jax.random.PRNGKey(0)
         ... )
         >>> carry.chains.shape, int(carry.weight)  # the last half of the 20 iterates are averaged
         ((4, 2), 10)
-        >>> site, clamped = averaged_site(update, visit, carry)
+        >>> site, clamped = averaged_site(settings, visit, carry)
         >>> bool(jnp.allclose((cavity + site).eta1, q.eta1, atol=1e-4)), int(clamped)
         (True, 0)
     """
@@ -118,35 +116,6 @@ def nuts_transition(visit: SNEPVisit, alpha: float, max_tree_depth: int) -> Call
         return potential
 
     return nuts_kernel(potential_gen, max_tree_depth)
-
-
-def nuts_kernel(potential_gen: Callable, max_tree_depth: int) -> Callable:
-    """``(key, u, tau, step_size) -> (u, grad log p(u), accept prob)``: one NUTS transition (unit
-    mass matrix, fixed step size) of the target ``exp(-potential_gen(tau)(u))``; both SNEP paths'
-    sampler."""
-    init_kernel, sample_kernel = hmc(potential_fn_gen=potential_gen, algo="NUTS")
-
-    def transition(key: jax.Array, u: jax.Array, tau: NatParams, step_size: jax.Array) -> tuple:
-        hmc_state = init_kernel(
-            u,
-            0,
-            step_size=step_size,
-            adapt_step_size=False,
-            adapt_mass_matrix=False,
-            max_tree_depth=max_tree_depth,
-            model_args=(tau,),
-            rng_key=key,
-        )
-        hmc_state = sample_kernel(hmc_state, model_args=(tau,))
-        return hmc_state.z, -hmc_state.z_grad, hmc_state.mean_accept_prob
-
-    return transition
-
-
-def adapted_log_step(log_step: jax.Array, accept: jax.Array) -> jax.Array:
-    """The log step size after one Robbins-Monro step towards 80 % mean acceptance of the chains
-    ``accept`` ``(C,)``."""
-    return log_step + 0.1 * (jnp.mean(accept) - 0.8)
 
 
 def tilted_moments(
@@ -215,7 +184,7 @@ def _project(
 
 
 def inner_step(
-    update: SNEPUpdate,
+    settings: SNEPSettings,
     visit: SNEPVisit,
     transition: Callable,
     carry: SNEPCarry,
@@ -228,25 +197,25 @@ def inner_step(
     :class:`SNEPCarry` has an example.
     """
     family, (i, key) = visit.family, xs
-    tau = carry.theta_aux - update.alpha * (visit.to_nat(carry.mean, carry.cov) - visit.cavity)
+    tau = carry.theta_aux - settings.alpha * (visit.to_nat(carry.mean, carry.cov) - visit.cavity)
     keys = jax.random.split(key, carry.chains.shape[0])
     step_size = jnp.exp(carry.log_step)
     u, grad, accept = jax.vmap(transition, in_axes=(0, 0, None, None))(
         keys, carry.chains, tau, step_size
     )
     log_step = adapted_log_step(carry.log_step, accept)
-    eps = update.inner_step_size(visit.count + i)
+    eps = settings.step_size_at(visit.count + i)
     mean, cov, fell_back = tilted_moments(
-        family, u, grad, carry.cov, carry.centre, update.control_variates
+        family, u, grad, carry.cov, carry.centre, settings.control_variates
     )
     a, b = family.mix_moments(carry.mean, carry.cov, mean, cov, eps)
-    a, b, was_clamped = _project(visit, update.site_variance, a, b)
-    refresh = (i + 1) % update.num_outer == 0
+    a, b, was_clamped = _project(visit, settings.site_variance, a, b)
+    refresh = (i + 1) % settings.refresh_every == 0
     theta_aux = jax.tree.map(
         lambda new, old: jnp.where(refresh, new, old), visit.to_nat(a, b), carry.theta_aux
     )
     # Polyak-Ruppert: the mean parameters' running sums
-    w = (i >= update.first_averaged).astype(a.dtype)
+    w = (i >= settings.first_averaged).astype(a.dtype)
     return SNEPCarry(
         a,
         b,
@@ -262,14 +231,14 @@ def inner_step(
 
 
 def run_inner(
-    update: SNEPUpdate,
+    settings: SNEPSettings,
     visit: SNEPVisit,
     q_local: NatParams,
     chains: jax.Array,
     log_step: jax.Array,
     rng_key: jax.Array,
 ) -> SNEPCarry:
-    """``update.num_inner`` inner steps from the local ``q`` (whitened: mean 0, covariance I) and
+    """``settings.num_steps`` inner steps from the local ``q`` (whitened: mean 0, covariance I) and
     the chains.
 
     :class:`SNEPCarry` has an example.
@@ -289,14 +258,16 @@ def run_inner(
         jnp.zeros((), jnp.int32),
     )
     step = partial(
-        inner_step, update, visit, nuts_transition(visit, update.alpha, update.max_tree_depth)
+        inner_step, settings, visit, nuts_transition(visit, settings.alpha, settings.max_tree_depth)
     )
-    xs = (jnp.arange(update.num_inner), jax.random.split(rng_key, update.num_inner))
+    xs = (jnp.arange(settings.num_steps), jax.random.split(rng_key, settings.num_steps))
     carry, _ = jax.lax.scan(step, carry, xs)
     return carry
 
 
-def averaged_site(update: SNEPUpdate, visit: SNEPVisit, carry: SNEPCarry) -> tuple[NatParams, Any]:
+def averaged_site(
+    settings: SNEPSettings, visit: SNEPVisit, carry: SNEPCarry
+) -> tuple[NatParams, Any]:
     """The site of the Polyak-Ruppert average (the moments of the averaged iterates' mixture), and
     the clamp count.
 
@@ -310,7 +281,7 @@ def averaged_site(update: SNEPUpdate, visit: SNEPVisit, carry: SNEPCarry) -> tup
         - visit.cavity
     )
     clamped = carry.clamped
-    if update.site_variance is not None:
-        site, was_clamped = _clamp_site(family, site, update.site_variance)
+    if settings.site_variance is not None:
+        site, was_clamped = _clamp_site(family, site, settings.site_variance)
         clamped = clamped + was_clamped
     return site, clamped
