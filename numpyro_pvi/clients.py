@@ -181,8 +181,10 @@ def stack(split: ClientColumns, rows: int | None = None, capacity: int | None = 
     arrays = stack_clients(split.columns, split.is_row, split.sizes, rows, capacity)
     sizes = np.zeros(capacity, np.int32)
     sizes[: len(split.sizes)] = split.sizes
+    # the mask is built in NumPy and sent once: no eager JAX operation (each compiles in a fresh
+    # process)
     return Client(
-        arrays, jnp.arange(rows)[None, :] < jnp.asarray(sizes)[:, None], jnp.asarray(sizes)
+        arrays, jnp.asarray(np.arange(rows)[None, :] < sizes[:, None]), jnp.asarray(sizes)
     )
 
 
