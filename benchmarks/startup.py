@@ -2,7 +2,9 @@
 XLA compilations on the way.
 
 Each configuration runs in its own fresh Python process (so JAX compiles everything from scratch, as
-a user's script does), timed from ``PVI(...)`` (imports and data excluded, ``init`` included):
+a user's script does), timed from ``PVI(...)`` (imports and data excluded, ``init`` included), in
+wall-clock seconds and in the process's CPU seconds (all threads; on a loaded machine the CPU
+seconds compare, the wall-clock ones do not):
 
 * ``logistic-M`` (M = 10, 100, 1000): the configuration of ``benchmarks/rounds.py`` (N = 10,000,
   d = 10 + intercept, mean-field, 10 local epochs of batches of 100, 10 particles, Adam 1e-2) with
@@ -202,22 +204,25 @@ def child(config, num_rounds, cache):
             compiles.append((kw.get("fun_name", "?"), seconds))
 
     monitoring.register_event_duration_secs_listener(listener)
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     inference = build()
     state = inference.init(random.PRNGKey(2), *args, **kwargs)
     jax.block_until_ready(state.q)
     result = {"init": time.perf_counter() - start}
     rounds = 0 if config == "bnn" else num_rounds
-    times, counts = [], []
+    times, counts, cpu = [], [], []
     for _ in range(rounds):
         state, info = inference.update(state, *args, **kwargs)
         jax.block_until_ready(state.q)
         times.append(time.perf_counter() - start)
+        cpu.append(time.process_time() - cpu_start)
         counts.append(len(compiles))
     slowest = sorted(compiles[: counts[0] if counts else len(compiles)], key=lambda c: -c[1])[:3]
     if times:
         result.update(
             round1=times[0],
+            cpu1=cpu[0],
+            cpu=cpu[-1],
             rounds=times[-1],
             steady=(times[-1] - times[1]) / max(rounds - 2, 1),
             compiles1=counts[0],
@@ -267,8 +272,8 @@ def main():
     )
     print(
         f"{'configuration':>14} {'mode':>5} {'init':>6} {'round 1':>8} "
-        f"{f'{args.rounds} rounds':>10} {'s/round':>8} {'XLA@1':>11} {'XLA all':>11}"
-        "  three slowest by round 1"
+        f"{f'{args.rounds} rounds':>10} {'CPU 1 / all':>13} {'s/round':>8} "
+        f"{'XLA@1':>11} {'XLA all':>11}  three slowest by round 1"
     )
     for config in configs:
         for mode in args.modes:
@@ -278,11 +283,12 @@ def main():
                 [
                     f"{r['round1']:8.2f}",
                     f"{r['rounds']:10.2f}",
+                    f"{r['cpu1']:6.1f} {r['cpu']:6.1f}",
                     f"{r['steady']:8.4f}",
                     f"{r['compiles1']:3d} {r['compile_s1']:6.2f}s",
                 ]
                 if "round1" in r
-                else ["", "", "", ""]
+                else ["", "", "", "", ""]
             )
             cells.append(f"{r['compiles']:3d} {r['compile_s']:6.2f}s")
             target = ""
@@ -291,7 +297,7 @@ def main():
                 target = f"  [{key} < {limit} s: {'met' if r[key] < limit else 'missed'}]"
             print(
                 f"{config:>14} {mode:>5} "
-                + " ".join(f"{c:>{w}}" for c, w in zip(cells, (6, 8, 10, 8, 11, 11)))
+                + " ".join(f"{c:>{w}}" for c, w in zip(cells, (6, 8, 10, 13, 8, 11, 11)))
                 + "  "
                 + ", ".join(r["slowest"])
                 + target,
