@@ -1,24 +1,36 @@
-"""Start-up cost: a fresh process, from ``PVI(...)`` to the end of round 1 and of round 20.
+"""Start-up cost: a fresh process, from ``PVI(...)`` to the end of round 1 and of round 20, and the
+XLA compilations on the way.
 
 Each configuration runs in its own fresh Python process (so JAX compiles everything from scratch, as
-a user's script does), after the imports and the data are ready:
+a user's script does), timed from ``PVI(...)`` (imports and data excluded, ``init`` included), in
+wall-clock seconds and in the process's CPU seconds (all threads; on a loaded machine the CPU
+seconds compare, the wall-clock ones do not):
 
-* ``logistic M=10`` / ``logistic M=100``: the configuration of ``benchmarks/rounds.py`` (N = 10,000,
-  d = 10 + intercept, mean-field, 10 local epochs of batches of 100, 10 particles, Adam 1e-2,
-  ``Synchronous``), timed from ``PVI(...)`` to the end of round 1 and of round 20 (``init``
-  included). The PyTorch reference library takes about 2.1 s a round at M = 100, so about 42 s for
-  20 rounds.
+* ``logistic-M`` (M = 10, 100, 1000): the configuration of ``benchmarks/rounds.py`` (N = 10,000,
+  d = 10 + intercept, mean-field, 10 local epochs of batches of 100, 10 particles, Adam 1e-2) with
+  ``Synchronous(1.0)``. The PyTorch reference library takes about 2.1 s a round at M = 100, so
+  about 42 s for 20 rounds.
+* ``dirichlet-1000``: the same data split over 1,000 clients by ``split_by_label`` (alpha 0.3), so
+  the clients' sizes are skewed (several size buckets); compare with ``logistic-1000``.
+* ``fullrank-50``: logistic regression with d = 50, ``FullRankGaussian``, 10 clients.
+* ``snep-poisson``: ``SNEPUpdate`` on the Poisson-Gamma model of ``tests/test_snep_blocks.py``
+  (five uneven clients, ``Sequential``).
+* ``ep-linear``: ``MomentMatchingUpdate`` (EP, Laplace proposal) on the conjugate linear model of
+  ``tests/test_moment_matching.py`` (``FullRankGaussian``, 4 clients, ``Synchronous(1.0)``).
 * ``bnn``: a 64-32-32-10 Bayesian neural network on scikit-learn's ``load_digits`` with 10
-  label-skewed clients (``split_by_label``, alpha 0.5): ``PVI(...)`` and ``init`` alone.
+  label-skewed clients: ``PVI(...)`` and ``init`` alone.
 
-Three start-up modes, each a fresh process: ``cold`` (JAX's defaults: everything compiled from
-scratch), ``cache`` (JAX's persistent compilation cache, ``jax_compilation_cache_dir``, filled by an
-earlier process: what a user's second run of a script costs) and ``O0`` (``XLA_FLAGS=
---xla_backend_optimization_level=0``: XLA compiles about 3x faster, rounds run about 3x slower;
-worth it for short runs only).
+The compilations are counted with a ``jax.monitoring`` listener on XLA's backend compile event
+(``/jax/core/compile/backend_compile_duration``, one per executable built): how many by the end of
+round 1 and of the run, their seconds, and the three slowest (name and seconds).
 
-    python benchmarks/startup.py            # every configuration and mode, each in a fresh process
-    python benchmarks/startup.py --rounds 5 # fewer rounds
+Start-up modes, each a fresh process: ``cold`` (JAX's defaults), ``cache`` (JAX's persistent
+compilation cache filled by an earlier process: a user's second run of a script) and ``O0``
+(``XLA_FLAGS=--xla_backend_optimization_level=0``).
+
+    python benchmarks/startup.py                  # every configuration, cold
+    python benchmarks/startup.py --quick          # logistic-100, dirichlet-1000, snep-poisson
+    python benchmarks/startup.py --modes cold cache O0 --configs logistic-100
 """
 
 import argparse
@@ -29,11 +41,22 @@ import sys
 import tempfile
 import time
 
-CONFIGS = ["logistic-10", "logistic-100", "bnn"]
-TARGETS = {"bnn": ("init", 2.0), "logistic-100": ("rounds", 2.5)}
+CONFIGS = [
+    "logistic-10",
+    "logistic-100",
+    "logistic-1000",
+    "dirichlet-1000",
+    "fullrank-50",
+    "snep-poisson",
+    "ep-linear",
+    "bnn",
+]
+QUICK = ["logistic-100", "dirichlet-1000", "snep-poisson"]
+TARGETS = {"bnn": ("init", 2.0), "logistic-100": ("rounds", 2.0)}
+COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 
 
-def logistic(num_clients, num_rounds):
+def logistic_problem(config):
     import jax
     import numpyro
     import numpyro.distributions as dist
@@ -48,36 +71,83 @@ def logistic(num_clients, num_rounds):
         with pvi.partition_plate("data", X.shape[0]):
             numpyro.sample("y", dist.Bernoulli(logits=X @ w + b), obs=y)
 
+    name, size = config.split("-")
+    size = int(size)
+    dim, num_data = (50, 2_000) if name == "fullrank" else (10, 10_000)
+    num_clients = 10 if name == "fullrank" else size
     kx, kw, ky = random.split(random.PRNGKey(0), 3)
-    X = random.normal(kx, (10_000, 10))
-    y = random.bernoulli(ky, jax.nn.sigmoid(X @ random.normal(kw, (10,)) + 0.5)).astype("float32")
+    X = random.normal(kx, (num_data, dim))
+    y = random.bernoulli(ky, jax.nn.sigmoid(X @ random.normal(kw, (dim,)) + 0.5)).astype("float32")
     jax.block_until_ready((X, y))
-    steps = 10 * -(-10_000 // num_clients // 100)
-    start = time.perf_counter()
-    inference = pvi.PVI(
-        model,
-        pvi.MeanFieldGaussian(),
-        pvi.split_iid(random.PRNGKey(1), 10_000, num_clients),
-        pvi.GradientUpdate(optax.adam(1e-2), num_steps=steps, num_particles=10, batch_size=100),
-        pvi.Synchronous(0.5 if num_clients == 10 else 0.2),
-    )
-    state = inference.init(random.PRNGKey(2), X, y=y)
-    init = time.perf_counter() - start
-    times = []
-    for _ in range(num_rounds):
-        state, info = inference.update(state, X, y=y)
-        jax.block_until_ready(state.q)
-        times.append(time.perf_counter() - start)
-    return {
-        "init": init,
-        "round1": times[0],
-        "rounds": times[-1],
-        "steady": (times[-1] - times[1]) / (num_rounds - 2),
-        "elbo": float(info.elbo),
-    }
+    if name == "dirichlet":
+        parts = pvi.split_by_label(random.PRNGKey(1), y.astype("int32"), num_clients, alpha=0.3)
+    else:
+        parts = pvi.split_iid(random.PRNGKey(1), num_data, num_clients)
+    steps = 10 * -(-num_data // num_clients // 100)
+    family = pvi.FullRankGaussian() if name == "fullrank" else pvi.MeanFieldGaussian()
+
+    def build():
+        return pvi.PVI(
+            model,
+            family,
+            parts,
+            pvi.GradientUpdate(optax.adam(1e-2), num_steps=steps, num_particles=10, batch_size=100),
+            pvi.Synchronous(1.0),
+        )
+
+    return build, (X,), {"y": y}
 
 
-def bnn():
+def snep_problem():
+    import jax.numpy as jnp
+    import numpy as np
+    import numpyro
+    import numpyro.distributions as dist
+    from jax import random
+
+    import numpyro_pvi as pvi
+
+    def model(y=None):
+        rate = numpyro.sample("rate", dist.Gamma(2.0, 0.5))
+        with pvi.partition_plate("data", y.shape[0]):
+            numpyro.sample("y", dist.Poisson(rate), obs=y)
+
+    sizes = [9, 10, 12, 14, 16]
+    parts = np.split(np.arange(sum(sizes)), np.cumsum(sizes)[:-1])
+    y = random.poisson(random.PRNGKey(0), 3.0, (sum(sizes),)).astype(jnp.float32)
+
+    def build():
+        return pvi.PVI(model, pvi.Gamma(), parts, pvi.SNEPUpdate(), pvi.Sequential())
+
+    return build, (), {"y": y}
+
+
+def ep_problem():
+    import jax.numpy as jnp
+    import numpyro
+    import numpyro.distributions as dist
+    from jax import random
+
+    import numpyro_pvi as pvi
+
+    def model(X, y=None):
+        w = numpyro.sample("w", dist.Normal(0.0, 1.0).expand([X.shape[1]]).to_event(1))
+        with pvi.partition_plate("data", X.shape[0]):
+            numpyro.sample("y", dist.Normal(X @ w, 0.5), obs=y)
+
+    X = random.normal(random.PRNGKey(0), (300, 3))
+    y = X @ jnp.array([1.0, -0.5, 0.3]) + 0.5 * random.normal(random.PRNGKey(1), (300,))
+    parts = pvi.split_iid(random.PRNGKey(4), 300, 4)
+
+    def build():
+        return pvi.PVI(
+            model, pvi.FullRankGaussian(), parts, pvi.MomentMatchingUpdate(), pvi.Synchronous(1.0)
+        )
+
+    return build, (X,), {"y": y}
+
+
+def bnn_problem():
     import jax
     import numpy as np
     import numpyro
@@ -100,27 +170,69 @@ def bnn():
     X, y = load_digits(return_X_y=True)
     X, y = (X / 16.0).astype(np.float32), y.astype(np.int32)
     parts = pvi.split_by_label(random.PRNGKey(0), y, 10, alpha=0.5)
-    start = time.perf_counter()
-    inference = pvi.PVI(
-        model,
-        pvi.MeanFieldGaussian(),
-        parts,
-        pvi.GradientUpdate(optax.adam(1e-2), num_steps=100, num_particles=1, batch_size=64),
-        pvi.Sequential(),
-    )
-    state = inference.init(random.PRNGKey(1), X, y=y)
-    jax.block_until_ready(state.q)
-    return {"init": time.perf_counter() - start}
+
+    def build():
+        return pvi.PVI(
+            model,
+            pvi.MeanFieldGaussian(),
+            parts,
+            pvi.GradientUpdate(optax.adam(1e-2), num_steps=100, num_particles=1, batch_size=64),
+            pvi.Sequential(),
+        )
+
+    return build, (X,), {"y": y}
 
 
 def child(config, num_rounds, cache):
-    if cache:
-        import jax
+    import jax
+    from jax import monitoring, random
 
+    if cache:
         jax.config.update("jax_compilation_cache_dir", cache)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-    result = bnn() if config == "bnn" else logistic(int(config.split("-")[1]), num_rounds)
+    if config.startswith(("logistic", "dirichlet", "fullrank")):
+        build, args, kwargs = logistic_problem(config)
+    else:
+        build, args, kwargs = {"snep-poisson": snep_problem, "ep-linear": ep_problem}.get(
+            config, bnn_problem
+        )()
+    compiles = []
+
+    def listener(event, seconds, **kw):
+        if event == COMPILE_EVENT:
+            compiles.append((kw.get("fun_name", "?"), seconds))
+
+    monitoring.register_event_duration_secs_listener(listener)
+    start, cpu_start = time.perf_counter(), time.process_time()
+    inference = build()
+    state = inference.init(random.PRNGKey(2), *args, **kwargs)
+    jax.block_until_ready(state.q)
+    result = {"init": time.perf_counter() - start}
+    rounds = 0 if config == "bnn" else num_rounds
+    times, counts, cpu = [], [], []
+    for _ in range(rounds):
+        state, info = inference.update(state, *args, **kwargs)
+        jax.block_until_ready(state.q)
+        times.append(time.perf_counter() - start)
+        cpu.append(time.process_time() - cpu_start)
+        counts.append(len(compiles))
+    slowest = sorted(compiles[: counts[0] if counts else len(compiles)], key=lambda c: -c[1])[:3]
+    if times:
+        result.update(
+            round1=times[0],
+            cpu1=cpu[0],
+            cpu=cpu[-1],
+            rounds=times[-1],
+            steady=(times[-1] - times[1]) / max(rounds - 2, 1),
+            compiles1=counts[0],
+            compile_s1=sum(s for _, s in compiles[: counts[0]]),
+        )
+    result.update(
+        compiles=len(compiles),
+        compile_s=sum(s for _, s in compiles),
+        slowest=[f"{name} {seconds:.2f}" for name, seconds in slowest],
+    )
     print(json.dumps(result))
 
 
@@ -135,43 +247,61 @@ def run_child(config, num_rounds, mode, cache):
         command += ["--cache", cache]
         # fills the cache
         subprocess.run(command, capture_output=True, text=True, check=True, env=env)
-    out = subprocess.run(command, capture_output=True, text=True, check=True, env=env)
+    out = subprocess.run(command, capture_output=True, text=True, env=env)
+    if out.returncode:
+        raise RuntimeError(f"{config} ({mode}) failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK)}")
+    parser.add_argument("--configs", nargs="+", choices=CONFIGS, default=None)
+    parser.add_argument("--modes", nargs="+", choices=["cold", "cache", "O0"], default=["cold"])
     parser.add_argument("--child", choices=CONFIGS, help=argparse.SUPPRESS)
     parser.add_argument("--cache", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         return child(args.child, args.rounds, args.cache)
+    configs = args.configs or (QUICK if args.quick else CONFIGS)
     print(
         "fresh process per configuration and mode; seconds from PVI(...) (imports and data "
-        f"excluded); {args.rounds} rounds\n"
+        f"excluded); {args.rounds} rounds; compilations (and their seconds) by the end of round 1 "
+        "and of the run\n"
     )
     print(
-        f"{'configuration':>14} {'mode':>6} {'init':>7} {'round 1':>8} "
-        f"{f'{args.rounds} rounds':>10} {'s/round after':>14}  target"
+        f"{'configuration':>14} {'mode':>5} {'init':>6} {'round 1':>8} "
+        f"{f'{args.rounds} rounds':>10} {'CPU 1 / all':>13} {'s/round':>8} "
+        f"{'XLA@1':>11} {'XLA all':>11}  three slowest by round 1"
     )
-    for config in CONFIGS:
-        for mode in ["cold", "cache", "O0"]:
+    for config in configs:
+        for mode in args.modes:
             with tempfile.TemporaryDirectory() as cache:
                 r = run_child(config, args.rounds, mode, cache)
-            cells = [f"{r['init']:7.2f}"] + (
-                [f"{r['round1']:8.2f}", f"{r['rounds']:10.2f}", f"{r['steady']:14.4f}"]
+            cells = [f"{r['init']:6.2f}"] + (
+                [
+                    f"{r['round1']:8.2f}",
+                    f"{r['rounds']:10.2f}",
+                    f"{r['cpu1']:6.1f} {r['cpu']:6.1f}",
+                    f"{r['steady']:8.4f}",
+                    f"{r['compiles1']:3d} {r['compile_s1']:6.2f}s",
+                ]
                 if "round1" in r
-                else ["", "", ""]
+                else ["", "", "", "", ""]
             )
+            cells.append(f"{r['compiles']:3d} {r['compile_s']:6.2f}s")
             target = ""
-            if config in TARGETS:
+            if config in TARGETS and mode == "cold":
                 key, limit = TARGETS[config]
-                target = f"{key} < {limit} s: {'met' if r[key] < limit else 'missed'}"
+                target = f"  [{key} < {limit} s: {'met' if r[key] < limit else 'missed'}]"
             print(
-                f"{config:>14} {mode:>6} "
-                + " ".join(f"{c:>{w}}" for c, w in zip(cells, (7, 8, 10, 14)))
-                + f"  {target}"
+                f"{config:>14} {mode:>5} "
+                + " ".join(f"{c:>{w}}" for c, w in zip(cells, (6, 8, 10, 13, 8, 11, 11)))
+                + "  "
+                + ", ".join(r["slowest"])
+                + target,
+                flush=True,
             )
     print(
         "\nreference: the PyTorch PVI library takes about 42 s for 20 synchronous rounds at M = 100"

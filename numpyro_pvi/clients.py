@@ -13,7 +13,6 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from numpyro_pvi.local_updates.base import Client
@@ -181,9 +180,10 @@ def stack(split: ClientColumns, rows: int | None = None, capacity: int | None = 
     arrays = stack_clients(split.columns, split.is_row, split.sizes, rows, capacity)
     sizes = np.zeros(capacity, np.int32)
     sizes[: len(split.sizes)] = split.sizes
-    return Client(
-        arrays, jnp.arange(rows)[None, :] < jnp.asarray(sizes)[:, None], jnp.asarray(sizes)
-    )
+    # the mask built in NumPy and sent as it is: an eager JAX operation (jnp.asarray too) compiles
+    # in a fresh process
+    mask, sizes = jax.device_put((np.arange(rows)[None, :] < sizes[:, None], sizes))
+    return Client(arrays, mask, sizes)
 
 
 class Bucket(NamedTuple):

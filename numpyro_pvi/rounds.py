@@ -188,15 +188,8 @@ class Round:
                 [mine, np.where(bucket.ids[spare] >= 0, bucket.ids[spare], bucket.ids[0])]
             )
             real = np.arange(len(rows)) < size
-            groups.append(
-                Group(
-                    bucket.clients,
-                    jnp.asarray(rows),
-                    jnp.asarray(members),
-                    jnp.asarray(allowed),
-                    jnp.asarray(real),
-                )
-            )
+            # device_put, not jnp.asarray: the latter compiles a copy for every new shape
+            groups.append(Group(bucket.clients, *jax.device_put((rows, members, allowed, real))))
             order += mine + [-1] * len(spare)
         return tuple(groups), order
 
