@@ -101,7 +101,7 @@ def save(
 
     :param obj: a :class:`~numpyro_pvi.PVIState`, or a :class:`~numpyro_pvi.PVIRunResult`.
     :param inference, problem: optionally, the :class:`~numpyro_pvi.PVI` and
-        :class:`~numpyro_pvi.Problem` the state belongs to: checked against its record (a
+        :class:`~numpyro_pvi.problem.Problem` the state belongs to: checked against its record (a
         ``ValueError`` naming the difference, nothing written), or recorded if the state has none (a
         state built by hand).
 

@@ -39,7 +39,7 @@ class LocalUpdate(Protocol):
     ``supports_hyperparameters`` (false if absent) declare what models it handles.
 
     **Example:** ``isinstance(pvi.GradientUpdate(optax.adam(1e-2), num_steps=100),
-    pvi.LocalUpdate)`` is true.
+    pvi.local_updates.LocalUpdate)`` is true.
     """
 
     def init_state(self, problem: ClientProblem) -> Any: ...
@@ -85,7 +85,7 @@ class ClientResult(NamedTuple):
     keep ``q`` positive definite, a site variance clamped); it is reported in ``RoundInfo.clamped``.
     ``hyper_grad`` is ``d F_m / d hyper`` (unconstrained) for models with hyperparameters, else
     ``()``. ``failure`` is set by a backend whose client could not deliver (a
-    :class:`~numpyro_pvi.Rejection` code: timed out or raised); a local update leaves it 0.
+    :class:`~numpyro_pvi.state.Rejection` code: timed out or raised); a local update leaves it 0.
     ``inflation`` is how far the correlations of the client's tilted distribution that the family
     cannot hold inflate a variance (:func:`~numpyro_pvi.families.gaussian.variance_inflation`; EP
     and SNEP report it, 1 if not measured); the run's monitor reads it (``RoundInfo.inflation``) to
