@@ -32,6 +32,7 @@ from numpyro.infer import SVI, TraceMeanField_ELBO
 from numpyro.infer.autoguide import AutoDiagonalNormal
 
 import numpyro_pvi as pvi
+from numpyro_pvi.ray_backend import RayBackend
 
 NUM_CLIENTS, SLOWDOWN = 8, 5.0
 
@@ -119,7 +120,7 @@ def ray_inference(server, parts, args, delay):
         delay=delay,
     )
     return pvi.PVI(
-        model, pvi.MeanFieldGaussian(), parts, update, server, backend=pvi.RayBackend(num_workers=2)
+        model, pvi.MeanFieldGaussian(), parts, update, server, backend=RayBackend(num_workers=2)
     )
 
 

@@ -196,7 +196,7 @@ scorer = pvi.PVI(model, family, None, pvi.NaturalGradientUpdate(), pvi.Sequentia
 reference_state = scorer.init(random.PRNGKey(99), X_train, y=y_train)
 
 
-def elbo(q: pvi.NatParams) -> float:
+def elbo(q: pvi.families.NatParams) -> float:
     """The global ELBO of q, always estimated with the same 4096 draws."""
     return float(
         scorer.evaluate(reference_state._replace(q=q), X_train, y=y_train, num_particles=4096)

@@ -5,50 +5,43 @@ of its global latent sites from one factor per client. What a :class:`PVI` is ma
 documented in ``docs/``):
 
 * families of ``q``: :class:`MeanFieldGaussian`, :class:`FullRankGaussian`, :class:`Gamma`,
-  :class:`Beta`,
-  :class:`Dirichlet`, and :class:`SiteFamilies` (a family per site);
+  :class:`Beta`, :class:`Dirichlet`, and :class:`SiteFamilies` (a family per site);
 * local updates: :class:`GradientUpdate`, :class:`NaturalGradientUpdate` (CVI),
   :class:`MomentMatchingUpdate` (EP), :class:`SNEPUpdate`, and the differentially private
-  :class:`DPGradientUpdate` and
-  :class:`DPLocalAveraging` (accounting: :mod:`numpyro_pvi.privacy`);
+  :class:`DPGradientUpdate` and :class:`DPLocalAveraging` (accounting: :func:`privacy_spent`,
+  :func:`calibrate_noise_multiplier`);
 * servers: :class:`Synchronous` (the default, with :class:`HeavyBall` or :class:`AdaptiveDamping`
-  damping),
-  :class:`Sequential`, :class:`Asynchronous`, :class:`Continual`;
-* backends: :class:`VmapBackend` (the default), :class:`LoopBackend`, :class:`RayBackend`; Flower
-  sites in
+  damping), :class:`Sequential`, :class:`Asynchronous`, :class:`Continual`;
+* backends: ``backend="vmap"`` (the default), ``"loop"`` or ``"ray"``; Flower sites in
   :mod:`numpyro_pvi.flower`;
 * data: pooled arrays split by :func:`split_iid` / :func:`split_by_label`, or :class:`ClientData`.
+
+The contracts for extending PVI (a family, a local update, a server, a backend) are imported from
+their subpackages: ``numpyro_pvi.families``, ``numpyro_pvi.local_updates``, and so on (see
+``docs/extending.md``).
 
 **Example:** ``pvi.PVI(model, pvi.MeanFieldGaussian(), pvi.split_iid(key, n, 4),
 pvi.GradientUpdate(optax.adam(0.05), 100), pvi.Sequential()).run(key, 10, X, y=y)``.
 """
 
 from numpyro_pvi._version import __version__ as __version__
-from numpyro_pvi.backends import Backend, ConcurrentRunner, LoopBackend, VmapBackend
 from numpyro_pvi.checkpoint import load, save
 from numpyro_pvi.damping import AdaptiveDamping, Fixed
 from numpyro_pvi.families import (
     Beta,
     Dirichlet,
-    Family,
     FullRankGaussian,
     Gamma,
     MeanFieldGaussian,
-    NatParams,
     SiteFamilies,
 )
 from numpyro_pvi.heavy_ball import HeavyBall
 from numpyro_pvi.hyper_optim import rprop
 from numpyro_pvi.local_updates import (
-    Client,
-    ClientProblem,
-    ClientResult,
-    CountsRejectedUpdates,
     DPGradientUpdate,
     DPLocalAveraging,
     GradientUpdate,
     Importance,
-    LocalUpdate,
     MomentMatchingUpdate,
     NaturalGradientUpdate,
     NUTSMoments,
@@ -57,62 +50,50 @@ from numpyro_pvi.local_updates import (
 from numpyro_pvi.monitor import PVIWarning
 from numpyro_pvi.partition import ClientData, partition_plate, split_by_label, split_iid
 from numpyro_pvi.privacy import calibrate_noise_multiplier
-from numpyro_pvi.problem import Problem, build_problem
 from numpyro_pvi.pvi import PVI
-from numpyro_pvi.ray_backend import RayBackend
 from numpyro_pvi.results import PVIRunResult
-from numpyro_pvi.servers import Asynchronous, Continual, Sequential, Server, Synchronous
-from numpyro_pvi.state import PVIState, Rejection, RoundInfo
+from numpyro_pvi.servers import Asynchronous, Continual, Sequential, Synchronous
+from numpyro_pvi.state import PVIState, RoundInfo
 
 __all__ = [
+    # inference
     "PVI",
-    "AdaptiveDamping",
-    "HeavyBall",
-    "Fixed",
-    "Asynchronous",
-    "Backend",
-    "ConcurrentRunner",
-    "Problem",
-    "build_problem",
-    "calibrate_noise_multiplier",
-    "Continual",
-    "Client",
+    "PVIState",
+    "RoundInfo",
+    "PVIRunResult",
+    "PVIWarning",
+    # data
+    "partition_plate",
+    "split_iid",
+    "split_by_label",
     "ClientData",
-    "ClientProblem",
-    "ClientResult",
-    "DPGradientUpdate",
-    "DPLocalAveraging",
-    "Family",
+    # families
+    "MeanFieldGaussian",
     "FullRankGaussian",
     "Gamma",
     "Beta",
     "Dirichlet",
     "SiteFamilies",
+    # local updates
     "GradientUpdate",
-    "CountsRejectedUpdates",
-    "LocalUpdate",
-    "LoopBackend",
-    "MeanFieldGaussian",
+    "NaturalGradientUpdate",
     "MomentMatchingUpdate",
+    "SNEPUpdate",
     "Importance",
     "NUTSMoments",
-    "NaturalGradientUpdate",
-    "NatParams",
-    "PVIRunResult",
-    "PVIWarning",
-    "Rejection",
-    "PVIState",
-    "RayBackend",
-    "RoundInfo",
-    "SNEPUpdate",
+    "DPGradientUpdate",
+    "DPLocalAveraging",
+    # servers and their damping
     "Sequential",
-    "Server",
     "Synchronous",
-    "VmapBackend",
-    "load",
-    "save",
-    "partition_plate",
+    "Asynchronous",
+    "Continual",
+    "Fixed",
+    "AdaptiveDamping",
+    "HeavyBall",
+    # hyperparameters, checkpoints, privacy
     "rprop",
-    "split_by_label",
-    "split_iid",
+    "save",
+    "load",
+    "calibrate_noise_multiplier",
 ]

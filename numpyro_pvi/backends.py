@@ -5,8 +5,8 @@
   round.
 * ``"loop"``: a Python loop over clients, each a call of one jitted ``client_update``; a client that
   raises is reported as a failed (rejected) update.
-* :class:`~numpyro_pvi.RayBackend` (``"ray"``, :mod:`numpyro_pvi.ray_backend`): each client is a Ray
-  actor that holds only its own data, and clients run truly concurrently.
+* :class:`~numpyro_pvi.ray_backend.RayBackend` (``"ray"``, :mod:`numpyro_pvi.ray_backend`): each
+  client is a Ray actor that holds only its own data, and clients run truly concurrently.
 
 The contracts are written as protocols: a :class:`Backend` ``prepare``\\ s a :data:`ClientRunner`
 for a local update and a client problem (no data: the clients' data are an argument of every call);
@@ -116,7 +116,8 @@ class VmapBackend:
     With several JAX devices (e.g. ``numpyro.set_host_device_count(2)`` to use 2 CPU cores), a group
     whose size divides evenly is split across them along the client axis (XLA SPMD partitioning).
 
-    **Example:** ``pvi.PVI(..., backend="vmap")`` (the default) or ``backend=pvi.VmapBackend()``.
+    **Example:** ``pvi.PVI(..., backend="vmap")`` (the default) or
+    ``backend=pvi.backends.VmapBackend()``.
     """
 
     name = "vmap"
@@ -150,7 +151,7 @@ class LoopBackend:
 
     A client that raises is reported as a rejected update; the round goes on.
 
-    **Example:** ``pvi.PVI(..., backend="loop")`` or ``backend=pvi.LoopBackend()``.
+    **Example:** ``pvi.PVI(..., backend="loop")`` or ``backend=pvi.backends.LoopBackend()``.
     """
 
     name = "loop"
@@ -194,7 +195,7 @@ def get_backend(backend: str | Backend) -> Backend:
         return BACKENDS[backend]()
     if not isinstance(backend, Backend):
         raise TypeError(
-            f"backend must be a name {sorted(BACKENDS) + ['ray']} or a pvi.Backend (an object "
-            f"with `jit_group` and `prepare(local_update, problem)`), got {backend!r}."
+            f"backend must be a name {sorted(BACKENDS) + ['ray']} or a pvi.backends.Backend (an "
+            f"object with `jit_group` and `prepare(local_update, problem)`), got {backend!r}."
         )
     return backend

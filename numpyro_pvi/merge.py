@@ -58,8 +58,8 @@ def rejection_codes(
     allow: jax.Array | bool = True,
     cavity_ok: jax.Array | bool = True,
 ) -> jax.Array:
-    """Why each client's update was not merged (a :class:`~numpyro_pvi.Rejection` code, ``NONE`` if
-    it was).
+    """Why each client's update was not merged (a :class:`~numpyro_pvi.state.Rejection` code,
+    ``NONE`` if it was).
 
     A client that sent nothing (timed out, raised, out of budget) says so before staleness does.
     """

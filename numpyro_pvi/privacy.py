@@ -18,7 +18,8 @@ The number of releases of client ``m`` is read from the run's *state*, the count
 gate reads (``PrivateUpdate.num_releases``, e.g. ``DPState.releases``), so that ``privacy_spent``
 and the budget never disagree, and a run resumed from a checkpoint (without its history) still
 counts every release. Every update the client sent counts, merged or rejected (the server saw it,
-:class:`~numpyro_pvi.CountsRejectedUpdates`); a round refused for its budget (``Rejection.BUDGET``)
+:class:`~numpyro_pvi.local_updates.CountsRejectedUpdates`); a round refused for its budget
+    (``Rejection.BUDGET``)
 releases nothing, and so does an update that raised or timed out (``Rejection.RAISED``/``TIMEOUT``:
 the server never reads it; a timed-out Ray actor is killed).
 

@@ -4,7 +4,8 @@
 ``q(zeta) ∝ p(zeta) t_0(zeta) prod_m t_m(zeta)`` over the flat unconstrained vector of the model's
 global sites; ``t_0`` stands for the non-Gaussian part of the prior (:mod:`numpyro_pvi.prior`),
 ``t_m`` for client ``m``'s data. One round visits the clients in the server's schedule
-(:mod:`numpyro_pvi.rounds`). ``PVI`` holds configuration; the data's :class:`~numpyro_pvi.Problem`
+(:mod:`numpyro_pvi.rounds`). ``PVI`` holds configuration; the data's
+:class:`~numpyro_pvi.problem.Problem`
 and the :class:`~numpyro_pvi.PVIState` are values passed in and out.
 """
 
@@ -71,7 +72,7 @@ class PVI:
         :class:`~numpyro_pvi.SNEPUpdate` (stochastic natural-gradient EP), and the differentially
             private
         :class:`~numpyro_pvi.DPGradientUpdate` and :class:`~numpyro_pvi.DPLocalAveraging`; or any
-        :class:`~numpyro_pvi.LocalUpdate`.
+        :class:`~numpyro_pvi.local_updates.LocalUpdate`.
     :param server: how rounds run and merge: :class:`~numpyro_pvi.Synchronous` (default
         ``Synchronous()``: every client from the same ``q``, merged with
         :class:`~numpyro_pvi.HeavyBall` damping; a float (:class:`~numpyro_pvi.Fixed`) or
@@ -80,9 +81,10 @@ class PVI:
         :class:`~numpyro_pvi.Asynchronous` (merged as they arrive, stale updates handled) or
         :class:`~numpyro_pvi.Continual` (each client once, as it joins with :meth:`add_client`).
     :param backend: where clients run: ``"vmap"`` (default: a round's clients in one compiled,
-        vmapped call), ``"loop"`` (one at a time), ``"ray"`` / :class:`~numpyro_pvi.RayBackend` (a
-        Ray actor per client), or any :class:`~numpyro_pvi.Backend`. Sites that hold their own data
-        run under Flower (:mod:`numpyro_pvi.flower`).
+        vmapped call), ``"loop"`` (one at a time), ``"ray"`` /
+        :class:`~numpyro_pvi.ray_backend.RayBackend` (a
+        Ray actor per client), or any :class:`~numpyro_pvi.backends.Backend`. Sites that hold their
+        own data run under Flower (:mod:`numpyro_pvi.flower`).
     :param int num_elbo_particles: samples of the global ELBO estimate recorded every round.
     :param hyper_optimizer: optax optimiser of the model's hyperparameters (``numpyro.param`` sites
         outside the partition plate, in unconstrained space); default :func:`~numpyro_pvi.rprop`
@@ -108,7 +110,8 @@ class PVI:
 
     ``PVI`` holds configuration only, like ``numpyro.infer.SVI``. What it builds from the data (the
     sites, the clients' stacked data, the compiled steps) is an immutable
-    :class:`~numpyro_pvi.Problem` (:meth:`build`); ``init``/``update``/``run``/``evaluate`` take the
+    :class:`~numpyro_pvi.problem.Problem` (:meth:`build`); ``init``/``update``/``run``/``evaluate``
+        take the
     data, or a problem in their place. Building is cached, invisibly to results: the same arrays
     give back the same problem, and new arrays of the same shapes and dtypes reuse its compiled
     steps (no recompilation).
@@ -226,8 +229,8 @@ class PVI:
     # ------------------------------------------------------------------ the problem
 
     def build(self, *args: Any, **kwargs: Any) -> Problem:
-        """The :class:`~numpyro_pvi.Problem` of the model on these data (cached by the data's
-        identity).
+        """The :class:`~numpyro_pvi.problem.Problem` of the model on these data (cached by the
+        data's identity).
 
         **Example:** ``problem = inference.build(X, y=y)``; ``state = inference.init(key,
         problem)``.

@@ -93,7 +93,7 @@ class RayBackend:
     :param float cpus_per_client: the CPU share each actor reserves (several actors share a core).
     :param float compile_timeout: seconds to wait for an actor's compilation (``None``: no limit).
 
-    **Example:** ``pvi.PVI(..., backend=pvi.RayBackend(num_workers=2))``; ``backend.close()`` frees
+    **Example:** ``pvi.PVI(..., backend=RayBackend(num_workers=2))``; ``backend.close()`` frees
     the actors' CPU shares when the inference is done.
     """
 
@@ -147,7 +147,7 @@ class RayBackend:
 
 class RayRunner:
     """The client runner of :class:`RayBackend` for one client problem (a
-    :class:`~numpyro_pvi.ConcurrentRunner`).
+    :class:`~numpyro_pvi.backends.ConcurrentRunner`).
 
     Its actors hold the clients of the last ``clients`` it was called with; other clients are loaded
     into them. ``idle``: live actors of an earlier problem, loaded with this one's clients before

@@ -59,7 +59,7 @@ class Round:
 
     :param steps: the problem's compiled steps.
     :param clients: the problem's client data: its buckets (``problem.buckets``), or one stacked
-        :class:`~numpyro_pvi.Client` of every client slot.
+        :class:`~numpyro_pvi.local_updates.Client` of every client slot.
     :param round_key: the round's random key (client ``m`` of a group gets ``fold_in(key, m)``).
     :param num_clients: the number of (real) clients; ``capacity`` the client slots of the state.
     :param in_flight: the run's background updates (a fresh one if ``None``: nothing carries over).

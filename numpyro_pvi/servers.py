@@ -33,7 +33,7 @@ class Server:
 
     **Example:** a server that visits the clients in reverse order, one at a time::
 
-        class Reversed(pvi.Server):
+        class Reversed(pvi.servers.Server):
             def run_round(self, state, round, num_clients):
                 for m in reversed(range(num_clients)):
                     state, _ = round(state, [m])

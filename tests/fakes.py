@@ -41,7 +41,7 @@ class ExactLinearUpdate(pvi.LocalUpdate):
             X, y = client.arrays  # leaves of ((X,), {"y": y})
             Xm = X * client.mask[:, None]
             likelihood = NatParams(Xm.T @ y / NOISE**2, -0.5 * Xm.T @ X / NOISE**2)
-            return pvi.ClientResult(cavity + likelihood - q, jnp.zeros(()), state)
+            return pvi.local_updates.ClientResult(cavity + likelihood - q, jnp.zeros(()), state)
 
         return client_update
 

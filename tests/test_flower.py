@@ -314,7 +314,7 @@ def test_server_merges_good_deltas_and_rejects_the_rest(monkeypatch):
     arrays, metrics = strategy.aggregate_train(1, _replies(messages, [good, nan, "error", None]))
     info = strategy.history
     np.testing.assert_array_equal(info.accepted[0], [1, 0, 0, 0])
-    assert [pvi.Rejection(int(r)).name for r in info.rejection[0]] == [
+    assert [pvi.state.Rejection(int(r)).name for r in info.rejection[0]] == [
         "NONE",
         "NON_FINITE",
         "RAISED",

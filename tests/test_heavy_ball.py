@@ -42,7 +42,7 @@ class MeanFieldLinearUpdate(pvi.LocalUpdate):
             precision = jnp.diag(-2.0 * cavity.eta2) + Xm.T @ X / NOISE**2
             mean = jnp.linalg.solve(precision, cavity.eta1 + Xm.T @ y / NOISE**2)
             diagonal = jnp.diag(precision)
-            return pvi.ClientResult(
+            return pvi.local_updates.ClientResult(
                 NatParams(diagonal * mean, -0.5 * diagonal) - q, jnp.zeros(()), state
             )
 

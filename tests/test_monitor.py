@@ -46,7 +46,9 @@ class ClampedAway(ExactLinearUpdate):
 
     def bind(self, problem):
         def client_update(rng_key, client, cavity, q, state, hyper=()):
-            return pvi.ClientResult(jax.tree.map(jnp.zeros_like, q), jnp.zeros(()), state, 6)
+            return pvi.local_updates.ClientResult(
+                jax.tree.map(jnp.zeros_like, q), jnp.zeros(()), state, 6
+            )
 
         return client_update
 
@@ -68,7 +70,7 @@ def test_max_staleness_that_rejects_every_update_says_so_and_a_sensible_one_conv
             r"stale; max_staleness >= 4 would admit",
         ) as caught:
             result = strict.run(random.PRNGKey(0), 4, X, y=y, progress_bar=False, tol=1e-8)
-        assert (result.history.rejection[1:] == pvi.Rejection.STALE).all() and (
+        assert (result.history.rejection[1:] == pvi.state.Rejection.STALE).all() and (
             result.history.change[1:] == 0
         ).all()
         # q did not move because nothing was merged: not converged (on main: converged=True after
@@ -128,8 +130,8 @@ def test_updates_clamped_away_warn_and_a_stall_is_named(linear_data):
 def test_rejection_reasons_are_recorded(linear_data):
     X, y = linear_data
     cases = [
-        (PoisonedUpdate(bad_size=20), 2, pvi.Rejection.NON_FINITE),
-        (FaultyUpdate(90, "raise"), 1, pvi.Rejection.RAISED),
+        (PoisonedUpdate(bad_size=20), 2, pvi.state.Rejection.NON_FINITE),
+        (FaultyUpdate(90, "raise"), 1, pvi.state.Rejection.RAISED),
     ]
     for update, bad, reason in cases:
         inference = pvi.PVI(
@@ -783,7 +785,7 @@ CASES = {
         None,
     ),
     "all rejected": (
-        [round_info(1.0, -200), round_info(0.0, -200, rejection=pvi.Rejection.NON_FINITE)],
+        [round_info(1.0, -200), round_info(0.0, -200, rejection=pvi.state.Rejection.NON_FINITE)],
         0.01,
         None,
         None,
@@ -1151,7 +1153,9 @@ class DriftingUpdate(ExactLinearUpdate):
         def client_update(rng_key, client, cavity, q, state, hyper=()):
             result = exact(rng_key, client, cavity, q, state)
             drift = NatParams(2.0 * (state + 1.0) * jnp.ones_like(q.eta1), jnp.zeros_like(q.eta2))
-            return pvi.ClientResult(result.delta + drift, result.free_energy, state + 1.0)
+            return pvi.local_updates.ClientResult(
+                result.delta + drift, result.free_energy, state + 1.0
+            )
 
         return client_update
 

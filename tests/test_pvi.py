@@ -347,12 +347,14 @@ def test_help_names_every_family_update_server_and_damping():
     updates = [
         c.__name__
         for c in exported
-        if inspect.isclass(c) and c is not pvi.LocalUpdate and issubclass(c, pvi.LocalUpdate)
+        if inspect.isclass(c)
+        and c is not pvi.local_updates.LocalUpdate
+        and issubclass(c, pvi.local_updates.LocalUpdate)
     ]
     servers = [
         c.__name__
         for c in exported
-        if inspect.isclass(c) and c is not pvi.Server and issubclass(c, pvi.Server)
+        if inspect.isclass(c) and c is not pvi.servers.Server and issubclass(c, pvi.servers.Server)
     ]
     assert len(updates) >= 6 and len(servers) >= 4, (updates, servers)
     families = [

@@ -11,7 +11,7 @@ import pytest
 from jax import random
 
 import numpyro_pvi as pvi
-from numpyro_pvi.ray_backend import RayRunner, digest, start_ray, unpad
+from numpyro_pvi.ray_backend import RayBackend, RayRunner, digest, start_ray, unpad
 
 from fakes import UNEQUAL, ExactLinearUpdate, FaultyUpdate, PoisonedUpdate
 from models import (
@@ -69,7 +69,7 @@ class CountingRunner(RayRunner):
         super().cancel(handles)
 
 
-class CountingRayBackend(pvi.RayBackend):
+class CountingRayBackend(RayBackend):
     def prepare(self, local_update, problem):
         # the live actors, for the counting runner
         idle = super().prepare(local_update, problem).release()
@@ -133,7 +133,7 @@ def fit_noise_model(server, backend, rounds, X, y, warm_up=False):
 @pytest.mark.slow
 def test_ray_asynchronous_learns_hyperparameters(ray_cluster, linear_data):
     X, y = linear_data
-    backend = pvi.RayBackend()
+    backend = RayBackend()
     result = fit_noise_model(pvi.Asynchronous(0.5), backend, 60, X, y, warm_up=True)
     backend.close()
     # Asynchronously the arrival order is Ray's (clients report 32-77 times in 60 rounds) and the
@@ -292,7 +292,7 @@ class MarkerUpdate(ExactLinearUpdate):
 
         def client_update(rng_key, client, cavity, q, state, hyper=()):
             marker = jax.pure_callback(host, jax.ShapeDtypeStruct((), jnp.float32), q.eta1[0])
-            return pvi.ClientResult(jax.tree.map(jnp.zeros_like, q), marker, state)
+            return pvi.local_updates.ClientResult(jax.tree.map(jnp.zeros_like, q), marker, state)
 
         return client_update
 
@@ -355,7 +355,7 @@ def test_a_timeout_rejects_and_restarts_but_does_not_count_compilation(
     )
     state, info = slow.update(slow.init(random.PRNGKey(0), X, y=y), X, y=y)
     np.testing.assert_array_equal(info.accepted, [1, 1, 0, 1])
-    assert info.rejection[2] == pvi.Rejection.TIMEOUT
+    assert info.rejection[2] == pvi.state.Rejection.TIMEOUT
     old = backend.actors[2]  # restarted after its time-out
     with pytest.warns(
         pvi.PVIWarning,
@@ -364,7 +364,7 @@ def test_a_timeout_rejects_and_restarts_but_does_not_count_compilation(
     ):
         result = slow.run(random.PRNGKey(0), 3, X, y=y, init_state=state, progress_bar=False)
     assert backend.actors[2] is not old
-    assert (result.history.rejection[:, 2] == pvi.Rejection.TIMEOUT).all()
+    assert (result.history.rejection[:, 2] == pvi.state.Rejection.TIMEOUT).all()
     assert (result.history.accepted[:, [0, 1, 3]] == 1).all()
 
 

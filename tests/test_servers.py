@@ -157,7 +157,7 @@ def test_a_full_rank_client_whose_cavity_is_improper_is_rejected_when_visited(li
     # t_1 > q: q - t_1 improper
     factors = state.factors._replace(eta2=state.factors.eta2.at[1].set(-2.0 * jnp.eye(3)))
     state, info = inference.update(state._replace(factors=factors), X, y=y)
-    np.testing.assert_array_equal(info.rejection, [0, pvi.Rejection.INVALID, 0, 0])
+    np.testing.assert_array_equal(info.rejection, [0, pvi.state.Rejection.INVALID, 0, 0])
     np.testing.assert_array_equal(info.accepted, [1, 0, 1, 1])
     # its factor is untouched
     np.testing.assert_array_equal(state.factors.eta2[1], -2.0 * np.eye(3))

@@ -145,8 +145,8 @@ class DPGradientUpdate(LocalUpdate):
     the padded rows takes every row without drawing (rate 1). The reported ``free_energy`` is
     ``-KL(q_new || cavity)`` only: the data term would leak, and is not released. With
     ``privacy_budget=(epsilon, delta)``, a client whose next release would spend more returns a zero
-    delta and :attr:`Rejection.BUDGET <numpyro_pvi.Rejection>`. Models with local latent variables
-    or hyperparameters are not supported.
+    delta and :attr:`Rejection.BUDGET <numpyro_pvi.state.Rejection>`. Models with local latent
+    variables or hyperparameters are not supported.
 
     :param optimizer: an ``optax.GradientTransformation``.
     :param int num_steps: DP-SGD steps per client visit.
