@@ -103,7 +103,7 @@ def save(
 
     :param obj: a :class:`~numpyro_pvi.PVIState`, or a :class:`~numpyro_pvi.PVIRunResult`.
     :param config, problem: optionally, the configuration (``inference.config``) and the
-        :class:`~numpyro_pvi.Problem` the state belongs to: checked against its record (a
+        :class:`~numpyro_pvi.problem.Problem` the state belongs to: checked against its record (a
         ``ValueError`` naming the difference, nothing written), or recorded if the state has none (a
         state built by hand).
 

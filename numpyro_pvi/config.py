@@ -1,7 +1,7 @@
 """The configuration of a :class:`~numpyro_pvi.PVI`, as a value.
 
 :class:`PVIConfig` holds what ``PVI(...)`` was given, checked and with its defaults filled in. The
-problem built from the data (:class:`~numpyro_pvi.Problem`) and the result of a run
+problem built from the data (:class:`~numpyro_pvi.problem.Problem`) and the result of a run
 (:class:`~numpyro_pvi.PVIRunResult`) hold this value, never the ``PVI`` object (as numpyro's
 ``SVIRunResult`` holds no ``SVI``), and every function that needs the configuration takes it.
 """

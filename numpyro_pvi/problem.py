@@ -46,11 +46,13 @@ class Problem:
     :ivar sites: the model's sites (local sites with a padded client's shapes).
     :ivar buckets: the clients' data in :class:`~numpyro_pvi.clients.Bucket` s of similar sizes
         (each a stacked
-        :class:`~numpyro_pvi.Client`, rows padded with copies of a real row and masked): by size
+        :class:`~numpyro_pvi.local_updates.Client`, rows padded with copies of a real row and
+            masked): by size
         with the ``"vmap"`` backend and no local latent sites, so a round costs what the clients'
         rows cost; else one bucket of every client slot, padded to the largest client.
     :ivar split: the clients' unpadded data (:class:`~numpyro_pvi.clients.ClientColumns`).
-    :ivar client_problem: what a local update needs (:class:`~numpyro_pvi.ClientProblem`).
+    :ivar client_problem: what a local update needs
+        (:class:`~numpyro_pvi.local_updates.ClientProblem`).
     :ivar prior: natural parameters of the exact Gaussian part of the prior.
     :ivar rest: the global sites whose prior is fitted by the prior factor ``t_0``.
     :ivar steps: the compiled steps (:class:`~numpyro_pvi.steps.Steps`).
@@ -95,8 +97,8 @@ class Problem:
 
     @cached_property
     def clients(self) -> Client:
-        """Every client's data as one :class:`~numpyro_pvi.Client` with a leading axis of
-        ``capacity`` client slots, rows padded to the largest client (built on first use when the
+        """Every client's data as one :class:`~numpyro_pvi.local_updates.Client` with a leading axis
+        of ``capacity`` client slots, rows padded to the largest client (built on first use when the
         clients are bucketed by size)."""
         if len(self.buckets) == 1 and np.array_equal(self.buckets[0].ids, np.arange(self.capacity)):
             return self.buckets[0].clients
@@ -116,7 +118,7 @@ def build_problem(
     :param reuse: an earlier problem whose compiled steps are reused if the data have the same
         structure.
 
-    **Example:** ``problem = pvi.build_problem(inference.config, (X,), {"y": y})`` (what
+    **Example:** ``problem = pvi.problem.build_problem(inference.config, (X,), {"y": y})`` (what
     ``inference.build(X, y=y)`` does).
     """
     sites, split = _read(config, args, kwargs)
@@ -366,7 +368,8 @@ def _client_problem(config: PVIConfig, sites: ModelSites, split: ClientColumns) 
 
 def _check_support(local_update: LocalUpdate, sites: ModelSites, family: Any) -> None:
     """Refuse a model whose local latents, hyperparameters or family the local update cannot
-    handle (what it declares in :class:`~numpyro_pvi.LocalUpdate`'s class attributes)."""
+    handle (what it declares in :class:`~numpyro_pvi.local_updates.LocalUpdate`'s class
+    attributes)."""
     name = type(local_update).__name__
     # the family contract the update declares it needs
     contract = FactorFamily if local_update.supports_factor_families else Family

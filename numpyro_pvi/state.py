@@ -42,7 +42,7 @@ class MadeFor:
     @classmethod
     def of(cls, config: Any, problem: Any) -> MadeFor:
         """The record of a configuration (:class:`~numpyro_pvi.config.PVIConfig`) on a
-        :class:`~numpyro_pvi.Problem`."""
+        :class:`~numpyro_pvi.problem.Problem`."""
         return cls(
             tuple((s.name, tuple(int(n) for n in s.shape)) for s in problem.sites.globals),
             family_name(config.family),
@@ -125,7 +125,7 @@ class PVIState(NamedTuple):
 class Rejection(IntEnum):
     """Why a client's update was not merged (``RoundInfo.rejection``; ``NONE`` if it was).
 
-    **Example:** ``pvi.Rejection(int(info.rejection[m])).name`` is e.g. ``"STALE"``.
+    **Example:** ``pvi.state.Rejection(int(info.rejection[m])).name`` is e.g. ``"STALE"``.
     """
 
     NONE = 0

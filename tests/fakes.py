@@ -29,7 +29,7 @@ def assert_checkpoint_resumes(inference, result, path):
 UNEQUAL = [np.arange(0, 40), np.arange(40, 130), np.arange(130, 150), np.arange(150, 300)]
 
 
-class ExactLinearUpdate(pvi.LocalUpdate):
+class ExactLinearUpdate(pvi.local_updates.LocalUpdate):
     """The exact local optimum for `linear_model`: q_new = cavity x the client's Gaussian
     likelihood."""
 

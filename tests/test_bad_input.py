@@ -242,7 +242,7 @@ class _UndeclaredUpdate:
         raise AssertionError("not reached: PVI refuses the update first")
 
 
-class _DeclaresNothing(_UndeclaredUpdate, pvi.LocalUpdate):
+class _DeclaresNothing(_UndeclaredUpdate, pvi.local_updates.LocalUpdate):
     """The same update as a ``LocalUpdate`` subclass: it inherits the defaults (all false)."""
 
 

@@ -158,7 +158,7 @@ def test_site_families_clip_every_block_and_checkpoint_resumes_exactly(tmp_path)
     assert_checkpoint_resumes(inference, result, tmp_path / "run.npz")
 
 
-class _GaussianOnlyUpdate(pvi.LocalUpdate):
+class _GaussianOnlyUpdate(pvi.local_updates.LocalUpdate):
     """A local update that declares no support for non-Gaussian families (it keeps
     ``LocalUpdate``'s default ``supports_factor_families = False``)."""
 

@@ -28,7 +28,7 @@ from references import BREAST_CANCER_MEAN_FIELD_VI_MEAN, BREAST_CANCER_MEAN_FIEL
 NUM_CLIENTS = 6
 
 
-class MeanFieldLinearUpdate(pvi.LocalUpdate):
+class MeanFieldLinearUpdate(pvi.local_updates.LocalUpdate):
     """The exact mean-field optimum of cavity x likelihood for `linear_model`: its mean and diagonal
     precision."""
 

@@ -81,7 +81,10 @@ def test_a_client_over_budget_sends_nothing_and_is_named_once(budget_run):
     result, messages = budget_run
     codes = np.asarray(result.history.rejection)
     expected = np.array(
-        [[0 if r < k else int(pvi.Rejection.BUDGET) for k in (0, 2, 4)] for r in range(ROUNDS)]
+        [
+            [0 if r < k else int(pvi.state.Rejection.BUDGET) for k in (0, 2, 4)]
+            for r in range(ROUNDS)
+        ]
     )
     np.testing.assert_array_equal(codes, expected)
     np.testing.assert_array_equal(np.asarray(result.state.client_states.releases), [0, 2, 4])
@@ -112,7 +115,7 @@ def test_updates_the_server_rejects_still_count_towards_the_budget(linear_data):
         warnings.simplefilter("ignore", pvi.PVIWarning)
         result = inference.run(random.PRNGKey(0), ROUNDS, X, y=y, progress_bar=False)
     codes = np.asarray(result.history.rejection)
-    assert np.sum(codes == int(pvi.Rejection.STALE)) > 0  # the server did reject sent updates
+    assert np.sum(codes == int(pvi.state.Rejection.STALE)) > 0  # the server did reject sent updates
     released = _releases(result)
     np.testing.assert_array_equal(np.asarray(result.state.client_states.releases), released)
     # what the budget allows (test_privacy_spent_equals_dp_accountings_epsilon)
@@ -130,7 +133,7 @@ class TimingOutBackend:
         self.timeouts = timeouts
 
     def prepare(self, local_update, problem):
-        run = pvi.LoopBackend().prepare(local_update, problem)
+        run = pvi.backends.LoopBackend().prepare(local_update, problem)
 
         def timing_out(ids, keys, cavities, q, states, clients, hyper=()):
             if [int(m) for m in ids] == [1] and self.timeouts > 0:
@@ -138,7 +141,7 @@ class TimingOutBackend:
                 return stack(
                     [
                         failed_result(
-                            take(cavities, 0), take(states, 0), hyper, pvi.Rejection.TIMEOUT
+                            take(cavities, 0), take(states, 0), hyper, pvi.state.Rejection.TIMEOUT
                         )
                     ]
                 )
@@ -172,7 +175,9 @@ def test_a_client_that_times_out_is_counted_once_by_budget_and_privacy_spent(lin
         warnings.simplefilter("ignore", pvi.PVIWarning)
         result = inference.run(random.PRNGKey(0), ROUNDS, X, y=y, progress_bar=False)
     codes = np.asarray(result.history.rejection)[:, 1]
-    np.testing.assert_array_equal(codes, [pvi.Rejection.TIMEOUT] * 3 + [pvi.Rejection.NONE] * 2)
+    np.testing.assert_array_equal(
+        codes, [pvi.state.Rejection.TIMEOUT] * 3 + [pvi.state.Rejection.NONE] * 2
+    )
     assert np.asarray(result.history.attempts)[:, 1].sum() == ROUNDS  # the history saw 5 attempts
     released = _releases(result)
     np.testing.assert_array_equal(released, np.asarray(result.state.client_states.releases))

@@ -41,8 +41,8 @@ class LocalUpdate(Protocol):
     family, no local latents, no hyperparameters) and set those it supports.
 
     **Example:** ``isinstance(pvi.GradientUpdate(optax.adam(1e-2), num_steps=100),
-    pvi.LocalUpdate)`` is true; a new update is ``class MyUpdate(pvi.LocalUpdate):`` with
-    ``init_state`` and ``bind``.
+    pvi.local_updates.LocalUpdate)`` is true; a new update is ``class
+    MyUpdate(pvi.local_updates.LocalUpdate):`` with ``init_state`` and ``bind``.
     """
 
     def init_state(self, problem: ClientProblem) -> Any: ...
@@ -96,7 +96,7 @@ class ClientResult(NamedTuple):
     keep ``q`` positive definite, a site variance clamped); it is reported in ``RoundInfo.clamped``.
     ``hyper_grad`` is ``d F_m / d hyper`` (unconstrained) for models with hyperparameters, else
     ``()``. ``failure`` is set by a backend whose client could not deliver (a
-    :class:`~numpyro_pvi.Rejection` code: timed out or raised); a local update leaves it 0.
+    :class:`~numpyro_pvi.state.Rejection` code: timed out or raised); a local update leaves it 0.
     ``inflation`` is how far the correlations of the client's tilted distribution that the family
     cannot hold inflate a variance (:func:`~numpyro_pvi.families.gaussian.variance_inflation`; EP
     and SNEP report it, 1 if not measured); the run's monitor reads it (``RoundInfo.inflation``) to

@@ -40,7 +40,8 @@ class DPLocalAveraging(LocalUpdate):
     """Wrap a local update: fit it on ``num_shards`` disjoint shards, release the clipped, noised
     mean delta.
 
-    Each shard's delta (a :class:`~numpyro_pvi.NatParams`, flattened over all its leaves: for
+    Each shard's delta (a :class:`~numpyro_pvi.families.NatParams`, flattened over all its leaves:
+    for
     :class:`~numpyro_pvi.SiteFamilies` ``eta1`` and every block's ``eta2``) is clipped to Euclidean
     norm ``clip_norm``; the released delta is their mean plus ``Normal(0, sd^2)`` per coordinate
     with ``sd = noise_multiplier * 2 * clip_norm / num_shards`` (``noise_multiplier`` times the
@@ -57,7 +58,8 @@ class DPLocalAveraging(LocalUpdate):
     Poisson counts) each shard's site is exact, so without noise and clipping the released delta is
     the whole client's.
 
-    :param local_update: the update each shard runs (a :class:`~numpyro_pvi.LocalUpdate`).
+    :param local_update: the update each shard runs (a
+        :class:`~numpyro_pvi.local_updates.LocalUpdate`).
     :param int num_shards: ``S``, the number of disjoint shards of the client's rows.
     :param float clip_norm: the bound on each shard's natural-parameter delta.
     :param float noise_multiplier: the noise sd over the sensitivity ``2 * clip_norm / S``.
@@ -106,8 +108,8 @@ class DPLocalAveraging(LocalUpdate):
     @property
     def supports_factor_families(self) -> bool:
         """Whether the wrapped update supports every family (``SiteFamilies``, ``Gamma``...):
-        averaging, clipping and noising a :class:`~numpyro_pvi.NatParams` delta work for any
-        family."""
+        averaging, clipping and noising a :class:`~numpyro_pvi.families.NatParams` delta work for
+        any family."""
         return self.local_update.supports_factor_families
 
     @property
