@@ -88,7 +88,7 @@ def run_pvi(update, parts, data, rounds):
     acc, lpd = scores(result.sample_posterior(random.PRNGKey(2), 1000), X_test, y_test)
     spent = (
         float(np.max(result.privacy_spent(DELTA)))
-        if isinstance(update, pvi.privacy.PrivateUpdate)
+        if isinstance(update, pvi.privacy.accounting.PrivateUpdate)
         else np.inf
     )
     rejected = int(np.sum(np.asarray(result.history.rejection) > 0))

@@ -9,7 +9,7 @@ first feature into clients of 40/25/15/12/8 %. Mean-field EP is iterated to its 
 diagonal), and ``M (v - 1)`` with ``v`` the clients' mean variance inflation of their tilted
 distributions at the fixed point (what ``MomentMatchingUpdate`` / ``SNEPUpdate`` report as
 ``ClientResult.inflation``;
-:data:`numpyro_pvi.monitor.CORRELATED` flags ``M (v - 1) > 0.2``).
+:data:`numpyro_pvi.server.monitor.CORRELATED` flags ``M (v - 1) > 0.2``).
 
     python benchmarks/mean_field_ep.py
 """
@@ -20,7 +20,7 @@ from itertools import product
 
 import numpy as np
 
-THRESHOLD = 0.2  # numpyro_pvi.monitor.CORRELATED
+THRESHOLD = 0.2  # numpyro_pvi.server.monitor.CORRELATED
 SKEWED = np.array([0.4, 0.25, 0.15, 0.12, 0.08])
 
 

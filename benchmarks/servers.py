@@ -32,7 +32,7 @@ from numpyro.infer import SVI, TraceMeanField_ELBO
 from numpyro.infer.autoguide import AutoDiagonalNormal
 
 import numpyro_pvi as pvi
-from numpyro_pvi.ray_backend import RayBackend
+from numpyro_pvi.backends.ray import RayBackend
 
 NUM_CLIENTS, SLOWDOWN = 8, 5.0
 

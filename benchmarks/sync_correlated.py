@@ -30,7 +30,7 @@ from jax.scipy.optimize import minimize
 from sklearn.datasets import load_breast_cancer
 
 import numpyro_pvi as pvi
-from numpyro_pvi.merge import is_valid_state
+from numpyro_pvi.server.merge import is_valid_state
 
 warnings.simplefilter("ignore")
 M, THRESHOLD = 10, 0.2

@@ -53,7 +53,7 @@ from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 
 import numpyro_pvi as pvi
-from numpyro_pvi.plot import plot_clients
+from numpyro_pvi.results.plot import plot_clients
 
 FULL = os.environ.get("PVI_FULL", "0") == "1"
 HIDDEN = 100 if FULL else 32

@@ -59,7 +59,7 @@ from sklearn.model_selection import train_test_split
 
 import numpyro_pvi as pvi
 from numpyro_pvi.families import NatParams
-from numpyro_pvi.plot import plot_clients, plot_history
+from numpyro_pvi.results.plot import plot_clients, plot_history
 
 FULL = os.environ.get("PVI_FULL", "0") == "1"
 HIDDEN = 50

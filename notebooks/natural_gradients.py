@@ -59,7 +59,7 @@ from sklearn.datasets import load_breast_cancer
 from sklearn.model_selection import train_test_split
 
 import numpyro_pvi as pvi
-from numpyro_pvi.plot import plot_compare
+from numpyro_pvi.results.plot import plot_compare
 
 FULL = os.environ.get("PVI_FULL", "0") == "1"
 NUM_CLIENTS = 10

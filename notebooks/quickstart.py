@@ -54,7 +54,7 @@ from sklearn.datasets import load_breast_cancer
 from sklearn.model_selection import train_test_split
 
 import numpyro_pvi as pvi
-from numpyro_pvi.plot import plot_clients, plot_compare, plot_history
+from numpyro_pvi.results.plot import plot_clients, plot_compare, plot_history
 
 # arviz 0.23 calls a matplotlib API that matplotlib 3.11 deprecates: not our warning to show
 warnings.filterwarnings("ignore", category=matplotlib.MatplotlibDeprecationWarning)

@@ -25,8 +25,6 @@ pvi.GradientUpdate(optax.adam(0.05), 100), pvi.Sequential()).run(key, 10, X, y=y
 """
 
 from numpyro_pvi._version import __version__ as __version__
-from numpyro_pvi.checkpoint import load, save
-from numpyro_pvi.damping import AdaptiveDamping, Fixed
 from numpyro_pvi.families import (
     Beta,
     Dirichlet,
@@ -35,11 +33,8 @@ from numpyro_pvi.families import (
     MeanFieldGaussian,
     SiteFamilies,
 )
-from numpyro_pvi.heavy_ball import HeavyBall
 from numpyro_pvi.hyper_optim import rprop
 from numpyro_pvi.local_updates import (
-    DPGradientUpdate,
-    DPLocalAveraging,
     GradientUpdate,
     Importance,
     MomentMatchingUpdate,
@@ -47,12 +42,16 @@ from numpyro_pvi.local_updates import (
     NUTSMoments,
     SNEPUpdate,
 )
-from numpyro_pvi.monitor import PVIWarning
-from numpyro_pvi.partition import ClientData, partition_plate, split_by_label, split_iid
-from numpyro_pvi.privacy import calibrate_noise_multiplier
+from numpyro_pvi.model.partition import ClientData, partition_plate, split_by_label, split_iid
+from numpyro_pvi.privacy import DPGradientUpdate, DPLocalAveraging
+from numpyro_pvi.privacy.accounting import calibrate_noise_multiplier
 from numpyro_pvi.pvi import PVI
-from numpyro_pvi.results import PVIRunResult
-from numpyro_pvi.servers import Asynchronous, Continual, Sequential, Synchronous
+from numpyro_pvi.results.checkpoint import load, save
+from numpyro_pvi.results.result import PVIRunResult
+from numpyro_pvi.server.damping import AdaptiveDamping, Fixed
+from numpyro_pvi.server.heavy_ball import HeavyBall
+from numpyro_pvi.server.monitor import PVIWarning
+from numpyro_pvi.server.servers import Asynchronous, Continual, Sequential, Synchronous
 from numpyro_pvi.state import PVIState, RoundInfo
 
 __all__ = [

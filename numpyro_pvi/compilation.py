@@ -9,7 +9,8 @@ The unrolled lowering computes the same bits (the same 20 rounds of the same has
 a run is unchanged, bit for bit) in one fused kernel per hash: that step then compiled in 4.8 s of
 CPU instead of 11.5 s, and ran in 0.028 s instead of 0.088 s (``python benchmarks/startup.py``).
 
-:func:`unroll_threefry_on_cpu` registers it for CPU; :func:`~numpyro_pvi.steps.compile_steps` calls
+:func:`unroll_threefry_on_cpu` registers it for CPU; :func:`~numpyro_pvi.server.steps.compile_steps`
+    calls
 it, so it is in place before PVI compiles anything of a round.
 """
 

@@ -1,7 +1,7 @@
 """The configuration of a :class:`~numpyro_pvi.PVI`, as a value.
 
 :class:`PVIConfig` holds what ``PVI(...)`` was given, checked and with its defaults filled in. The
-problem built from the data (:class:`~numpyro_pvi.problem.Problem`) and the result of a run
+problem built from the data (:class:`~numpyro_pvi.model.problem.Problem`) and the result of a run
 (:class:`~numpyro_pvi.PVIRunResult`) hold this value, never the ``PVI`` object (as numpyro's
 ``SVIRunResult`` holds no ``SVI``), and every function that needs the configuration takes it.
 """
@@ -30,7 +30,7 @@ class PVIConfig(NamedTuple):
     :ivar family: the family of ``q`` and of the factors.
     :ivar partitions: index arrays, :class:`~numpyro_pvi.ClientData` or ``None``.
     :ivar local_update: the clients' :class:`~numpyro_pvi.local_updates.base.LocalUpdate`.
-    :ivar server: the :class:`~numpyro_pvi.servers.Server` (its damping resolved).
+    :ivar server: the :class:`~numpyro_pvi.server.servers.Server` (its damping resolved).
     :ivar backend: the :class:`~numpyro_pvi.backends.Backend` (a name resolved to the object).
     :ivar num_elbo_particles: draws of the ELBO estimate recorded every round.
     :ivar hyper_optimizer: the optax optimiser of the hyperparameters.

@@ -2,10 +2,11 @@
 ``numpyro.infer.SVI``.
 
 ``q(zeta) ∝ p(zeta) t_0(zeta) prod_m t_m(zeta)`` over the flat unconstrained vector of the model's
-global sites; ``t_0`` stands for the non-Gaussian part of the prior (:mod:`numpyro_pvi.prior`),
+global sites; ``t_0`` stands for the non-Gaussian part of the prior
+(:mod:`numpyro_pvi.model.prior`),
 ``t_m`` for client ``m``'s data. One round visits the clients in the server's schedule
-(:mod:`numpyro_pvi.rounds`). ``PVI`` holds configuration; the data's
-:class:`~numpyro_pvi.problem.Problem`
+(:mod:`numpyro_pvi.server.round`). ``PVI`` holds configuration; the data's
+:class:`~numpyro_pvi.model.problem.Problem`
 and the :class:`~numpyro_pvi.PVIState` are values passed in and out.
 """
 
@@ -22,20 +23,20 @@ import numpyro.distributions as dist
 import optax
 from tqdm.auto import trange
 
-from numpyro_pvi import problem as problems
 from numpyro_pvi.backends import get_backend
 from numpyro_pvi.config import PVIConfig
 from numpyro_pvi.families import FactorFamily
 from numpyro_pvi.hyper_optim import rprop
 from numpyro_pvi.local_updates.base import LocalUpdate
-from numpyro_pvi.monitor import RunMonitor, largest, q_move
-from numpyro_pvi.partition import ClientData, is_array, same_static
-from numpyro_pvi.problem import Problem, build_problem
-from numpyro_pvi.results import PVIRunResult, average_states
-from numpyro_pvi.rounds import InFlight, Round, cancel_in_flight
-from numpyro_pvi.servers import Server, Synchronous
-from numpyro_pvi.sites import ModelSites
-from numpyro_pvi.start import chosen_start
+from numpyro_pvi.model import problem as problems
+from numpyro_pvi.model.partition import ClientData, is_array, same_static
+from numpyro_pvi.model.problem import Problem, build_problem
+from numpyro_pvi.model.sites import ModelSites
+from numpyro_pvi.model.start import chosen_start
+from numpyro_pvi.results.result import PVIRunResult, average_states
+from numpyro_pvi.server.monitor import RunMonitor, largest, q_move
+from numpyro_pvi.server.round import InFlight, Round, cancel_in_flight
+from numpyro_pvi.server.servers import Server, Synchronous
 from numpyro_pvi.state import MadeFor, PVIState, RoundInfo
 
 MEMO_SIZE = 4  # problems remembered by the identity of their data
@@ -82,7 +83,7 @@ class PVI:
         :class:`~numpyro_pvi.Continual` (each client once, as it joins with :meth:`add_client`).
     :param backend: where clients run: ``"vmap"`` (default: a round's clients in one compiled,
         vmapped call), ``"loop"`` (one at a time), ``"ray"`` /
-        :class:`~numpyro_pvi.ray_backend.RayBackend` (a
+        :class:`~numpyro_pvi.backends.ray.RayBackend` (a
         Ray actor per client), or any :class:`~numpyro_pvi.backends.Backend`. Sites that hold their
         own data run under Flower (:mod:`numpyro_pvi.flower`).
     :param int num_elbo_particles: samples of the global ELBO estimate recorded every round.
@@ -98,27 +99,27 @@ class PVI:
         after 40 rounds.
     :param init_loc_fn: start ``q`` at the global sites' values this NumPyro init strategy gives
         (e.g. ``numpyro.infer.init_to_median``), split evenly over the clients' factors
-        (:mod:`numpyro_pvi.start`); default ``None``: ``q`` starts at the prior. Every family (each
-        block of a ``SiteFamilies``) builds its own start (``family.initial_q``).
+        (:mod:`numpyro_pvi.model.start`); default ``None``: ``q`` starts at the prior. Every family
+        (each block of a ``SiteFamilies``) builds its own start (``family.initial_q``).
     :param init_scale: the chosen start's spread (default 0.1 when ``init_loc_fn`` is given; alone,
         it starts at ``init_to_median``): the sd in every unconstrained coordinate for the Gaussian
         families, the coefficient of variation for ``Gamma``, the sd relative to ``sqrt(m (1 - m))``
-        for ``Beta`` and ``Dirichlet`` (:mod:`numpyro_pvi.start`).
+        for ``Beta`` and ``Dirichlet`` (:mod:`numpyro_pvi.model.start`).
 
     The options after ``server`` are keyword-only. ``inference.config`` is the configuration as a
     value (:class:`~numpyro_pvi.config.PVIConfig`, what problems and results hold).
 
     ``PVI`` holds configuration only, like ``numpyro.infer.SVI``. What it builds from the data (the
     sites, the clients' stacked data, the compiled steps) is an immutable
-    :class:`~numpyro_pvi.problem.Problem` (:meth:`build`); ``init``/``update``/``run``/``evaluate``
-        take the
+    :class:`~numpyro_pvi.model.problem.Problem` (:meth:`build`);
+        ``init``/``update``/``run``/``evaluate`` take the
     data, or a problem in their place. Building is cached, invisibly to results: the same arrays
     give back the same problem, and new arrays of the same shapes and dtypes reuse its compiled
     steps (no recompilation).
 
     Local latent sites (unobserved, inside the partition plate) get client-private guides kept in
     the clients' states, and discrete ones marked for enumeration are summed out: see
-    :mod:`numpyro_pvi.local_latents` and ``GradientUpdate``.
+    :mod:`numpyro_pvi.model.local_latents` and ``GradientUpdate``.
 
     **Example:**
 
@@ -229,7 +230,7 @@ class PVI:
     # ------------------------------------------------------------------ the problem
 
     def build(self, *args: Any, **kwargs: Any) -> Problem:
-        """The :class:`~numpyro_pvi.problem.Problem` of the model on these data (cached by the
+        """The :class:`~numpyro_pvi.model.problem.Problem` of the model on these data (cached by the
         data's identity).
 
         **Example:** ``problem = inference.build(X, y=y)``; ``state = inference.init(key,
@@ -621,7 +622,7 @@ class PVI:
 
         PVI's posterior is not in params (as ``SVI``'s guide parameters are): it is
         :meth:`get_posterior`; draws from it, and a guide for ``Predictive``, need the data's sites:
-        ``result.sample_posterior``, ``result.guide`` (or :func:`~numpyro_pvi.results.
+        ``result.sample_posterior``, ``result.guide`` (or :func:`~numpyro_pvi.results.result.
         sample_posterior` with a problem).
 
         **Example:** ``Predictive(model, guide=result.guide(),

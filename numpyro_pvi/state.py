@@ -42,7 +42,7 @@ class MadeFor:
     @classmethod
     def of(cls, config: Any, problem: Any) -> MadeFor:
         """The record of a configuration (:class:`~numpyro_pvi.config.PVIConfig`) on a
-        :class:`~numpyro_pvi.problem.Problem`."""
+        :class:`~numpyro_pvi.model.problem.Problem`."""
         return cls(
             tuple((s.name, tuple(int(n) for n in s.shape)) for s in problem.sites.globals),
             family_name(config.family),
@@ -96,7 +96,7 @@ class PVIState(NamedTuple):
         none.
     :ivar hyper_state: the state of the server's ``hyper_optimizer``.
     :ivar damping: the server's damping's state (its
-        :meth:`Damping.init <numpyro_pvi.damping.Damping.init>`).
+        :meth:`Damping.init <numpyro_pvi.server.damping.Damping.init>`).
     :ivar hyper_grads: each client's latest accepted gradient of its local free energy with respect
         to ``hyper``, stacked ``(M, ...)``; the server steps along their sum, so a client that did
         not report this round (asynchronous servers) still counts with its latest gradient.

@@ -10,7 +10,7 @@ import pytest
 from jax import random
 
 import numpyro_pvi as pvi
-from numpyro_pvi import problem as problems
+from numpyro_pvi.model import problem as problems
 
 from models import linear_model, logistic_model, poisson_model
 

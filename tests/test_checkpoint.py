@@ -130,7 +130,7 @@ def test_a_crafted_checkpoint_cannot_run_code(tmp_path):
     assert not marker.exists()
     np.savez(
         path,
-        _format=np.array(pvi.checkpoint.FORMAT),
+        _format=np.array(pvi.results.checkpoint.FORMAT),
         _structure=np.array([CreatesAFile(marker)], object),
     )
     with pytest.raises(
@@ -145,14 +145,14 @@ def test_a_crafted_checkpoint_cannot_run_code(tmp_path):
     for name, refusal in [
         ("builtins:open", "not a state type a checkpoint may hold"),
         ("io:open", "not a state type a checkpoint may hold"),
-        ("numpyro_pvi.checkpoint:io.open", "not a NamedTuple of a module imported now"),
+        ("numpyro_pvi.results.checkpoint:io.open", "not a NamedTuple of a module imported now"),
         ("numpyro_pvi.pvi:PVI", "not a NamedTuple of a module imported now"),
         ("numpyro_pvi.state:PVIState", "fields \\['file', 'mode'\\], which now has"),
     ]:
         structure = open_it.format(name, leaf.format(0), leaf.format(1))
         np.savez(
             path,
-            _format=np.array(pvi.checkpoint.FORMAT),
+            _format=np.array(pvi.results.checkpoint.FORMAT),
             _structure=np.array(structure),
             leaf_0=np.array(str(marker)),
             leaf_1=np.array("w"),
@@ -271,7 +271,7 @@ def test_a_killed_saves_temporary_is_removed_by_the_next_save(sequential_run, tm
     _, result = sequential_run
     finished = subprocess.Popen([sys.executable, "-c", "pass"])
     finished.wait()  # reaped: its pid names no process now
-    host = pvi.checkpoint._host()
+    host = pvi.results.checkpoint._host()
     names = {
         "dead": f".pvi-checkpoint-{host}-{finished.pid}-k1ll3d_x.npz",
         # a concurrent save of this process
@@ -357,7 +357,7 @@ def test_every_kind_of_state_round_trips(linear_data, tmp_path):
         TypeError, match="test_checkpoint:OwnState, which a checkpoint does not load.*nothing"
     ):
         pvi.save(typed, path)
-    pvi.checkpoint.register_state_type(OwnState)
+    pvi.results.checkpoint.register_state_type(OwnState)
     pvi.save(typed, path)
     loaded = pvi.load(path)
     assert jax.tree.structure(loaded) == jax.tree.structure(typed)

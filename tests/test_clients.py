@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from numpyro_pvi.clients import append_client, buckets, split_client_data, split_pooled, stack
+from numpyro_pvi.model.clients import append_client, buckets, split_client_data, split_pooled, stack
 
 
 def test_pooled_data_is_sliced_by_leading_axis():

@@ -16,7 +16,7 @@ import pytest
 from jax import random
 
 import numpyro_pvi as pvi
-from numpyro_pvi.diagnostics import to_arviz
+from numpyro_pvi.results.arviz import to_arviz
 
 matplotlib.use("Agg")
 

@@ -6,7 +6,7 @@ import pytest
 from jax import random
 
 import numpyro_pvi as pvi
-from numpyro_pvi.local_updates import dp_clipping
+from numpyro_pvi.privacy import clipping as dp_clipping
 
 from models import normal_gamma_model, poisson_model, scale_model
 

@@ -341,7 +341,8 @@ def test_a_non_gaussian_family_spends_the_same_epsilon(normal_gamma):
         assert bool(family.is_valid(result.state.q))
         spent.append(result.privacy_spent(1e-5))
     np.testing.assert_array_equal(
-        pvi.privacy.releases(result.config.local_update, result.state.client_states, 2), [2, 2]
+        pvi.privacy.accounting.releases(result.config.local_update, result.state.client_states, 2),
+        [2, 2],
     )
     np.testing.assert_allclose(spent[0], spent[1], rtol=1e-12)
     # the smaller client samples at a higher rate

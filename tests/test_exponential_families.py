@@ -16,7 +16,7 @@ from jax import random
 import numpyro_pvi as pvi
 from numpyro_pvi.families import NatParams
 from numpyro_pvi.families.exponential import regression_site
-from numpyro_pvi.merge import merge
+from numpyro_pvi.server.merge import merge
 
 from models import bernoulli_model, categorical_model, poisson_model
 

@@ -354,7 +354,7 @@ def test_site_families_lay_out_blocks_and_map_over_them():
     import numpyro.distributions as dist
 
     from numpyro_pvi.families.block_distribution import BlockDistribution
-    from numpyro_pvi.sites import read_model
+    from numpyro_pvi.model.sites import read_model
 
     def model(y=None):
         a = numpyro.sample("a", dist.Normal(0.0, 1.0))

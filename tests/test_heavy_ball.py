@@ -18,9 +18,9 @@ from jax import enable_x64, random
 from sklearn.datasets import load_breast_cancer
 
 import numpyro_pvi as pvi
-from numpyro_pvi.damping import SWING_ROUNDS
 from numpyro_pvi.families import NatParams
-from numpyro_pvi.heavy_ball import DROP_ROUNDS, polyak_parameters, ritz_bounds
+from numpyro_pvi.server.damping import SWING_ROUNDS
+from numpyro_pvi.server.heavy_ball import DROP_ROUNDS, polyak_parameters, ritz_bounds
 
 from models import NOISE, linear_model
 from references import BREAST_CANCER_MEAN_FIELD_VI_MEAN, BREAST_CANCER_MEAN_FIELD_VI_SD

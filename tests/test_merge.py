@@ -6,7 +6,7 @@ import numpy as np
 
 import numpyro_pvi as pvi
 from numpyro_pvi.families import NatParams
-from numpyro_pvi.merge import is_valid_state, merge
+from numpyro_pvi.server.merge import is_valid_state, merge
 
 
 def _mf(eta2):

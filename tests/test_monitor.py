@@ -13,7 +13,7 @@ from jax import enable_x64, random
 
 import numpyro_pvi as pvi
 from numpyro_pvi.families import NatParams
-from numpyro_pvi.monitor import (
+from numpyro_pvi.server.monitor import (
     DRIFT_FLOOR,
     STOP_REASONS,
     RunMonitor,

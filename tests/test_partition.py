@@ -8,7 +8,7 @@ from numpyro.infer import MCMC, NUTS, Predictive
 from numpyro.infer.util import log_density
 
 import numpyro_pvi as pvi
-from numpyro_pvi.partition import check_partitions, pad_rows
+from numpyro_pvi.model.partition import check_partitions, pad_rows
 
 from models import linear_model
 

@@ -14,8 +14,8 @@ from jax import random  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
 import numpyro_pvi as pvi  # noqa: E402
-from numpyro_pvi.diagnostics import to_arviz  # noqa: E402
-from numpyro_pvi.plot import plot_clients, plot_compare, plot_history  # noqa: E402
+from numpyro_pvi.results.arviz import to_arviz  # noqa: E402
+from numpyro_pvi.results.plot import plot_clients, plot_compare, plot_history  # noqa: E402
 
 from models import logistic_model  # noqa: E402
 

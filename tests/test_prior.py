@@ -6,9 +6,9 @@ import numpyro.distributions as dist
 import pytest
 
 import numpyro_pvi as pvi
-from numpyro_pvi.densities import log_prior
-from numpyro_pvi.prior import PriorFactor, exact_prior
-from numpyro_pvi.sites import read_model
+from numpyro_pvi.model.densities import log_prior
+from numpyro_pvi.model.prior import PriorFactor, exact_prior
+from numpyro_pvi.model.sites import read_model
 
 
 def model(y=None):

@@ -8,8 +8,8 @@ from scipy import optimize, stats
 from scipy.integrate import quad
 
 import numpyro_pvi as pvi
-from numpyro_pvi import privacy
 from numpyro_pvi.backends import failed_result, stack, take
+from numpyro_pvi.privacy import accounting as privacy
 
 from models import linear_model
 

@@ -354,7 +354,9 @@ def test_help_names_every_family_update_server_and_damping():
     servers = [
         c.__name__
         for c in exported
-        if inspect.isclass(c) and c is not pvi.servers.Server and issubclass(c, pvi.servers.Server)
+        if inspect.isclass(c)
+        and c is not pvi.server.servers.Server
+        and issubclass(c, pvi.server.servers.Server)
     ]
     assert len(updates) >= 6 and len(servers) >= 4, (updates, servers)
     families = [

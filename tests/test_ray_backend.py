@@ -11,7 +11,7 @@ import pytest
 from jax import random
 
 import numpyro_pvi as pvi
-from numpyro_pvi.ray_backend import RayBackend, RayRunner, digest, start_ray, unpad
+from numpyro_pvi.backends.ray import RayBackend, RayRunner, digest, start_ray, unpad
 
 from fakes import UNEQUAL, ExactLinearUpdate, FaultyUpdate, PoisonedUpdate
 from models import (

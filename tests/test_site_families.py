@@ -221,7 +221,7 @@ def test_asynchronous_server_reaches_the_same_fixed_point(data):
 def test_plot_clients_draws_every_block(gradient_result):
     matplotlib = pytest.importorskip("matplotlib")
     matplotlib.use("Agg")
-    from numpyro_pvi.plot import plot_clients
+    from numpyro_pvi.results.plot import plot_clients
 
     fig = plot_clients(gradient_result, sites=["w", "tau"])
     assert len(fig.axes) >= 3  # a column per coordinate: w[0], w[1], tau

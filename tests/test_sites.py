@@ -7,8 +7,8 @@ from jax import random
 from numpyro.infer.util import potential_energy
 
 import numpyro_pvi as pvi
-from numpyro_pvi.densities import log_likelihood, log_prior
-from numpyro_pvi.sites import read_model
+from numpyro_pvi.model.densities import log_likelihood, log_prior
+from numpyro_pvi.model.sites import read_model
 
 from models import linear_model, scale_model
 

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 from jax import random
 
-from numpyro_pvi.densities import log_likelihood
 from numpyro_pvi.local_updates import Client
+from numpyro_pvi.model.densities import log_likelihood
 
 EXAMPLE = pathlib.Path(__file__).resolve().parents[1] / "examples" / "sparse_gp.py"
 ARGS = [

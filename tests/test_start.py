@@ -11,7 +11,7 @@ from jax import random
 from numpyro.infer import init_to_median, init_to_value
 
 import numpyro_pvi as pvi
-from numpyro_pvi.merge import is_valid_state
+from numpyro_pvi.server.merge import is_valid_state
 
 N = 30
 PARTS = np.split(np.arange(N), [4, 13, 21])

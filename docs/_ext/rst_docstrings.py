@@ -27,7 +27,7 @@ FIELD = re.compile(
 ROLE = re.compile(r":(?:class|func|meth|mod|attr|data|obj|exc):`(~?)([^`<]+?)(?:\s*<([^>]+)>)?`")
 DIRECTIVE = re.compile(r"^\.\. (doctest|code-block|code)::.*$")
 #: modules whose public names are rendered on the API pages (so their anchors exist)
-RENDERED_MODULES = ("numpyro_pvi.plot.", "numpyro_pvi.diagnostics.")
+RENDERED_MODULES = ("numpyro_pvi.results.plot.", "numpyro_pvi.results.arviz.")
 
 
 def _target(name: str) -> str | None:

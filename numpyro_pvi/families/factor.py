@@ -160,8 +160,8 @@ class FactorFamily(Protocol):
 
     def initial_q(self, loc: jax.Array, scale: float) -> NatParams:
         """The chosen start: the member with mean ``loc`` (``(D,)``, the block's coordinates) and
-        spread ``scale`` (``ValueError`` if the family cannot take it); see :mod:`numpyro_pvi.start`
-        for each family's meaning."""
+        spread ``scale`` (``ValueError`` if the family cannot take it); see
+        :mod:`numpyro_pvi.model.start` for each family's meaning."""
         ...
 
     def reference_draws(self, dim: int) -> jax.Array:

@@ -1,7 +1,7 @@
 """The parameters DP-SGD optimises for a family, and their reparameterised draws.
 
 A family's :meth:`~numpyro_pvi.families.FactorFamily.reparameterised` returns one of these (the
-``DPGradientUpdate`` of :mod:`numpyro_pvi.local_updates.dp_gradient` uses nothing else of the
+``DPGradientUpdate`` of :mod:`numpyro_pvi.privacy.dp_sgd` uses nothing else of the
 family):
 
 * :class:`GaussianParameters` (both Gaussian families): ``(loc, u)`` with ``scale =

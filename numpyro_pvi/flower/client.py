@@ -21,7 +21,7 @@ import numpy as np
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from numpyro_pvi.backends import failed_result, take
+from numpyro_pvi.backends.base import failed_result, take
 from numpyro_pvi.families import FactorFamily
 from numpyro_pvi.flower.wire import (
     key_from_record,
@@ -30,9 +30,9 @@ from numpyro_pvi.flower.wire import (
     tree_to_record,
 )
 from numpyro_pvi.local_updates.base import Client, LocalUpdate
-from numpyro_pvi.problem import Problem
+from numpyro_pvi.model.problem import Problem
 from numpyro_pvi.pvi import PVI
-from numpyro_pvi.servers import Synchronous
+from numpyro_pvi.server.servers import Synchronous
 
 # keys of the site's local state in Flower's context.state
 STATE, PENDING = "pvi.state", "pvi.pending"

@@ -10,7 +10,7 @@ from typing import Any
 from flwr.clientapp import ClientApp
 from flwr.serverapp import ServerApp
 
-from numpyro_pvi.ray_backend import start_ray
+from numpyro_pvi.backends.ray import start_ray
 
 
 def run_simulation(
@@ -21,7 +21,7 @@ def run_simulation(
     **kwargs: Any,
 ) -> Any:
     """``flwr.simulation.run_simulation`` with Ray started by
-    :func:`~numpyro_pvi.ray_backend.start_ray`.
+    :func:`~numpyro_pvi.backends.ray.start_ray`.
 
     Flower's engine calls ``ray.init`` itself, in a process where JAX's threads already run, so a
     plain run prints "os.fork() was called ... will likely lead to a deadlock" (JAX's fork hook,
@@ -30,7 +30,7 @@ def run_simulation(
     Ray's shutdown kills its daemons without waiting for them ("subprocess ... is still running").
     None is about PVI's or the caller's state. Here Ray is started first, with
     ``backend_config["init_args"]`` and the ``PYTHONPATH`` Flower would pass, through
-    :func:`~numpyro_pvi.ray_backend.start_ray` (which silences the first two during ``ray.init``
+    :func:`~numpyro_pvi.backends.ray.start_ray` (which silences the first two during ``ray.init``
     only); Flower then finds Ray running and uses it, and shuts it down at the end as it always
     does, with that last warning silenced for the run's duration only. Every other warning passes.
     If Ray is already running, Flower uses it as it is.

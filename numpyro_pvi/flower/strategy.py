@@ -5,15 +5,15 @@ A run starts with one query to every site (its client index and the model's prio
 starts; every site must agree). Each round then sends site ``m`` its cavity ``q - t_m``, ``q`` and
 the random key ``fold_in(round_key, m)`` -- the key the in-process run hands client ``m`` -- and
 merges the replies with
-:func:`~numpyro_pvi.merge.merge`, the library's damped merge with validity backtracking: a
+:func:`~numpyro_pvi.server.merge.merge`, the library's damped merge with validity backtracking: a
 non-finite delta, a failed or silent site is rejected, and a merge that would leave ``q`` or a
 cavity invalid is retried with the damping halved and, failing that, dropped. The server never sees
 a site's data.
 
 With client sampling (``Synchronous(damping, clients_per_round=K, client_weights=...)``) a round
 draws its ``K`` sites from the state's key exactly as the in-process server does
-(:mod:`numpyro_pvi.sampling`): only they receive a message, the others keep their factors, and the
-run still equals the in-process one.
+(:mod:`numpyro_pvi.server.sampling`): only they receive a message, the others keep their factors,
+and the run still equals the in-process one.
 """
 
 from __future__ import annotations
@@ -38,9 +38,7 @@ from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import Result, Strategy
 from flwr.supercore import log
 
-from numpyro_pvi.backends import stack
-from numpyro_pvi.checkpoint import save
-from numpyro_pvi.damping import Fixed
+from numpyro_pvi.backends.base import stack
 from numpyro_pvi.families import FactorFamily, NatParams
 from numpyro_pvi.flower.wire import (
     adopt_layout,
@@ -49,9 +47,11 @@ from numpyro_pvi.flower.wire import (
     tree_from_record,
     tree_to_record,
 )
-from numpyro_pvi.merge import merge, rejection_codes, screen
-from numpyro_pvi.monitor import RunMonitor, q_change
-from numpyro_pvi.servers import Sequential, Synchronous
+from numpyro_pvi.results.checkpoint import save
+from numpyro_pvi.server.damping import Fixed
+from numpyro_pvi.server.merge import merge, rejection_codes, screen
+from numpyro_pvi.server.monitor import RunMonitor, q_change
+from numpyro_pvi.server.servers import Sequential, Synchronous
 from numpyro_pvi.state import PVIState, Rejection, RoundInfo
 
 CONNECT_POLL = 1.0  # seconds between checks for connected sites

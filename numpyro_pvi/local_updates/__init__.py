@@ -7,8 +7,6 @@ from numpyro_pvi.local_updates.base import (
     CountsRejectedUpdates,
     LocalUpdate,
 )
-from numpyro_pvi.local_updates.dp_averaging import DPLocalAveraging
-from numpyro_pvi.local_updates.dp_gradient import DPGradientUpdate, DPState
 from numpyro_pvi.local_updates.gradient import GradientUpdate
 from numpyro_pvi.local_updates.moment_matching import (
     Importance,
@@ -22,9 +20,6 @@ __all__ = [
     "Client",
     "ClientProblem",
     "ClientResult",
-    "DPGradientUpdate",
-    "DPLocalAveraging",
-    "DPState",
     "GradientUpdate",
     "Importance",
     "CountsRejectedUpdates",

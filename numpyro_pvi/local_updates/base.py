@@ -124,12 +124,12 @@ class ClientProblem:
     :ivar log_likelihood: ``(zeta, client, hyper=()) -> log p(y_m | zeta, hyper)``, a scalar; masked
         rows count 0.
     :ivar is_row: for each array of ``client.arrays``, whether its leading axis is the row axis.
-    :ivar sites: the model's :class:`~numpyro_pvi.sites.ModelSites` (local sites with the padded
-        client's shapes), or ``None``.
+    :ivar sites: the model's :class:`~numpyro_pvi.model.sites.ModelSites` (local sites with the
+        padded client's shapes), or ``None``.
     :ivar local_model: ``(zeta, client, hyper) -> None`` runs the model on the client's rows with
         the global sites set to ``theta(zeta)`` and hidden, leaving its local latents and
-        observations to an outer ELBO (see :func:`numpyro_pvi.sites.local_model`); ``None`` if not
-        needed.
+        observations to an outer ELBO (see :func:`numpyro_pvi.model.sites.local_model`); ``None`` if
+        not needed.
 
     **Example:** :class:`~numpyro_pvi.PVI` builds it from the model and hands it to the local
     update's ``init_state(problem)`` and ``bind(problem)``; by hand, for a model of ``D`` global

@@ -23,8 +23,8 @@ from numpyro_pvi.families.tilted import (
     from_client_guide,
     tilted_params,
 )
-from numpyro_pvi.local_latents import init_local_state, local_guide, state_from_params
 from numpyro_pvi.local_updates.base import Client, ClientProblem, ClientResult, LocalUpdate
+from numpyro_pvi.model.local_latents import init_local_state, local_guide, state_from_params
 
 
 class GradientUpdate(LocalUpdate):
@@ -51,7 +51,8 @@ class GradientUpdate(LocalUpdate):
     state and parameters frozen) and its Polyak window is the last ``average_fraction`` of its *own*
     steps, so the result is the one of a visit of exactly its count of steps.
 
-    Any NumPyro model (see :mod:`numpyro_pvi.local_latents`): local latent sites get the client's
+    Any NumPyro model (see :mod:`numpyro_pvi.model.local_latents`): local latent sites get the
+    client's
     own ``AutoNormal``-like guide, optimised jointly with ``q`` and kept in the client's state
     (never in ``delta``); discrete local sites marked for enumeration are summed out with
     ``TraceEnum_ELBO`` (the default ELBO then); for hyperparameters the client also returns the

@@ -7,9 +7,9 @@ takes the per-row gradients of the data term ``E_q[log p(y_i | zeta)]`` with ``j
 each to ``clip_norm``, sums them and adds Gaussian noise of sd ``noise_multiplier * clip_norm``; the
 sum is scaled by ``1 / q`` (the DP-SGD average times ``n_m``) to estimate the data term's gradient.
 The KL to the cavity touches no data and is added without noise. The per-row clipping goes through
-the reparameterised draws (:mod:`numpyro_pvi.local_updates.dp_clipping`); the privacy accounting is
+the reparameterised draws (:mod:`numpyro_pvi.privacy.clipping`); the privacy accounting is
 in
-:mod:`numpyro_pvi.privacy`.
+:mod:`numpyro_pvi.privacy.accounting`.
 """
 
 from __future__ import annotations
@@ -23,11 +23,11 @@ import numpy as np
 import optax
 from numpyro.distributions import kl_divergence
 
-from numpyro_pvi import privacy
 from numpyro_pvi.families import NatParams
 from numpyro_pvi.local_updates.base import Client, ClientProblem, ClientResult, LocalUpdate
-from numpyro_pvi.local_updates.dp_clipping import clipped_sum
 from numpyro_pvi.local_updates.gradient import check_step_arguments, running_average
+from numpyro_pvi.privacy import accounting as privacy
+from numpyro_pvi.privacy.clipping import clipped_sum
 from numpyro_pvi.state import Rejection
 
 
@@ -131,7 +131,7 @@ class DPGradientUpdate(LocalUpdate):
     gradient (``jax.vmap``) clipped to ``clip_norm``, summed, ``Normal(0, (noise_multiplier *
     clip_norm)^2)`` added per coordinate, divided by ``q``. The KL to the cavity (no data) is exact.
     One release per client visit: ``num_steps`` subsampled Gaussian mechanisms
-    (:func:`numpyro_pvi.privacy.dp_sgd_event`).
+    (:func:`numpyro_pvi.privacy.accounting.dp_sgd_event`).
 
     Every family: a Gaussian one optimises ``(loc, u)``; any other
     (:class:`~numpyro_pvi.SiteFamilies`, ``Gamma``, ``Beta``, ``Dirichlet``) the unconstrained
@@ -141,7 +141,7 @@ class DPGradientUpdate(LocalUpdate):
 
     The cost of a step is one per-row gradient in ``zeta`` for every padded row (Poisson sampling
     under fixed shapes), whatever ``batch_size``, plus one ordinary backward pass for the clipped
-    sum (:func:`~numpyro_pvi.local_updates.dp_clipping.clipped_sum`); a ``batch_size`` of at least
+    sum (:func:`~numpyro_pvi.privacy.clipping.clipped_sum`); a ``batch_size`` of at least
     the padded rows takes every row without drawing (rate 1). The reported ``free_energy`` is
     ``-KL(q_new || cavity)`` only: the data term would leak, and is not released. With
     ``privacy_budget=(epsilon, delta)``, a client whose next release would spend more returns a zero

@@ -2,7 +2,8 @@
 
 :func:`build_problem` reads the model (one trace, on the pooled data or client 0's), splits and
 stacks the clients' data, finds the exact Gaussian part of the prior, and compiles the round's steps
-(:mod:`numpyro_pvi.steps`). A :class:`Problem` never changes: :meth:`PVI.add_client` makes a new
+(:mod:`numpyro_pvi.server.steps`). A :class:`Problem` never changes: :meth:`PVI.add_client` makes a
+new
 one. Steps are compiled per data *structure*, so a problem built from new arrays of the same shapes
 and dtypes reuses an earlier problem's steps without recompiling.
 """
@@ -19,8 +20,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from numpyro_pvi.backends import VmapBackend
-from numpyro_pvi.clients import (
+from numpyro_pvi.backends.local import VmapBackend
+from numpyro_pvi.config import PVIConfig
+from numpyro_pvi.families import FactorFamily, Family, NatParams
+from numpyro_pvi.local_updates.base import Client, ClientProblem, LocalUpdate
+from numpyro_pvi.model.clients import (
     ClientColumns,
     append_client,
     buckets,
@@ -29,14 +33,17 @@ from numpyro_pvi.clients import (
     split_pooled,
     stack,
 )
-from numpyro_pvi.config import PVIConfig
-from numpyro_pvi.densities import local_model, log_likelihood, log_prior
-from numpyro_pvi.families import FactorFamily, Family, NatParams
-from numpyro_pvi.local_updates.base import Client, ClientProblem, LocalUpdate
-from numpyro_pvi.partition import ClientData
-from numpyro_pvi.prior import exact_prior
-from numpyro_pvi.sites import ModelSites, check_observed, plate_and_locals, read_model, read_padded
-from numpyro_pvi.steps import Steps, compile_steps
+from numpyro_pvi.model.densities import local_model, log_likelihood, log_prior
+from numpyro_pvi.model.partition import ClientData
+from numpyro_pvi.model.prior import exact_prior
+from numpyro_pvi.model.sites import (
+    ModelSites,
+    check_observed,
+    plate_and_locals,
+    read_model,
+    read_padded,
+)
+from numpyro_pvi.server.steps import Steps, compile_steps
 
 
 @dataclass(frozen=True, eq=False)
@@ -44,18 +51,18 @@ class Problem:
     """A model and its data, read, split over clients, stacked and compiled (immutable).
 
     :ivar sites: the model's sites (local sites with a padded client's shapes).
-    :ivar buckets: the clients' data in :class:`~numpyro_pvi.clients.Bucket` s of similar sizes
-        (each a stacked
+    :ivar buckets: the clients' data in :class:`~numpyro_pvi.model.clients.Bucket` s of similar
+        sizes (each a stacked
         :class:`~numpyro_pvi.local_updates.Client`, rows padded with copies of a real row and
             masked): by size
         with the ``"vmap"`` backend and no local latent sites, so a round costs what the clients'
         rows cost; else one bucket of every client slot, padded to the largest client.
-    :ivar split: the clients' unpadded data (:class:`~numpyro_pvi.clients.ClientColumns`).
+    :ivar split: the clients' unpadded data (:class:`~numpyro_pvi.model.clients.ClientColumns`).
     :ivar client_problem: what a local update needs
         (:class:`~numpyro_pvi.local_updates.ClientProblem`).
     :ivar prior: natural parameters of the exact Gaussian part of the prior.
     :ivar rest: the global sites whose prior is fitted by the prior factor ``t_0``.
-    :ivar steps: the compiled steps (:class:`~numpyro_pvi.steps.Steps`).
+    :ivar steps: the compiled steps (:class:`~numpyro_pvi.server.steps.Steps`).
     :ivar signature: the data's structure; problems with equal signatures share ``steps``.
     :ivar source: the argument leaves it was built from (held, so that their identity stays
         meaningful).
@@ -118,8 +125,8 @@ def build_problem(
     :param reuse: an earlier problem whose compiled steps are reused if the data have the same
         structure.
 
-    **Example:** ``problem = pvi.problem.build_problem(inference.config, (X,), {"y": y})`` (what
-    ``inference.build(X, y=y)`` does).
+    **Example:** ``problem = pvi.model.problem.build_problem(inference.config, (X,), {"y": y})``
+    (what ``inference.build(X, y=y)`` does).
     """
     sites, split = _read(config, args, kwargs)
     config.server.check_clients(len(split.sizes))
@@ -185,11 +192,12 @@ def check_clients(
 ) -> None:
     """The checks of every path that takes a client's data without reading the model on it
     (``ClientData``'s clients past the first, :meth:`PVI.add_client`): its row arguments have client
-    0's shape past the rows (:func:`~numpyro_pvi.clients.check_row_shapes`), its partition plate has
+    0's shape past the rows (:func:`~numpyro_pvi.model.clients.check_row_shapes`), its partition
+    plate has
     as many rows as its row arguments, and its observations are finite and in their likelihood's
     support. The data the model is read on (the pooled data, client 0's, a Flower site's own) get
     the same checks from
-    :func:`~numpyro_pvi.sites.read_model`, so every client's data passes one set of checks.
+    :func:`~numpyro_pvi.model.sites.read_model`, so every client's data passes one set of checks.
 
     **Example:** ``check_clients(model, problem.sites, split, [3])`` before client 3 joins.
     """

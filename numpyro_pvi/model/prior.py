@@ -28,7 +28,7 @@ from scipy.special import ndtri
 from scipy.stats import qmc
 
 from numpyro_pvi.families import FactorFamily, NatParams
-from numpyro_pvi.sites import ModelSites
+from numpyro_pvi.model.sites import ModelSites
 
 
 def exact_prior(

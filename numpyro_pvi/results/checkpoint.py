@@ -52,8 +52,8 @@ import jax
 import numpy as np
 
 from numpyro_pvi.config import PVIConfig
-from numpyro_pvi.problem import Problem
-from numpyro_pvi.results import PVIRunResult
+from numpyro_pvi.model.problem import Problem
+from numpyro_pvi.results.result import PVIRunResult
 from numpyro_pvi.state import MadeFor, PVIState, family_name
 
 # 4: the structure as JSON (1-3: a pickled tree structure, refused)
@@ -80,7 +80,7 @@ def register_state_type(cls: type) -> type:
 
         >>> from typing import NamedTuple
         >>> import numpyro_pvi as pvi
-        >>> @pvi.checkpoint.register_state_type
+        >>> @pvi.results.checkpoint.register_state_type
         ... class MyState(NamedTuple):
         ...     momentum: float
     """
@@ -103,7 +103,8 @@ def save(
 
     :param obj: a :class:`~numpyro_pvi.PVIState`, or a :class:`~numpyro_pvi.PVIRunResult`.
     :param config, problem: optionally, the configuration (``inference.config``) and the
-        :class:`~numpyro_pvi.problem.Problem` the state belongs to: checked against its record (a
+        :class:`~numpyro_pvi.model.problem.Problem` the state belongs to: checked against its record
+            (a
         ``ValueError`` naming the difference, nothing written), or recorded if the state has none (a
         state built by hand).
 
@@ -277,7 +278,7 @@ def _describe(tree: Any, leaves: list) -> Any:
             raise TypeError(
                 f"save: the state holds a {name}, which a checkpoint does not load (only the "
                 f"NamedTuple types of {', '.join(ALLOWED_PACKAGES)}): allow it with "
-                "pvi.checkpoint.register_state_type; nothing was written."
+                "pvi.results.checkpoint.register_state_type; nothing was written."
             )
         return {
             "namedtuple": name,
@@ -346,7 +347,7 @@ def _named_tuple_type(name: Any, fields: list) -> type:
             raise ValueError(
                 f"it names the type {name!r}, which is not a state type a checkpoint may hold "
                 f"(the NamedTuples of {', '.join(ALLOWED_PACKAGES)}, or "
-                "pvi.checkpoint.register_state_type's)"
+                "pvi.results.checkpoint.register_state_type's)"
             )
         # never imported here: only what the running program has imported
         cls = sys.modules.get(module_name)

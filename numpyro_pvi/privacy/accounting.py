@@ -207,7 +207,8 @@ def releases(local_update: Any, client_states: Any, num_clients: int) -> np.ndar
     budget gate reads): sent updates, merged or rejected; none for a round refused for budget,
     raised or timed out.
 
-    **Example:** ``pvi.privacy.releases(result.config.local_update, result.state.client_states,
+    **Example:** ``pvi.privacy.accounting.releases(result.config.local_update,
+    result.state.client_states,
     result.num_clients)`` is ``[20, 20, ...]`` after 20 synchronous rounds.
     """
     counts = np.asarray(_private(local_update).num_releases(client_states))
@@ -389,14 +390,15 @@ def client_rate_checked(rate: float) -> float:
 
 def client_sampling_rates(server: Any, num_clients: int, client_rates: Any = None) -> np.ndarray:
     """``(M,)`` each client's probability of being drawn in a round of ``server``, a server whose
-    every round draws its clients afresh (:meth:`~numpyro_pvi.servers.Server.sampling_rates`:
+    every round draws its clients afresh (:meth:`~numpyro_pvi.server.servers.Server.sampling_rates`:
     ``Synchronous``).
 
     ``K / M`` for uniform ``clients_per_round=K`` (1 without sampling). With ``client_weights`` the
     inclusion probability of drawing ``K`` without replacement is not ``K w_m``: pass it as
     ``client_rates``.
 
-    **Example:** ``pvi.privacy.client_sampling_rates(result.config.server, 10)`` is ``[0.2, 0.2,
+    **Example:** ``pvi.privacy.accounting.client_sampling_rates(result.config.server, 10)`` is
+    ``[0.2, 0.2,
     ...]`` for 2 of 10 clients.
     """
     rates = server.sampling_rates(num_clients)

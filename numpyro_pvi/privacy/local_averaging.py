@@ -11,7 +11,7 @@ Sensitivity: adding or removing one row changes one shard only; that shard's cli
 at most ``2 * clip_norm`` (both ends lie in the ball of radius ``clip_norm``), so the average moves
 by at most ``2 * clip_norm / S``. The noise sd is ``noise_multiplier`` times that sensitivity, and
 one release is the Gaussian mechanism with ``noise_multiplier``
-(:func:`numpyro_pvi.privacy.gaussian_event`).
+(:func:`numpyro_pvi.privacy.accounting.gaussian_event`).
 """
 
 from __future__ import annotations
@@ -23,11 +23,11 @@ import jax
 import jax.numpy as jnp
 from numpyro.distributions import kl_divergence
 
-from numpyro_pvi import privacy
 from numpyro_pvi.families import NatParams
 from numpyro_pvi.local_updates.base import Client, ClientProblem, ClientResult, LocalUpdate
-from numpyro_pvi.local_updates.dp_clipping import clip_rows
-from numpyro_pvi.local_updates.dp_gradient import (
+from numpyro_pvi.privacy import accounting as privacy
+from numpyro_pvi.privacy.clipping import clip_rows
+from numpyro_pvi.privacy.dp_sgd import (
     DPState,
     budget_gate,
     check_dp_arguments,

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from numpyro_pvi.backends import ClientRunner, failed_result, stack, take
+from numpyro_pvi.backends.base import ClientRunner, failed_result, stack, take
 from numpyro_pvi.local_updates.base import Client, ClientProblem, ClientResult
 from numpyro_pvi.state import Rejection
 

@@ -14,11 +14,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from numpyro_pvi.damping import AdaptiveDamping, Damping, Fixed, resolve_damping
 from numpyro_pvi.families import NatParams
-from numpyro_pvi.heavy_ball import HeavyBall
-from numpyro_pvi.rounds import InFlightUpdate, Round
-from numpyro_pvi.sampling import ClientSampling
+from numpyro_pvi.server.damping import AdaptiveDamping, Damping, Fixed, resolve_damping
+from numpyro_pvi.server.heavy_ball import HeavyBall
+from numpyro_pvi.server.round import InFlightUpdate, Round
+from numpyro_pvi.server.sampling import ClientSampling
 
 
 class Server:
@@ -27,13 +27,13 @@ class Server:
     A server drives a round through ``run_round(state, round, num_clients)``, where ``round(state,
     ids, pulled=None, salt=0, allow=True) -> (state, accepted)`` lets the clients ``ids`` update
     against ``pulled`` (default: the current ``q``) and merges their deltas into the current ``q``
-    (see :class:`~numpyro_pvi.rounds.Round`, which also runs single clients in the background when
-    the backend is concurrent). Its own bookkeeping lives in ``PVIState.server_state``
+    (see :class:`~numpyro_pvi.server.round.Round`, which also runs single clients in the background
+    when the backend is concurrent). Its own bookkeeping lives in ``PVIState.server_state``
     (:meth:`init`), never on the server object, which holds configuration only.
 
     **Example:** a server that visits the clients in reverse order, one at a time::
 
-        class Reversed(pvi.servers.Server):
+        class Reversed(pvi.server.servers.Server):
             def run_round(self, state, round, num_clients):
                 for m in reversed(range(num_clients)):
                     state, _ = round(state, [m])
@@ -128,8 +128,8 @@ class Synchronous(Server):
         or a cavity invalid is rejected.
     :param clients_per_round: ``K`` clients drawn per round (an int, or a float fraction of the
         clients; ``None``: all), without replacement, from the state's key
-        (:mod:`numpyro_pvi.sampling`); the others keep their factors. ``RoundInfo.attempts`` shows
-        who ran.
+        (:mod:`numpyro_pvi.server.sampling`); the others keep their factors. ``RoundInfo.attempts``
+        shows who ran.
     :param client_weights: the clients' relative probabilities of being drawn (default uniform).
 
     **Example:** ``pvi.PVI(..., server=pvi.Synchronous())``, ``pvi.Synchronous(damping=0.5)`` or

@@ -23,8 +23,8 @@ from numpyro.distributions.transforms import (
 )
 from numpyro.infer.inspect import get_model_relations
 
-from numpyro_pvi.model_trace import compiled_trace, read_shapes
-from numpyro_pvi.partition import NESTED_TAG, PARTITION_TAG
+from numpyro_pvi.model.partition import NESTED_TAG, PARTITION_TAG
+from numpyro_pvi.model.trace import compiled_trace, read_shapes
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,8 @@
 
 Every client's model arguments are flattened to leaves. *Row leaves* carry the partition plate's
 rows on their leading axis; the others (*shared leaves*) are the same shape in every client;
-non-array leaves are static (:class:`~numpyro_pvi.partition.ArgsLayout`). The model is traced once,
+non-array leaves are static (:class:`~numpyro_pvi.model.partition.ArgsLayout`). The model is traced
+once,
 on the pooled data or on client 0's, and every other client is checked against that structure by its
 arguments' shapes alone.
 """
@@ -16,7 +17,13 @@ import jax
 import numpy as np
 
 from numpyro_pvi.local_updates.base import Client
-from numpyro_pvi.partition import ArgsLayout, check_partitions, is_array, same_static, stack_clients
+from numpyro_pvi.model.partition import (
+    ArgsLayout,
+    check_partitions,
+    is_array,
+    same_static,
+    stack_clients,
+)
 
 
 class ClientColumns(NamedTuple):

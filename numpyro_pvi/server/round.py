@@ -23,12 +23,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from numpyro_pvi.backends import ConcurrentRunner, take
-from numpyro_pvi.clients import Bucket
+from numpyro_pvi.backends.base import ConcurrentRunner, take
 from numpyro_pvi.families import NatParams
 from numpyro_pvi.local_updates.base import Client
+from numpyro_pvi.model.clients import Bucket
+from numpyro_pvi.server.steps import Group, Steps
 from numpyro_pvi.state import ClientOutcome, PVIState, Rejection
-from numpyro_pvi.steps import Group, Steps
 
 
 class Pending(NamedTuple):
@@ -163,8 +163,8 @@ class Round:
         return accepted
 
     def _groups(self, ids: list, allow: bool) -> tuple[tuple[Group, ...], list]:
-        """One :class:`~numpyro_pvi.steps.Group` per bucket holding some of ``ids``, and ``ids`` in
-        group order.
+        """One :class:`~numpyro_pvi.server.steps.Group` per bucket holding some of ``ids``, and
+        ``ids`` in group order.
 
         Each bucket's clients are padded with its other rows (its other clients first, then
         placeholders, which stand in for their bucket's first client; none may merge) to a power of

@@ -16,8 +16,8 @@ import numpy as np
 from numpyro import handlers
 from numpyro.primitives import Messenger
 
-from numpyro_pvi.model_trace import site_log_prob
-from numpyro_pvi.sites import ModelSites
+from numpyro_pvi.model.sites import ModelSites
+from numpyro_pvi.model.trace import site_log_prob
 
 
 class PlateMask(Messenger):

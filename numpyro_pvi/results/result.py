@@ -11,17 +11,17 @@ import numpyro.distributions as dist
 from numpyro import handlers
 
 from numpyro_pvi.config import PVIConfig
-from numpyro_pvi.local_latents import (
+from numpyro_pvi.model.local_latents import (
     local_distribution,
     own_rows,
     pooled_local,
     pooled_order,
     sample_local,
 )
-from numpyro_pvi.model_trace import read_shapes
-from numpyro_pvi.privacy import privacy_spent
-from numpyro_pvi.problem import Problem
-from numpyro_pvi.sites import ModelSites
+from numpyro_pvi.model.problem import Problem
+from numpyro_pvi.model.sites import ModelSites
+from numpyro_pvi.model.trace import read_shapes
+from numpyro_pvi.privacy.accounting import privacy_spent
 from numpyro_pvi.state import PVIState, RoundInfo
 
 
@@ -148,7 +148,8 @@ class PVIRunResult(NamedTuple):
     (more rounds help), ``"noise_floor"`` (more particles or local steps help, not rounds),
     ``"swinging"``, ``"not_settled"``, or ``"factorised_correlation"`` (EP / SNEP with a factorised
     family over correlated clients: ``q`` settled, early, at a fixed point whose sds are neither the
-    posterior's nor mean-field VI's) (:data:`numpyro_pvi.monitor.STOP_REASONS`); every reason but
+    posterior's nor mean-field VI's) (:data:`numpyro_pvi.server.monitor.STOP_REASONS`); every reason
+    but
     ``"converged"`` and ``"num_rounds"`` comes with a :class:`~numpyro_pvi.PVIWarning` that names
     it. ``average`` is the state averaged over the last rounds (``run(..., average_rounds=k)``), see
     :meth:`averaged`.
@@ -243,7 +244,8 @@ class PVIRunResult(NamedTuple):
         """``(M,)`` each client's ``epsilon`` at ``delta`` over every update it released (DP local
         updates only).
 
-        See :func:`numpyro_pvi.privacy.privacy_spent` (RDP accountant of ``dp-accounting``, extra
+        See :func:`numpyro_pvi.privacy.accounting.privacy_spent` (RDP accountant of
+        ``dp-accounting``, extra
         ``dp``); ``client_sampling="secret"`` credits a ``Synchronous`` server's random draw of
         clients.
 
@@ -265,7 +267,7 @@ class PVIRunResult(NamedTuple):
     ) -> Any:
         """The run as an ``arviz.InferenceData``: draws from ``q`` and the per-round history.
 
-        See :func:`~numpyro_pvi.diagnostics.to_arviz` (``kwargs``: ``num_chains``, ``coords``,
+        See :func:`~numpyro_pvi.results.arviz.to_arviz` (``kwargs``: ``num_chains``, ``coords``,
         ``dims``).
 
         **Example:**
@@ -292,6 +294,6 @@ class PVIRunResult(NamedTuple):
             >>> idata.posterior["mu"].shape, idata.sample_stats["free_energy"].dims
             ((4, 100), ('round', 'client'))
         """
-        from numpyro_pvi.diagnostics import to_arviz
+        from numpyro_pvi.results.arviz import to_arviz
 
         return to_arviz(self, num_samples, rng_key, **kwargs)

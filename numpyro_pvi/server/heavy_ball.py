@@ -42,7 +42,7 @@ import numpy as np
 from jax.flatten_util import ravel_pytree
 
 from numpyro_pvi.backtracking import backtrack
-from numpyro_pvi.merge import is_valid_state
+from numpyro_pvi.server.merge import is_valid_state
 
 DROP_ROUNDS = 3  # rounds in a row whose ELBO fell before heavy ball says so
 

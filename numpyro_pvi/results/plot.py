@@ -53,7 +53,7 @@ def plot_history(
 
         >>> import numpy as np
         >>> import numpyro_pvi as pvi
-        >>> from numpyro_pvi.plot import plot_history
+        >>> from numpyro_pvi.results.plot import plot_history
         >>> history = pvi.RoundInfo(
         ...     elbo=np.array([-120.0, -80.0, -75.0]),
         ...     free_energy=-np.ones((3, 4)),
@@ -166,7 +166,7 @@ def plot_compare(
     .. doctest::
 
         >>> import numpy as np
-        >>> from numpyro_pvi.plot import plot_compare
+        >>> from numpyro_pvi.results.plot import plot_compare
         >>> rng = np.random.default_rng(0)
         >>> fig = plot_compare(
         ...     {
@@ -217,7 +217,7 @@ def plot_clients(
         >>> import jax.numpy as jnp, optax, numpyro, numpyro.distributions as dist
         >>> from jax import random
         >>> import numpyro_pvi as pvi
-        >>> from numpyro_pvi.plot import plot_clients
+        >>> from numpyro_pvi.results.plot import plot_clients
         >>> def model(x, y=None):
         ...     mu = numpyro.sample("mu", dist.Normal(0.0, 1.0))
         ...     with pvi.partition_plate("data", x.shape[0]):

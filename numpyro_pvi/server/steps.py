@@ -20,18 +20,24 @@ from numpyro.infer import Trace_ELBO, TraceEnum_ELBO
 from numpyro_pvi.backtracking import backtrack
 from numpyro_pvi.compilation import unroll_threefry_on_cpu
 from numpyro_pvi.config import PVIConfig
-from numpyro_pvi.densities import log_prior
 from numpyro_pvi.families import NatParams
-from numpyro_pvi.local_latents import expected_local_elbo
 from numpyro_pvi.local_updates.base import (
     Client,
     ClientProblem,
     ClientResult,
     CountsRejectedUpdates,
 )
-from numpyro_pvi.merge import checks_every_cavity, is_valid_state, merge, rejection_codes, screen
-from numpyro_pvi.partition import ArgsLayout
-from numpyro_pvi.prior import PriorFactor
+from numpyro_pvi.model.densities import log_prior
+from numpyro_pvi.model.local_latents import expected_local_elbo
+from numpyro_pvi.model.partition import ArgsLayout
+from numpyro_pvi.model.prior import PriorFactor
+from numpyro_pvi.server.merge import (
+    checks_every_cavity,
+    is_valid_state,
+    merge,
+    rejection_codes,
+    screen,
+)
 from numpyro_pvi.state import ClientOutcome, PVIState
 
 

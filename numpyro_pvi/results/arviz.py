@@ -14,7 +14,7 @@ import jax
 import numpy as np
 
 from numpyro_pvi._version import __version__
-from numpyro_pvi.local_latents import pooled_order
+from numpyro_pvi.model.local_latents import pooled_order
 
 
 @runtime_checkable
@@ -89,7 +89,7 @@ def to_arviz(
         >>> import arviz as az
         >>> from jax import random
         >>> import numpyro_pvi as pvi
-        >>> from numpyro_pvi.diagnostics import to_arviz
+        >>> from numpyro_pvi.results.arviz import to_arviz
         >>> def model(x, y=None):
         ...     mu = numpyro.sample("mu", dist.Normal(0.0, 1.0).expand([2]).to_event(1))
         ...     with pvi.partition_plate("data", x.shape[0]):

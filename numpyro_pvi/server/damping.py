@@ -7,8 +7,8 @@ iteration); a small fixed damping (:class:`Fixed`) cures that but slows every ro
 ELBO falls by more than its tolerance or the merge had to backtrack to stay valid. The ELBO of
 :class:`~numpyro_pvi.RoundInfo` is estimated with the same draws every round (common random
 numbers), so rounds compare without most of the sampling noise. :class:`~numpyro_pvi.HeavyBall`
-(``Synchronous()``'s default, :mod:`numpyro_pvi.heavy_ball`) sets the damping and a momentum from
-the round's estimated spectrum.
+(``Synchronous()``'s default, :mod:`numpyro_pvi.server.heavy_ball`) sets the damping and a momentum
+from the round's estimated spectrum.
 
 A server resolves its ``damping`` argument once, in its constructor (:func:`resolve_damping`): a
 float becomes :class:`Fixed`, ``None`` the server's default; the round then only calls the protocol.
@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from numpyro_pvi.monitor import largest, q_move
+from numpyro_pvi.server.monitor import largest, q_move
 
 # a round that moved q back against the last one: the cosine of their steps below this ...
 SWING_COSINE = -0.5

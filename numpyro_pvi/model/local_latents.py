@@ -29,8 +29,8 @@ import numpyro.distributions as dist
 from numpyro.distributions import constraints
 from numpyro.distributions.transforms import IdentityTransform
 
-from numpyro_pvi.partition import ClientData
-from numpyro_pvi.sites import LocalSite, ModelSites
+from numpyro_pvi.model.partition import ClientData
+from numpyro_pvi.model.sites import LocalSite, ModelSites
 
 PREFIX = "_pvi_local_"
 INIT_SCALE = 0.1  # like AutoNormal's init_scale

@@ -10,7 +10,7 @@ Which cavities a merge checks depends on what checking costs. Diagonal precision
 checked elementwise, so every client's cavity is checked. Dense precisions (full rank) need one
 Cholesky per cavity, so a merge checks ``q`` and the cavities of the clients whose deltas it merges
 (which they use next); any other client's cavity is checked when that client is next visited
-(:mod:`numpyro_pvi.steps`), and an update from an invalid cavity is rejected as
+(:mod:`numpyro_pvi.server.steps`), and an update from an invalid cavity is rejected as
 ``Rejection.INVALID`` without being merged. A round that samples 10 of 1,000 full-rank clients thus
 checks 10 cavities, not 1,000.
 """
