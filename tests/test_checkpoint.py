@@ -367,3 +367,27 @@ def test_every_kind_of_state_round_trips(linear_data, tmp_path):
     with pytest.raises(TypeError, match="keys.*nothing was written"):
         pvi.save(state._replace(client_states={("a", 1): jnp.zeros(2)}), tmp_path / "never.npz")
     assert not (tmp_path / "never.npz").exists()
+
+
+def test_a_checkpoint_of_0_1_names_its_types_by_their_old_modules_and_loads(
+    sequential_run, tmp_path
+):
+    """0.2 moved the modules of several state types (CHANGELOG.md): a 0.1 file names them by the
+    old module (``numpyro_pvi.damping:FixedDampingState``), which loading reads as the new one."""
+    _, result = sequential_run
+    path = tmp_path / "state.npz"
+    pvi.save(result, path)
+    with np.load(path, allow_pickle=False) as saved:
+        arrays = dict(saved)
+    structure = str(arrays["_structure"])
+    old = {new: old for old, new in pvi.results.checkpoint.MOVED_MODULES.items()}
+    written_by_0_1 = structure
+    for new, before in old.items():
+        written_by_0_1 = written_by_0_1.replace(f'"{new}:', f'"{before}:')
+    assert written_by_0_1 != structure  # the state does hold a type of a moved module
+    arrays["_structure"] = np.array(written_by_0_1)
+    np.savez(path, **arrays)
+    loaded = pvi.load(path)
+    for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(result.state)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert jax.tree.structure(loaded) == jax.tree.structure(result.state)

@@ -335,6 +335,24 @@ def _build(node: Any, leaves: list, restore: Any) -> Any:
     raise ValueError(f"unknown structure node {_short(node)}")
 
 
+#: 0.1's modules that 0.2 moved (CHANGELOG.md): a 0.1 checkpoint names its state types by their
+#: old module, read here as the new one (a name, never an import)
+MOVED_MODULES = {
+    "numpyro_pvi.damping": "numpyro_pvi.server.damping",
+    "numpyro_pvi.heavy_ball": "numpyro_pvi.server.heavy_ball",
+    "numpyro_pvi.servers": "numpyro_pvi.server.servers",
+    "numpyro_pvi.rounds": "numpyro_pvi.server.round",
+    "numpyro_pvi.sampling": "numpyro_pvi.server.sampling",
+    "numpyro_pvi.monitor": "numpyro_pvi.server.monitor",
+    "numpyro_pvi.merge": "numpyro_pvi.server.merge",
+    "numpyro_pvi.steps": "numpyro_pvi.server.steps",
+    "numpyro_pvi.prior": "numpyro_pvi.model.prior",
+    "numpyro_pvi.local_latents": "numpyro_pvi.model.local_latents",
+    "numpyro_pvi.local_updates.dp_gradient": "numpyro_pvi.privacy.dp_sgd",
+    "numpyro_pvi.local_updates.dp_averaging": "numpyro_pvi.privacy.local_averaging",
+}
+
+
 def _named_tuple_type(name: Any, fields: list) -> type:
     """The allowed NamedTuple type ``module:qualname``: registered, or of an allowed package's
     imported module."""
@@ -343,6 +361,7 @@ def _named_tuple_type(name: Any, fields: list) -> type:
     cls = _REGISTERED.get(name)
     if cls is None:
         module_name, _, qualname = name.partition(":")
+        module_name = MOVED_MODULES.get(module_name, module_name)
         if module_name.split(".")[0] not in ALLOWED_PACKAGES:
             raise ValueError(
                 f"it names the type {name!r}, which is not a state type a checkpoint may hold "
