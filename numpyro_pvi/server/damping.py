@@ -149,10 +149,12 @@ def _record_step(fixed: FixedDampingState, family: Any, old: Any, new: Any) -> F
             and previous @ step < SWING_COSINE * norms
             and min(change, float(fixed.change)) > SWING_CHANGE
         )
+    # sent with device_put: jnp.asarray / jnp.where here compiled three eager ops in round 1
+    swings = int(np.asarray(fixed.swings)) + 1 if swing else 0
     return FixedDampingState(
-        jnp.asarray(step, fixed.change.dtype),
-        jnp.asarray(change, fixed.change.dtype),
-        jnp.where(swing, fixed.swings + 1, 0).astype(fixed.swings.dtype),
+        jax.device_put(np.asarray(step, fixed.change.dtype)),
+        jax.device_put(np.asarray(change, fixed.change.dtype)),
+        jax.device_put(np.asarray(swings, fixed.swings.dtype)),
     )
 
 
