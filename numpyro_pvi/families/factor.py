@@ -20,8 +20,7 @@ class FactorFamily(Protocol):
     :class:`Family` (the Gaussian families) extends it with Gaussian algebra (whitening, forms,
     sites) that EP, SNEP and the Gaussian CVI path need. The exponential families in a site's own
     space (:class:`~numpyro_pvi.Gamma`, :class:`~numpyro_pvi.Beta`, :class:`~numpyro_pvi.Dirichlet`)
-    and
-    :class:`~numpyro_pvi.SiteFamilies` implement this contract and the mean-parameter contract
+    and :class:`~numpyro_pvi.SiteFamilies` implement this contract and the mean-parameter contract
     :class:`~numpyro_pvi.families.MeanParamFamily` (SNEP's), as the Gaussian families do.
 
     * **Core**: :meth:`zeros`, :meth:`is_valid`, :meth:`to_dist`, :meth:`marginals`,

@@ -52,11 +52,10 @@ class Problem:
 
     :ivar sites: the model's sites (local sites with a padded client's shapes).
     :ivar buckets: the clients' data in :class:`~numpyro_pvi.model.clients.Bucket` s of similar
-        sizes (each a stacked
-        :class:`~numpyro_pvi.local_updates.Client`, rows padded with copies of a real row and
-            masked): by size
-        with the ``"vmap"`` backend and no local latent sites, so a round costs what the clients'
-        rows cost; else one bucket of every client slot, padded to the largest client.
+        sizes (each a stacked :class:`~numpyro_pvi.local_updates.Client`, rows padded with copies of
+        a real row and masked): by size with the ``"vmap"`` backend and no local latent sites, so a
+        round costs what the clients' rows cost; else one bucket of every client slot, padded to the
+        largest client.
     :ivar split: the clients' unpadded data (:class:`~numpyro_pvi.model.clients.ClientColumns`).
     :ivar client_problem: what a local update needs
         (:class:`~numpyro_pvi.local_updates.ClientProblem`).

@@ -312,8 +312,7 @@ def client_sampled_rdp(release_rdp: np.ndarray, rate: float) -> np.ndarray:
     """The RDP of "with probability ``rate`` a release of RDP ``release_rdp``, otherwise nothing".
 
     ``log(1 - rate + rate * exp((alpha - 1) * release_rdp)) / (alpha - 1)`` at each order ``alpha``
-    of
-    :data:`RDP_ORDERS`: exact for the pair of mixtures that share the "nothing" outcome (see the
+    of :data:`RDP_ORDERS`: exact for the pair of mixtures that share the "nothing" outcome (see the
     module docstring), computed in log space; ``rate=1`` gives ``release_rdp``.
 
     **Example:** ``client_sampled_rdp(rdp_curve(gaussian_event(2.0, 1)), 0.1)``.

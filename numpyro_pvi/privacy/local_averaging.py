@@ -41,11 +41,10 @@ class DPLocalAveraging(LocalUpdate):
     mean delta.
 
     Each shard's delta (a :class:`~numpyro_pvi.families.NatParams`, flattened over all its leaves:
-    for
-    :class:`~numpyro_pvi.SiteFamilies` ``eta1`` and every block's ``eta2``) is clipped to Euclidean
-    norm ``clip_norm``; the released delta is their mean plus ``Normal(0, sd^2)`` per coordinate
-    with ``sd = noise_multiplier * 2 * clip_norm / num_shards`` (``noise_multiplier`` times the
-    mean's add/remove-one-row sensitivity, see the module docstring). The wrapped update's
+    for :class:`~numpyro_pvi.SiteFamilies` ``eta1`` and every block's ``eta2``) is clipped to
+    Euclidean norm ``clip_norm``; the released delta is their mean plus ``Normal(0, sd^2)`` per
+    coordinate with ``sd = noise_multiplier * 2 * clip_norm / num_shards`` (``noise_multiplier``
+    times the mean's add/remove-one-row sensitivity, see the module docstring). The wrapped update's
     ``free_energy`` is not released: the reported one is ``-KL(q + delta || cavity)``, a function of
     the release. The shards' rows, their keys and the noise come from the round's key: shard ``s``
     runs with ``jax.random.split(rng_key, num_shards + 1)[s]``, the last key assigns the rows and

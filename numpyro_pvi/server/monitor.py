@@ -433,8 +433,7 @@ class RunMonitor:
 
     def at_end(self) -> tuple[bool | None, str]:
         """``(converged, stopped_because)`` of the run (``converged`` is ``None`` without ``tol``);
-        a
-        :class:`PVIWarning` naming ``stopped_because`` whenever the run did not converge."""
+        a :class:`PVIWarning` naming ``stopped_because`` whenever the run did not converge."""
         if self.earned:
             return True, "converged"
         reason, message = self._why()
