@@ -232,3 +232,8 @@ def adapted_log_step(log_step: jax.Array, accept: jax.Array) -> jax.Array:
     """The log step size after one Robbins-Monro step towards 80 % mean acceptance of the chains
     ``accept`` ``(C,)``."""
     return log_step + 0.1 * (jnp.mean(accept) - 0.8)
+
+
+def where_tree(flag: jax.Array, new: Any, old: Any) -> Any:
+    """``new`` where ``flag`` holds, else ``old``, leaf by leaf (two pytrees of one structure)."""
+    return jax.tree.map(lambda a, b: jnp.where(flag, a, b), new, old)

@@ -59,6 +59,7 @@ from numpyro_pvi.local_updates._numerics import (
     nuts_draws,
     stein_coefficients,
     stein_features,
+    where_tree,
 )
 from numpyro_pvi.local_updates.base import (
     Client,
@@ -132,10 +133,6 @@ def _positive_int(owner: str, name: str, value: Any, low: int) -> None:
         raise ValueError(f"{owner}: {name} must be an integer >= {low}, got {value!r}.")
 
 
-def _where(flag: jax.Array, new: Any, old: Any) -> Any:
-    return jax.tree.map(lambda a, b: jnp.where(flag, a, b), new, old)
-
-
 def _valid(family: Any, member: NatParams) -> jax.Array:
     """Whether ``member`` is a valid member with finite parameters."""
     finite = jnp.all(jnp.asarray([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(member)]))
@@ -181,7 +178,7 @@ class Importance:
         proposals = [member_proposal(family, tilted.cavity_alpha, cavity_key, pairs)]
         if tilted.laplace is not None:
             laplace = family.laplace_proposal(*tilted.laplace, laplace_key, pairs)
-            laplace = _where(
+            laplace = where_tree(
                 _valid(family, laplace.member),
                 laplace,
                 member_proposal(family, tilted.q, laplace_key, pairs),
@@ -197,11 +194,11 @@ class Importance:
             # model of tests/test_moment_matching.py EP's covariance error went from 3.5-3.8 % to
             # 5.3-6.0 %, seeds 0-1)
             better = (other_ess > ess) & ((ess < self.min_ess) | (other_ess > UNIFORM_ESS))
-            target, ess = _where(better, other, target), jnp.where(better, other_ess, ess)
+            target, ess = where_tree(better, other, target), jnp.where(better, other_ess, ess)
         # no step: the member matched to a few draws is concentrated on them
         degenerate = ess * 2 * pairs < family.min_effective_draws()
         return TiltedEstimate(
-            _where(degenerate, tilted.q, target),
+            where_tree(degenerate, tilted.q, target),
             ess < self.min_ess,
             jnp.where(degenerate, 1.0, inflation),  # not measured by a few draws
         )
@@ -214,7 +211,7 @@ def _site_proposal(tilted: Tilted, rng_key: jax.Array, pairs: int) -> NatParams:
     zeta = family.draw(q, rng_key, pairs)
     values, grads = jax.vmap(jax.value_and_grad(tilted.loglik))(zeta)
     site = tilted.cavity_alpha + tilted.alpha * family.site_from_draws(q, zeta, values, grads, None)
-    return _where(family.is_valid(site), site, q)
+    return where_tree(family.is_valid(site), site, q)
 
 
 def _weighted_target(tilted: Tilted, proposal: Proposal) -> tuple:
@@ -306,7 +303,7 @@ class NUTSMoments:
         ok = matches(family, target, estimate)
         missed = ~(ok | matches(family, plain_target, plain))
         return TiltedEstimate(
-            _where(missed, tilted.q, _where(ok, target, plain_target)),
+            where_tree(missed, tilted.q, where_tree(ok, target, plain_target)),
             missed,
             variance_inflation(family, weighted_covariance(theta), theta.shape[0]),
         )
@@ -403,7 +400,7 @@ class MomentMatchingUpdate(LocalUpdate):
                 fallback, extra, _ = _safe_step(
                     family, q, tilted.start, alpha, False, max_backtracks
                 )
-                delta = _where(ok, delta, fallback)
+                delta = where_tree(ok, delta, fallback)
                 clamped = clamped + jnp.where(ok, 0, extra)
             q_new = q + delta
             free_energy = local_free_energy(
@@ -424,7 +421,7 @@ class MomentMatchingUpdate(LocalUpdate):
             family, cavity_alpha, q, lambda z: self.alpha * loglik(z), self.num_newton
         )
         member = family.from_laplace(*laplace)
-        start = _where(_valid(family, member), member, q)
+        start = where_tree(_valid(family, member), member, q)
         return Tilted(family, q, cavity_alpha, loglik, self.alpha, laplace, start)
 
 

@@ -58,6 +58,7 @@ from numpyro_pvi.local_updates._numerics import (
     nuts_kernel,
     stein_coefficients,
     stein_features,
+    where_tree,
 )
 from numpyro_pvi.local_updates._snep_settings import SNEPSettings
 from numpyro_pvi.local_updates.base import Client, ClientProblem, ClientResult, local_free_energy
@@ -183,10 +184,6 @@ def bind_blocks(settings: SNEPSettings, problem: ClientProblem) -> Callable:
     return partial(_client_update, settings, problem)
 
 
-def _where(flag: jax.Array, new: Any, old: Any) -> Any:
-    return jax.tree.map(lambda a, b: jnp.where(flag, a, b), new, old)
-
-
 def block_transition(visit: BlockVisit, alpha: float, max_tree_depth: int) -> Callable:
     """One NUTS transition of the tilted ``exp(tau . T(theta)) p(y_m | theta)^alpha`` in chain
     coordinates."""
@@ -226,10 +223,10 @@ def block_step(
     plain_mean, plain_nat, plain_ok = _mirror_step(family, carry, plain, eps)
     # a control-variate estimate may leave the mean domain: the plain average, else the old iterate
     fell_back = ~ok
-    mean, nat = _where(ok, mean, plain_mean), _where(ok, nat, plain_nat)
+    mean, nat = where_tree(ok, mean, plain_mean), where_tree(ok, nat, plain_nat)
     ok = ok | plain_ok
-    mean, nat = _where(ok, mean, carry.mean), _where(ok, nat, carry.nat)
-    theta_aux = _where((i + 1) % settings.refresh_every == 0, nat, carry.theta_aux)
+    mean, nat = where_tree(ok, mean, carry.mean), where_tree(ok, nat, carry.nat)
+    theta_aux = where_tree((i + 1) % settings.refresh_every == 0, nat, carry.theta_aux)
     # Polyak-Ruppert: the mean parameters' running sum
     w = (i >= settings.first_averaged).astype(u.dtype)
     return BlockCarry(
@@ -297,7 +294,7 @@ def natural_gradient_start(
         zeta = family.draw(current, key, pairs)
         values, grads = jax.vmap(jax.value_and_grad(loglik))(zeta)
         new = cavity + family.site_from_draws(current, zeta, values, grads, None)
-        return _where(family.is_valid(new), new, current), None
+        return where_tree(family.is_valid(new), new, current), None
 
     start, _ = jax.lax.scan(step, q, jax.random.split(rng_key, num_steps))
     return start
@@ -309,7 +306,7 @@ def carried_chains(
     """The chains ``(C, K)`` (coordinates of ``frame``) in the coordinates of ``q_new``'s frame
     (``q_old``'s if ``q_new`` is not valid): the next visit keeps them, so that a chain moves with
     the change of ``q`` between visits (the paper's eq. 28)."""
-    new_frame = family.chain_frame(_where(family.is_valid(q_new), q_new, q_old))
+    new_frame = family.chain_frame(where_tree(family.is_valid(q_new), q_new, q_old))
     return jax.vmap(lambda u: family.to_chain(new_frame, family.from_chain(frame, u)[0]))(chains)
 
 
@@ -326,7 +323,7 @@ def start_visit(
     (carried, or drawn from ``N(0, I)``) and the :class:`BlockVisit` (frame and control-variate
     coefficients of that ``q``)."""
     start_key, chain_key = jax.random.split(rng_key)
-    q_local = _where(
+    q_local = where_tree(
         state.visited,
         q,
         natural_gradient_start(family, cavity, q, loglik, start_key, settings.num_newton),
@@ -369,12 +366,12 @@ def _client_update(
     mean_avg = carry.sum_mean * (1.0 / carry.weight)
     q_avg = family.from_mean_params(mean_avg, carry.nat)
     averaged = matches(family, q_avg, mean_avg)
-    site = _where(averaged, q_avg, carry.nat) - cavity
+    site = where_tree(averaged, q_avg, carry.nat) - cavity
 
     q_new = cavity + site
     chains = carried_chains(family, visit.frame, q_new, q_local, carry.chains)
     finite = family.is_valid(q_new) & jnp.all(jnp.isfinite(chains)) & jnp.isfinite(carry.log_step)
-    site = _where(finite, site, t_old)
+    site = where_tree(finite, site, t_old)
     new_state = SNEPBlockState(
         jnp.where(finite, chains, state.chains),
         jnp.where(finite, carry.log_step, state.log_step_size),
