@@ -4,12 +4,53 @@ Shared models and exact references live in ``tests/models.py``, fake local updat
 ``tests/fakes.py``; tests import them from there (never from conftest or another test file).
 """
 
+import os
+import shutil
+import tempfile
+
+import jax
 import numpyro
 import pytest
 
 from models import make_linear_data, make_logistic_data
 
 numpyro.set_platform("cpu")
+
+
+def _share_compilations():
+    """One JAX persistent compilation cache for this test run: a configuration that several tests
+    build (same model, family, update, server and shapes) lowers to the same XLA program, which is
+    compiled once and loaded from the cache by the other tests, on either xdist worker and in the
+    Ray and Flower processes (they inherit the environment). Compilation is 80-90 % of the slow
+    tests' CPU; a cache hit runs the same executable, so results are unchanged. Compilation counts
+    (tests/test_problem.py) are unchanged too: JAX logs and times a cache hit as a compilation.
+
+    The cache is fresh for each run (a temporary folder the controlling process makes and removes),
+    so the suite's time from a fresh clone is what CI sees. Set ``JAX_COMPILATION_CACHE_DIR`` to
+    keep one across runs instead (it is then left in place); ``JAX_ENABLE_COMPILATION_CACHE=false``
+    turns it off.
+    """
+    folder = os.environ.get("JAX_COMPILATION_CACHE_DIR")
+    if folder is None:  # the controlling process (or a run without xdist): a fresh folder
+        folder = tempfile.mkdtemp(prefix="numpyro-pvi-tests-jax-cache-")
+        os.environ["JAX_COMPILATION_CACHE_DIR"] = folder  # xdist workers, Ray and Flower inherit it
+        os.environ["NUMPYRO_PVI_TESTS_OWN_CACHE"] = folder
+    # every compilation is worth caching: under load even a small one takes a second
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
+    jax.config.update("jax_compilation_cache_dir", folder)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+_share_compilations()
+
+
+def pytest_unconfigure(config):
+    """The controlling process removes the cache folder it made (workers leave it to it)."""
+    folder = os.environ.get("NUMPYRO_PVI_TESTS_OWN_CACHE")
+    if folder and os.environ.get("PYTEST_XDIST_WORKER") is None:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
