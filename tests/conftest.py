@@ -23,7 +23,7 @@ def _share_compilations():
     compiled once and loaded from the cache by the other tests, on either xdist worker and in the
     Ray and Flower processes (they inherit the environment). Compilation is 80-90 % of the slow
     tests' CPU; a cache hit runs the same executable, so results are unchanged. Compilation counts
-    (tests/test_problem.py) are unchanged too: JAX logs and times a cache hit as a compilation.
+    (test_problem.py) are unchanged too: JAX logs and times a cache hit as a compilation.
 
     The cache is fresh for each run (a temporary folder the controlling process makes and removes),
     so the suite's time from a fresh clone is what CI sees. Set ``JAX_COMPILATION_CACHE_DIR`` to
