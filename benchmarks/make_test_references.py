@@ -22,7 +22,7 @@ import optax
 from jax import enable_x64, random
 from jax.scipy.optimize import minimize
 from numpyro.diagnostics import effective_sample_size, split_gelman_rubin
-from numpyro.infer import MCMC, NUTS, SVI, TraceMeanField_ELBO
+from numpyro.infer import MCMC, NUTS, SVI, Trace_ELBO, TraceMeanField_ELBO
 from numpyro.infer.autoguide import AutoDiagonalNormal, AutoMultivariateNormal, AutoNormal
 from sklearn.datasets import load_breast_cancer
 
@@ -36,6 +36,10 @@ from models import (  # noqa: E402
     make_intercept_data,
     make_linear_data,
     make_logistic_data,
+    make_nb_data,
+    make_skewed_logistic_data,
+    nb_fixed_model,
+    nb_model,
     robust_model,
     scale_model,
 )
@@ -136,6 +140,66 @@ def intercept_svi():
     return svi.run(random.PRNGKey(0), 6000, x, y=y, progress_bar=False).params
 
 
+def skewed_logistic_references():
+    """test_moment_matching's references on ``make_skewed_logistic_data()``, as that test computed
+    them when its tolerances were measured: NUTS (one chain, 500 warmup + 10,000 draws, key 0) and
+    global VI (AutoMultivariateNormal, Trace_ELBO(8), Adam 1e-2 decayed to 5 % over 4,000 steps, key
+    1); each the mean and covariance of (w[0], w[1], b)."""
+    X, y = make_skewed_logistic_data()
+    mcmc = MCMC(NUTS(logistic_model), num_warmup=500, num_samples=10_000, progress_bar=False)
+    mcmc.run(random.PRNGKey(0), X, y=y)
+    samples = mcmc.get_samples()
+    z = np.concatenate([samples["w"], samples["b"][:, None]], axis=1)
+    guide = AutoMultivariateNormal(logistic_model)
+    svi = SVI(
+        logistic_model, guide, optax.adam(optax.exponential_decay(1e-2, 4000, 0.05)), Trace_ELBO(8)
+    )
+    params = svi.run(random.PRNGKey(1), 4000, X, y=y, progress_bar=False).params
+    order = guide._unpack_latent(jnp.arange(3.0))
+    perm = np.concatenate([np.atleast_1d(order["w"]), np.atleast_1d(order["b"])]).astype(int)
+    scale_tril = np.asarray(params["auto_scale_tril"])
+    vi_cov = (scale_tril @ scale_tril.T)[np.ix_(perm, perm)]
+    return z.mean(0), np.cov(z.T), np.asarray(params["auto_loc"])[perm], vi_cov
+
+
+def wide_prior_references():
+    """test_wide_prior's NUTS references on ``make_nb_data()``, as that test computed them when its
+    tolerances were measured (one chain, 500 warmup + 500 draws, key 0): the mean and sd of (b, w,
+    log phi) for ``nb_model`` and of (b, w) for ``nb_fixed_model``."""
+    X, y = make_nb_data()
+    out = []
+    for model in (nb_model, nb_fixed_model):
+        mcmc = MCMC(NUTS(model), num_warmup=500, num_samples=500, progress_bar=False)
+        mcmc.run(random.PRNGKey(0), X, y=y)
+        s = mcmc.get_samples()
+        z = np.concatenate(
+            [s["b"][:, None], s["w"]] + ([np.log(s["phi"])[:, None]] if "phi" in s else []), axis=1
+        )
+        out.append((z.mean(0), z.std(0, ddof=1)))
+    return out
+
+
+def references_the_tests_computed():
+    """The constants of ``skewed_logistic_references`` and ``wide_prior_references``."""
+    skewed = skewed_logistic_references()
+    (nb_mean, nb_sd), (fixed_mean, fixed_sd) = wide_prior_references()
+    return (
+        "\n# logistic_model on make_skewed_logistic_data(), (w[0], w[1], b): NUTS (one chain, 500 "
+        "warmup +\n# 10,000 draws, key 0) and global VI (AutoMultivariateNormal, Trace_ELBO(8), "
+        "Adam 1e-2 decayed to\n# 5 % over 4,000 steps, key 1), each a mean and a covariance\n"
+        + constant("SKEWED_LOGISTIC_NUTS_MEAN", skewed[0])
+        + constant("SKEWED_LOGISTIC_NUTS_COV", skewed[1])
+        + constant("SKEWED_LOGISTIC_VI_MEAN", skewed[2])
+        + constant("SKEWED_LOGISTIC_VI_COV", skewed[3])
+        + "\n# NUTS on make_nb_data() (one chain, 500 warmup + 500 draws, key 0): the mean and sd "
+        "of\n# (b, w[0..2], log phi) for nb_model and of (b, w[0..2]) for nb_fixed_model\n"
+        + constant("NB_MODEL_NUTS_MEAN", nb_mean)
+        + constant("NB_MODEL_NUTS_SD", nb_sd)
+        + constant("NB_FIXED_MODEL_NUTS_MEAN", fixed_mean)
+        + constant("NB_FIXED_MODEL_NUTS_SD", fixed_sd)
+    )
+
+
 def constant(name, values):
     """``NAME = np.array([...])`` with 7 significant digits, at most 6 numbers a line."""
     values = np.asarray(values, np.float64)
@@ -210,6 +274,7 @@ def main():
         "parameters (b, w scalars; u per group)\nINTERCEPT_SVI_AUTONORMAL = {\n"
         + "".join(entry(k, v) for k, v in sorted(intercept.items()))
         + "}\n"
+        + references_the_tests_computed()
     )
     (ROOT / "tests" / "references.py").write_text(text)
     print(text)

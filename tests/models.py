@@ -291,3 +291,40 @@ def make_intercept_data():
         random.PRNGKey(2), (INTERCEPT_GROUPS, INTERCEPT_PER_GROUP)
     )
     return x, 0.5 + u[:, None] + 1.2 * x + noise
+
+
+def make_skewed_logistic_data():
+    """A small, skewed logistic regression (N = 60, d = 2 + intercept), where the posterior is
+    visibly non-Gaussian: for ``logistic_model``."""
+    X = random.normal(random.PRNGKey(10), (60, 2))
+    y = random.bernoulli(
+        random.PRNGKey(11), jax.nn.sigmoid(X @ jnp.array([2.0, -1.5]) + 0.5)
+    ).astype(jnp.float32)
+    return X, y
+
+
+NB_PHI = 2.25  # the negative-binomial dispersion, where it is fixed
+
+
+def nb_model(X, y=None, phi=None):
+    """Negative-binomial regression, log link, a wide intercept prior ``Normal(0, 10)``; ``phi`` a
+    global site (``HalfNormal(10)``) unless given."""
+    b = numpyro.sample("b", dist.Normal(0.0, 10.0))
+    w = numpyro.sample("w", dist.Normal(0.0, 1.0).expand([X.shape[1]]).to_event(1))
+    if phi is None:
+        phi = numpyro.sample("phi", dist.HalfNormal(10.0))
+    with pvi.partition_plate("data", X.shape[0]):
+        numpyro.sample("y", dist.NegativeBinomial2(jnp.exp(b + X @ w), phi), obs=y)
+
+
+def nb_fixed_model(X, y=None):
+    """``nb_model`` with the dispersion known (``NB_PHI``)."""
+    nb_model(X, y, NB_PHI)
+
+
+def make_nb_data():
+    """2000 rows, 3 covariates: true mean ``exp(2 + x.(0.5, -0.3, 0.2))``, dispersion ``NB_PHI``."""
+    k1, k2 = random.split(random.PRNGKey(1))
+    X = random.normal(k1, (2000, 3))
+    y = dist.NegativeBinomial2(jnp.exp(2.0 + X @ jnp.array([0.5, -0.3, 0.2])), NB_PHI).sample(k2)
+    return X, y

@@ -154,3 +154,30 @@ INTERCEPT_SVI_AUTONORMAL = {
     "w_auto_loc": np.array([1.402598])[0],
     "w_auto_scale": np.array([0.1445756])[0],
 }
+
+# logistic_model on make_skewed_logistic_data(), (w[0], w[1], b): NUTS (one chain, 500 warmup +
+# 10,000 draws, key 0) and global VI (AutoMultivariateNormal, Trace_ELBO(8), Adam 1e-2 decayed to
+# 5 % over 4,000 steps, key 1), each a mean and a covariance
+SKEWED_LOGISTIC_NUTS_MEAN = np.array([2.174667, -1.519379, 0.311054])
+SKEWED_LOGISTIC_NUTS_COV = np.array(
+    [
+        [0.2409376, -0.07477685, 0.03067932],
+        [-0.07477685, 0.1828822, -0.009075978],
+        [0.03067932, -0.009075978, 0.1205573],
+    ]
+)
+SKEWED_LOGISTIC_VI_MEAN = np.array([2.159937, -1.513924, 0.3082316])
+SKEWED_LOGISTIC_VI_COV = np.array(
+    [
+        [0.2384943, -0.07344916, 0.03847554],
+        [-0.07344916, 0.1819381, -0.01281203],
+        [0.03847554, -0.01281203, 0.1244973],
+    ]
+)
+
+# NUTS on make_nb_data() (one chain, 500 warmup + 500 draws, key 0): the mean and sd of
+# (b, w[0..2], log phi) for nb_model and of (b, w[0..2]) for nb_fixed_model
+NB_MODEL_NUTS_MEAN = np.array([1.998685, 0.5007548, -0.29739, 0.2075853, 0.775524])
+NB_MODEL_NUTS_SD = np.array([0.01647145, 0.01782737, 0.01722714, 0.01717816, 0.04472822])
+NB_FIXED_MODEL_NUTS_MEAN = np.array([1.99765, 0.5019349, -0.2978477, 0.208859])
+NB_FIXED_MODEL_NUTS_SD = np.array([0.01754382, 0.01761189, 0.01656095, 0.01598523])
