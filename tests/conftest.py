@@ -30,6 +30,8 @@ def _share_compilations():
     keep one across runs instead (it is then left in place); ``JAX_ENABLE_COMPILATION_CACHE=false``
     turns it off.
     """
+    # JAX decides at its first compilation whether the cache is on: this runs at conftest import,
+    # before anything compiles (tests/models.py builds no JAX array at import; keep it so)
     folder = os.environ.get("JAX_COMPILATION_CACHE_DIR")
     if folder is None:  # the controlling process (or a run without xdist): a fresh folder
         folder = tempfile.mkdtemp(prefix="numpyro-pvi-tests-jax-cache-")
