@@ -21,9 +21,10 @@ def _share_compilations():
     """One JAX persistent compilation cache for this test run: a configuration that several tests
     build (same model, family, update, server and shapes) lowers to the same XLA program, which is
     compiled once and loaded from the cache by the other tests, on either xdist worker and in the
-    Ray and Flower processes (they inherit the environment). Compilation is 80-90 % of the slow
-    tests' CPU; a cache hit runs the same executable, so results are unchanged. Compilation counts
-    (test_problem.py) are unchanged too: JAX logs and times a cache hit as a compilation.
+    Ray and Flower processes (they inherit the environment). Compilation is most of a slow test's
+    CPU (test_snep_blocks' sequential test: 70 s cold, 16 s with its programs cached); a cache hit
+    runs the same executable, so results are unchanged. Compilation counts (test_problem.py) are
+    unchanged too: JAX logs and times a cache hit as a compilation.
 
     The cache is fresh for each run (a temporary folder the controlling process makes and removes),
     so the suite's time from a fresh clone is what CI sees. Set ``JAX_COMPILATION_CACHE_DIR`` to
