@@ -82,3 +82,55 @@ def test_a_deployment_on_localhost_gives_the_in_process_q(tmp_path, logistic_dat
     for got, want, off in zip(*(jax.tree.leaves(t) for t in (q, reference, other))):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
         assert np.max(np.abs(np.asarray(off) - np.asarray(want))) > 1e-2  # the seed matters
+
+
+class _SlowGrid:
+    """A grid whose replies come after ``delay`` pulls: what PollingGrid wraps."""
+
+    def __init__(self, delay):
+        self.delay, self.pulls = delay, 0
+
+    def push_messages(self, messages):
+        return [f"id{i}" for i, _ in enumerate(messages)]
+
+    def pull_messages(self, message_ids):
+        self.pulls += 1
+        if self.pulls < self.delay:
+            return []
+        return [_Reply(i) for i in sorted(message_ids)]
+
+
+class _Reply:
+    def __init__(self, message_id):
+        self.metadata = type("Metadata", (), {"reply_to_message_id": message_id})()
+
+
+def test_polling_grid_collects_replies_every_poll_interval_and_stops_at_the_timeout():
+    """Before: Flower's deployment grid waited 3 s between pulls, so a round took at least 3 s."""
+    from numpyro_pvi.flower.grid import PollingGrid
+
+    inner = _SlowGrid(delay=4)
+    start = time.perf_counter()
+    replies = PollingGrid(inner, poll_interval=0.01).send_and_receive(["a", "b"], timeout=5)
+    assert sorted(r.metadata.reply_to_message_id for r in replies) == ["id0", "id1"]
+    assert inner.pulls == 4 and time.perf_counter() - start < 1.0
+    # no reply within the timeout: what came (nothing) comes back, after about the timeout
+    start = time.perf_counter()
+    assert PollingGrid(_SlowGrid(delay=10**9), 0.01).send_and_receive(["a"], timeout=0.2) == []
+    assert 0.2 <= time.perf_counter() - start < 1.5
+    with pytest.raises(ValueError, match="poll_interval"):
+        PollingGrid(inner, poll_interval=0)
+
+
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["--isolation", "subprocess"], "--isolation process"),
+        (["--superexec-auth-secret-file", "secret"], "does not sign"),
+    ],
+)
+def test_the_warm_supernode_refuses_what_it_cannot_do_before_starting(argv, match):
+    from numpyro_pvi.flower.supernode import main
+
+    with pytest.raises(ValueError, match=match):
+        main(["--insecure", "--superlink", "127.0.0.1:1", *argv])

@@ -27,6 +27,8 @@ runtime API (the ``flower`` extra pins ``flwr>=1.42,<1.43``).
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
 import time
 from logging import DEBUG, ERROR, INFO
@@ -201,14 +203,6 @@ def main(argv: list[str] | None = None) -> None:
     **Example:** ``python -m numpyro_pvi.flower.supernode --insecure --superlink 127.0.0.1:8000
     --port 9094 --node-config 'partition-id=0 data-path="site0.npz"'``
     """
-    import importlib
-    import threading
-
-    from flwr.supernode.cli import flower_supernode
-
-    # the module (flwr.supernode exports a function of the same name)
-    loop = importlib.import_module("flwr.supernode.start_client_internal")
-
     argv = sys.argv[1:] if argv is None else list(argv)
     known = argparse.ArgumentParser(add_help=False)
     known.add_argument("--isolation", default=None)
@@ -234,10 +228,24 @@ def main(argv: list[str] | None = None) -> None:
     host = f"[{host}]" if ":" in host else host
     certificates = None if args.ssl_ca_certfile is None else Path(args.ssl_ca_certfile).read_bytes()
     worker = Worker(f"{host}:{args.port}", args.ssl_certfile is None, certificates)
+    import importlib
+    import threading
+
+    from flwr.supernode.cli import flower_supernode
+
+    # the module (flwr.supernode exports a function of the same name)
+    loop = importlib.import_module("flwr.supernode.start_client_internal")
     # JAX, NumPyro and the library load before the first message
     import numpyro_pvi.flower  # noqa: F401
 
-    threading.Thread(target=worker.serve, name="numpyro-pvi-clientapp", daemon=True).start()
+    def serve() -> None:
+        try:
+            worker.serve()
+        except BaseException as ex:  # noqa: BLE001 - a SuperNode that runs no ClientApp must stop
+            log(ERROR, "The ClientApp worker stopped: stopping the SuperNode", exc_info=ex)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=serve, name="numpyro-pvi-clientapp", daemon=True).start()
     loop.time = _CappedSleep(POLL_INTERVAL)
     sys.argv = ["flower-supernode", *argv]
     flower_supernode()
