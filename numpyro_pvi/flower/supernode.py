@@ -3,8 +3,9 @@ over from one message to the next.
 
 ``flower-supernode`` (flwr 1.42) starts a fresh ``flwr-clientapp`` process for every message: each
 round, every site imports JAX, NumPyro and this library again, rebuilds its problem and retraces
-its update; and it looks for new messages every 3 s. Measured with two sites on one shared 2-core
-machine (``benchmarks/flower_deploy.py``), a round took 13 s to 40 s.
+its update; and it looks for new messages every 3 s. With two sites on one 2-core machine
+(``benchmarks/flower_deploy.py``) a round took 12.8 s on a quiet machine, 40-60 s on a busy one
+(5-8 s there with this SuperNode).
 
 ``python -m numpyro_pvi.flower.supernode`` takes ``flower-supernode``'s arguments and runs the same
 SuperNode with two changes:
@@ -68,7 +69,7 @@ class Worker:
     per task.
 
     :param runtime_api_address: the SuperNode's runtime API, ``host:port`` (its ``--port``).
-    :param insecure: connect without TLS (a SuperNode started with ``--insecure``).
+    :param insecure: connect without TLS (a SuperNode started without ``--ssl-certfile``).
     :param root_certificates: PEM bytes of the CA that signed the runtime API's certificate.
     :param poll_interval: seconds between requests for a task while there is none.
 
