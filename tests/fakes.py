@@ -87,3 +87,262 @@ class FaultyUpdate(ExactLinearUpdate):
             return result._replace(free_energy=result.free_energy + zero)
 
         return client_update
+
+
+# ---------------------------------------------------------------- a Flower deployment on 127.0.0.1
+
+# the Flower app of docs/federated.md ("Deployment"), with the local update's steps, the rounds, the
+# server's key and the checkpoint's path filled in
+FLOWER_APP = {
+    "pyproject.toml": """\
+[build-system]
+requires = ["hatchling"]
+build-backend = "hatchling.build"
+
+[project]
+name = "pvi-app"
+version = "1.0.0"
+dependencies = ["numpyro-pvi[flower]"]
+
+[tool.hatch.build.targets.wheel]
+packages = ["."]
+
+[tool.flwr.app]
+publisher = "numpyro-pvi-tests"
+
+[tool.flwr.app.components]
+serverapp = "pvi_app.server_app:app"
+clientapp = "pvi_app.client_app:app"
+
+[tool.flwr.app.config]
+num-server-rounds = {num_rounds}
+""",
+    "pvi_app/__init__.py": "",
+    "pvi_app/task.py": """\
+import numpyro, numpyro.distributions as dist, optax
+import numpyro_pvi as pvi
+
+
+def model(X, y=None):
+    w = numpyro.sample("w", dist.Normal(0.0, 1.0).expand([X.shape[1]]).to_event(1))
+    b = numpyro.sample("b", dist.Normal(0.0, 1.0))
+    with pvi.partition_plate("data", X.shape[0]):
+        numpyro.sample("y", dist.Bernoulli(logits=X @ w + b), obs=y)
+
+
+FAMILY = pvi.MeanFieldGaussian()
+LOCAL_UPDATE = pvi.GradientUpdate(optax.adam(0.05), num_steps={num_steps}, num_particles=2)
+""",
+    "pvi_app/server_app.py": """\
+import json
+
+from jax import random
+
+import numpyro_pvi as pvi
+from numpyro_pvi.flower import PVIStrategy, server_app
+from pvi_app.task import FAMILY
+
+strategy = PVIStrategy(
+    FAMILY, num_clients={num_clients}, rng_key=random.PRNGKey({seed}), server=pvi.Synchronous(0.5)
+)
+app = server_app(strategy, timeout={timeout}, checkpoint={checkpoint!r})
+
+
+@app.lifespan()
+def record_round_times(context):  # the tests' addition: the server's seconds per round
+    yield
+    with open({round_times!r}, "w") as f:
+        json.dump(strategy.history.time.tolist(), f)
+""",
+    "pvi_app/client_app.py": """\
+import numpy as np
+from numpyro_pvi.flower import client_app
+from pvi_app.task import FAMILY, LOCAL_UPDATE, model
+
+
+def load_data(context):
+    site = np.load(context.node_config["data-path"])
+    return (site["X"],), {{"y": site["y"]}}
+
+
+app = client_app(model, FAMILY, LOCAL_UPDATE, load_data)
+""",
+}
+
+
+def write_flower_app(directory, sites, num_rounds, num_steps, seed, timeout=120):
+    """Write :data:`FLOWER_APP` under ``directory/app`` and each site's ``(X, y)`` to
+    ``directory/site<m>.npz``; returns ``(app_dir, data_paths, checkpoint_path)``. The server
+    writes ``q`` to ``checkpoint_path`` and its seconds per round (``strategy.history.time``) to
+    ``directory/round_times.json``."""
+    from pathlib import Path
+
+    directory = Path(directory)
+    app, checkpoint = directory / "app", directory / "q.npz"
+    fill = dict(
+        num_rounds=num_rounds,
+        num_steps=num_steps,
+        num_clients=len(sites),
+        seed=seed,
+        timeout=timeout,
+        checkpoint=str(checkpoint),
+        round_times=str(directory / "round_times.json"),
+    )
+    for name, text in FLOWER_APP.items():
+        (app / name).parent.mkdir(parents=True, exist_ok=True)
+        (app / name).write_text(text.format(**fill))
+    paths = []
+    for m, (X, y) in enumerate(sites):
+        paths.append(directory / f"site{m}.npz")
+        np.savez(paths[-1], X=np.asarray(X), y=np.asarray(y))
+    return app, paths, checkpoint
+
+
+def _free_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LocalFederation:
+    """A SuperLink and one SuperNode per site on 127.0.0.1, started as ``docs/federated.md``
+    says, each in its own process group; leaving the ``with`` block stops every process it
+    started (SIGTERM, then SIGKILL after ``grace`` seconds).
+
+    ``warm=True`` starts the SuperNodes with ``python -m numpyro_pvi.flower.supernode`` (the
+    ClientApp warm in the SuperNode's process); ``warm=False`` with ``flower-supernode``, which
+    starts a ``flwr-clientapp`` process per message (Flower's default).
+    """
+
+    def __init__(self, directory, data_paths, warm=True, grace=10.0):
+        import os
+        from pathlib import Path
+
+        self.directory, self.data_paths = Path(directory), data_paths
+        self.warm, self.grace, self.processes = warm, grace, []
+        self.pids = []  # every process started, each the leader of its own process group
+        root = str(Path(__file__).resolve().parents[1])  # this checkout's numpyro_pvi
+        home = self.directory / "flwr_home"
+        home.mkdir(exist_ok=True)
+        self.port = _free_port()
+        (home / "config.toml").write_text(
+            '[superlink]\ndefault = "local"\n\n[superlink.local]\n'
+            f'address = "127.0.0.1:{self.port}"\ninsecure = true\n'
+        )
+        self.env = {
+            **os.environ,
+            "FLWR_HOME": str(home),
+            "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
+            "JAX_PLATFORMS": "cpu",
+        }
+
+    def _start(self, name, command):
+        import subprocess
+
+        log = open(self.directory / f"{name}.log", "wb")  # noqa: SIM115 - closed with the process
+        process = subprocess.Popen(
+            command, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
+        )
+        log.close()
+        self.processes.append(process)
+        self.pids.append(process.pid)
+        return process
+
+    def _wait_for_port(self, port, timeout=60.0):
+        import socket
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", port)) == 0:
+                    return
+            time.sleep(0.2)
+        raise TimeoutError(f"Nothing listens on 127.0.0.1:{port} after {timeout} s.")
+
+    def __enter__(self):
+        import sys
+
+        try:
+            self._start(
+                "superlink",
+                ["flower-superlink", "--insecure", "--disable-runtime-dependency-installation"]
+                + ["--port", str(self.port)],
+            )
+            self._wait_for_port(self.port)
+            for m, path in enumerate(self.data_paths):
+                port = _free_port()
+                supernode = (
+                    [sys.executable, "-m", "numpyro_pvi.flower.supernode"]
+                    if self.warm
+                    else ["flower-supernode"]
+                )
+                self._start(
+                    f"supernode{m}",
+                    [*supernode, "--insecure", "--superlink", f"127.0.0.1:{self.port}"]
+                    + ["--port", str(port)]
+                    + ["--node-config", f'partition-id={m} data-path="{path}"'],
+                )
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def run(self, app_dir, timeout=300.0):
+        """``flwr run app_dir local --stream``; returns its output as ``(seconds since the start,
+        line)`` pairs. Raises if it fails or outlasts ``timeout``."""
+        import os
+        import signal
+        import subprocess
+        import threading
+
+        start, lines = time.perf_counter(), []
+        process = subprocess.Popen(
+            ["flwr", "run", str(app_dir), "local", "--stream"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env=self.env,
+            start_new_session=True,
+            text=True,
+        )
+        self.processes.append(process)
+        self.pids.append(process.pid)
+        timer = threading.Timer(timeout, lambda: os.killpg(process.pid, signal.SIGKILL))
+        timer.start()
+        try:
+            for line in process.stdout:
+                lines.append((time.perf_counter() - start, line.rstrip()))
+            code = process.wait()
+        finally:
+            timer.cancel()
+        if code != 0:
+            tail = "\n".join(line for _, line in lines[-30:])
+            raise RuntimeError(f"flwr run exited with {code} (after {timeout} s: killed):\n{tail}")
+        return lines
+
+    def stop(self):
+        import os
+        import signal
+
+        for process in self.processes:
+            if process.poll() is None:
+                try:
+                    os.killpg(process.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        deadline = time.monotonic() + self.grace
+        for process in self.processes:
+            try:
+                process.wait(max(0.0, deadline - time.monotonic()))
+            except Exception:  # noqa: BLE001 - subprocess.TimeoutExpired: killed below
+                pass
+            try:  # the group too: what the process started (superexec, clientapps)
+                os.killpg(process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            process.wait()
+        self.processes = []
+
+    def __exit__(self, *exc):
+        self.stop()

@@ -40,6 +40,7 @@ from flwr.supercore import log
 
 from numpyro_pvi.backends.base import stack
 from numpyro_pvi.families import FactorFamily, NatParams
+from numpyro_pvi.flower.grid import PollingGrid
 from numpyro_pvi.flower.wire import (
     adopt_layout,
     content_bytes,
@@ -462,7 +463,7 @@ def server_app(
     @app.main()
     def main(grid: Grid, context: Context) -> None:
         rounds = int(context.run_config["num-server-rounds"]) if num_rounds is None else num_rounds
-        strategy.start(grid, num_rounds=rounds, timeout=timeout)
+        strategy.start(PollingGrid(grid), num_rounds=rounds, timeout=timeout)
         if checkpoint is not None:
             save(strategy.state, checkpoint)
 
