@@ -314,7 +314,7 @@ def test_a_non_gaussian_family_spends_the_same_epsilon(normal_gamma):
         result = pvi.PVI(model, family, parts, update, pvi.Synchronous(0.5)).run(
             random.PRNGKey(1), 2, X, y=y, progress_bar=False
         )
-        assert bool(family.is_valid(result.state.q))
+        assert bool(result.family.is_valid(result.state.q))
         spent.append(result.privacy_spent(1e-5))
     np.testing.assert_array_equal(
         pvi.privacy.accounting.releases(result.config.local_update, result.state.client_states, 2),

@@ -264,8 +264,8 @@ def test_batched_dirichlet_is_exact_in_one_round():
     y = random.categorical(random.PRNGKey(0), jnp.log(jnp.array([0.2, 0.3, 0.5])), shape=(N,))
     counts = np.zeros((2, 3))
     np.add.at(counts, (np.asarray(group), np.asarray(y)), 1.0)
-    family = pvi.Dirichlet()
-    result = one_round(batched_categorical_model, family, group=group, y=y)
+    result = one_round(batched_categorical_model, pvi.Dirichlet(), group=group, y=y)
+    family = result.family  # laid out: it records the (2, 3) shape
     expected = np.array([[1.0, 2.0, 0.5], [3.0, 1.0, 1.0]]) + counts
     np.testing.assert_allclose(family.to_params(result.state.q)[0], expected.reshape(-1), rtol=1e-5)
     marg = family.marginals(result.state.q)

@@ -283,7 +283,7 @@ def test_cvi_with_a_gamma_block_from_a_wide_prior_on_a_negbin_log_link_reaches_n
     )
     result = inference.run(random.PRNGKey(0), 4, X, y=y, progress_bar=False)
     # the flat layout: the default block (w, b), then phi
-    marginals = family.marginals(result.state.q)
+    marginals = result.family.marginals(result.state.q)
     mean, sd = marginals.mean, np.sqrt(marginals.variance)
     assert np.max(np.abs(mean - NEGBIN_NUTS_MEAN) / NEGBIN_NUTS_SD) < 0.25, mean
     np.testing.assert_allclose(sd, NEGBIN_NUTS_SD, rtol=0.25)
