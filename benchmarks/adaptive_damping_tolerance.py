@@ -11,32 +11,26 @@ over 30 keys with 64 draws: 0.145 nats.
 
 import sys
 import warnings
+from pathlib import Path
 
-import jax.numpy as jnp
 import numpy as np
-import numpyro
-import numpyro.distributions as dist
 from jax import random
 
 import numpyro_pvi as pvi
 
-N, NOISE = 48, 0.5
-PARTS = np.split(np.arange(N), [5, 14, 30])  # four uneven clients
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-
-def linear_model(X, y=None):
-    w = numpyro.sample("w", dist.Normal(0.0, 1.0).expand([2]).to_event(1))
-    b = numpyro.sample("b", dist.Normal(0.0, 2.0))
-    with pvi.partition_plate("data", X.shape[0]):
-        numpyro.sample("y", dist.Normal(X @ w + b, NOISE), obs=y)
+from models import (  # noqa: E402
+    UNEVEN_PARTS,
+    intercept_regression_model,
+    intercept_regression_posterior,
+    make_intercept_regression_data,
+)
 
 
 def main(tolerances):
-    X = 0.3 + random.normal(random.PRNGKey(0), (N, 2))
-    y = X @ jnp.array([1.0, -0.5]) + 0.3 + NOISE * random.normal(random.PRNGKey(1), (N,))
-    A = np.concatenate([np.asarray(X, np.float64), np.ones((N, 1))], axis=1)
-    precision = A.T @ A / NOISE**2 + np.diag([1.0, 1.0, 0.25])
-    mean = np.linalg.solve(precision, A.T @ np.asarray(y, np.float64) / NOISE**2)
+    X, y = make_intercept_regression_data()
+    precision, mean = intercept_regression_posterior(X, y)
     sd = np.sqrt(np.diag(np.linalg.inv(precision)))
     for tol in tolerances:
         server = pvi.Asynchronous(
@@ -46,14 +40,14 @@ def main(tolerances):
         )
         family = pvi.SiteFamilies({"w": pvi.FullRankGaussian()})
         update = pvi.NaturalGradientUpdate(step_size=1.0, num_particles=8)
-        inference = pvi.PVI(linear_model, family, PARTS, update, server)
+        inference = pvi.PVI(intercept_regression_model, family, UNEVEN_PARTS, update, server)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             result = inference.run(random.PRNGKey(2), 48, X, y=y, progress_bar=False)
         elbo = np.asarray(result.history.elbo)
         falls = -np.diff(elbo)
         falls = falls[falls > 0]
-        error = np.max(np.abs(np.asarray(family.marginals(result.state.q).mean) - mean) / sd)
+        error = np.max(np.abs(np.asarray(result.family.marginals(result.state.q).mean) - mean) / sd)
         print(
             f"elbo_tolerance={tol}: final damping {float(result.state.damping.rho):.4g}, ELBO "
             f"falls {np.round(np.sort(falls), 3).tolist()} nats, means {error:.3g} sds off"

@@ -25,6 +25,7 @@ mean-field norms in closed form) over the same 3 coordinates, and a non-DP ``Gra
 
 import sys
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -34,10 +35,14 @@ from jax import random
 
 import numpyro_pvi as pvi
 
-sys.path.insert(0, "tests")
-from test_dp_gradient import conjugate_update, one_visit  # noqa: E402
-from test_exponential_families import bernoulli_model, categorical_model  # noqa: E402
-from test_site_families import normal_gamma_model, normal_gamma_vb  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from fakes import conjugate_update, one_visit  # noqa: E402
+from models import (  # noqa: E402
+    bernoulli_model,
+    categorical_model,
+    normal_gamma_model,
+    normal_gamma_vb,
+)
 
 STEPS, PARTICLES, LR = 4000, 4, 0.05
 
@@ -78,7 +83,8 @@ def spread(num_seeds: int = 32) -> None:
         noise_multiplier=0.0,
         num_particles=PARTICLES,
     )
-    visit = jax.jit(jax.vmap(one_visit(normal_gamma_model, family, update, X, y=y)))
+    visit, family = one_visit(normal_gamma_model, family, update, X, y=y)
+    visit = jax.jit(jax.vmap(visit))
     qs = visit(random.split(random.PRNGKey(0), num_seeds))
     rows = np.array(
         [errors(family, jax.tree.map(lambda a, i=i: a[i], qs), X, y) for i in range(num_seeds)]
@@ -114,9 +120,8 @@ def conjugate(num_seeds: int = 16) -> None:
         ),
     )
     for model, family, y, exact in cases:
-        qs = jax.jit(jax.vmap(one_visit(model, family, conjugate_update(), y=y)))(
-            random.split(random.PRNGKey(0), num_seeds)
-        )
+        visit, family = one_visit(model, family, conjugate_update(), y=y)
+        qs = jax.jit(jax.vmap(visit))(random.split(random.PRNGKey(0), num_seeds))
         params = np.concatenate([np.asarray(p) for p in family.to_params(qs)], axis=-1)
         print(
             f"{family!r}: {num_seeds} seeds, max |relative error| per parameter "
@@ -144,7 +149,7 @@ def cost(sizes=(48, 1000), repeats: int = 10) -> None:
             (pvi.MeanFieldGaussian(), dp),
             (site_families(), plain),
         )
-        runs = [jax.jit(one_visit(normal_gamma_model, f, u, X, y=y)) for f, u in cases]
+        runs = [jax.jit(one_visit(normal_gamma_model, f, u, X, y=y)[0]) for f, u in cases]
         for run in runs:
             jax.block_until_ready(run(random.PRNGKey(0)))  # compile
         best = [np.inf] * len(runs)

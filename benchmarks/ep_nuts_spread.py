@@ -17,9 +17,9 @@ from jax import random
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-import test_snep_blocks as ref  # noqa: E402
-
 import numpyro_pvi as pvi  # noqa: E402
+
+import models as ref  # noqa: E402
 
 UPDATE = pvi.MomentMatchingUpdate(
     tilted=pvi.NUTSMoments(num_samples=400, num_warmup=200, num_chains=2)
@@ -56,9 +56,7 @@ def main(num_seeds: int = 5) -> None:
     runs = [
         inference.run(random.PRNGKey(s), 2, X, y=y_ng, progress_bar=False) for s in range(num_seeds)
     ]
-    worst = np.max(
-        [ref.ng_errors(inference.family, run.state.q, reference) for run in runs], axis=0
-    )
+    worst = np.max([ref.ng_errors(run.family, run.state.q, reference) for run in runs], axis=0)
     print(
         f"SiteFamilies w (FullRank) + tau (Gamma), 1 client, 2 rounds: w mean <= {worst[0]:.4f} "
         f"sd, w sds <= {100 * worst[1]:.2f} %, tau mean <= {100 * worst[2]:.2f} %, tau sd <= "

@@ -14,6 +14,7 @@ closed-form block-diagonal VI optimum; prints the errors in units of the optimum
 """
 
 import sys
+from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
@@ -21,10 +22,10 @@ from jax import random
 
 import numpyro_pvi as pvi
 
-sys.path.insert(0, "tests")
-from test_site_families import (  # noqa: E402
-    PARTS,
-    N,
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from models import UNEVEN_N as N  # noqa: E402
+from models import UNEVEN_PARTS as PARTS  # noqa: E402
+from models import (  # noqa: E402
     block_diagonal_vi_optimum,
     halfnormal_scale_model,
     normal_gamma_model,
@@ -47,7 +48,7 @@ def halfnormal(num_seeds: int = 5) -> None:
     )
     for seed in range(10, 10 + num_seeds):
         result = inference.run(random.PRNGKey(seed), 8, X, y=y, progress_bar=False)
-        w_block, sigma_block = family.split(result.state.q)
+        w_block, sigma_block = result.family.split(result.state.q)
         w_mean, w_cov = pvi.FullRankGaussian().moments(w_block)
         log_mean, log_var = pvi.MeanFieldGaussian().moments(sigma_block)
         print(
@@ -79,7 +80,7 @@ def main() -> None:
         )
         for seed in range(5):
             result = inference.run(random.PRNGKey(seed), rounds, X, y=y, progress_bar=False)
-            w_block, tau_block = family.split(result.state.q)
+            w_block, tau_block = result.family.split(result.state.q)
             shape, rate = pvi.Gamma().to_params(tau_block)
             w_mean, w_cov = pvi.FullRankGaussian().moments(w_block)
             tau_error, shape_error = (

@@ -13,14 +13,15 @@ over the seeds.
 """
 
 import sys
+from pathlib import Path
 
 import numpy as np
 from jax import random
 
 import numpyro_pvi as pvi
 
-sys.path.insert(0, "tests")
-from test_snep_blocks import (  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from models import (  # noqa: E402
     categorical_data,
     categorical_pvi,
     dirichlet_errors,
@@ -47,6 +48,11 @@ def spread(name: str, labels: tuple, run, num_seeds: int) -> None:
         f"{name} worst:  " + " ".join(f"{k} {v:.4f}" for k, v in zip(labels, np.max(rows, axis=0))),
         flush=True,
     )
+
+
+def _family_and_q(result) -> tuple:
+    """The run's laid-out family and its ``q``."""
+    return result.family, result.state.q
 
 
 def main(num_seeds: int = 5, plain: bool = False) -> None:
@@ -80,8 +86,7 @@ def main(num_seeds: int = 5, plain: bool = False) -> None:
         "site families one client",
         ("w mean/sd", "w sd", "tau mean", "tau sd"),
         lambda seed: ng_errors(
-            inference.family,
-            inference.run(random.PRNGKey(seed), 2, X, y=yn, progress_bar=False).state.q,
+            *_family_and_q(inference.run(random.PRNGKey(seed), 2, X, y=yn, progress_bar=False)),
             reference,
         ),
         num_seeds,

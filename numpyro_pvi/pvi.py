@@ -215,7 +215,10 @@ class PVI:
 
     # the configuration's parts, read-only (``config`` is the value problems and results hold)
     model = property(lambda self: self.config.model, doc="The NumPyro model.")
-    family = property(lambda self: self.config.family, doc="The family of ``q``.")
+    family = property(
+        lambda self: self.config.family,
+        doc="The family of ``q`` as configured (never laid out: see ``problem.family``).",
+    )
     partitions = property(lambda self: self.config.partitions, doc="The clients' partitions.")
     local_update = property(lambda self: self.config.local_update, doc="The local update.")
     server = property(lambda self: self.config.server, doc="The server.")
@@ -276,8 +279,8 @@ class PVI:
             ``Problem``.
         """
         problem = self._problem(args, kwargs)
-        steps, capacity = problem.steps, problem.capacity
-        zeros = self.family.zeros(problem.sites.dim)
+        steps, capacity, family = problem.steps, problem.capacity, problem.family
+        zeros = family.zeros(problem.sites.dim)
         factors = _broadcast(zeros, capacity, zero=True)
         t0 = zeros if steps.prior_init is None else steps.prior_init(problem.prior, _data(problem))
         q = problem.prior + t0
@@ -285,7 +288,7 @@ class PVI:
         config = self.config
         if config.init_loc_fn is not None or config.init_scale is not None:
             q, factors = chosen_start(
-                config.family,
+                family,
                 config.model,
                 problem,
                 q,
@@ -293,7 +296,7 @@ class PVI:
                 config.init_loc_fn,
                 config.init_scale,
             )
-        if not bool(self.family.is_valid(q)):
+        if not bool(family.is_valid(q)):
             raise ValueError(
                 "The prior of the global sites could not be approximated by a proper member of "
                 f"the family (sites: {[s.name for s in problem.sites.globals]}); PVI needs proper "
@@ -314,7 +317,7 @@ class PVI:
             hyper,
             hyper_state,
             _broadcast(hyper, capacity, zero=True),
-            self.server.damping.init(q, factors, self.family),
+            self.server.damping.init(q, factors, family),
             MadeFor.of(self.config, problem),
         )
 
@@ -350,13 +353,13 @@ class PVI:
                 "was made "
                 "for."
             )
-        expected = jax.tree.map(jnp.shape, self.family.zeros(problem.sites.dim))
+        expected = jax.tree.map(jnp.shape, problem.family.zeros(problem.sites.dim))
         if jax.tree.map(jnp.shape, state.q) != expected:
             raise ValueError(
                 f"The state's q has shapes {jax.tree.map(jnp.shape, state.q)}, but this model's "
                 f"global sites {[s.name for s in problem.sites.globals]} with "
-                f"{type(self.family).__name__} need {expected}: was it made for another model or "
-                "family?"
+                f"{type(problem.family).__name__} need {expected}: was it made for another model "
+                "or family?"
             )
         if int(state.factors.eta1.shape[0]) != problem.capacity:
             raise ValueError(
@@ -386,7 +389,7 @@ class PVI:
         state = self.server.run_round(state, round, problem.num_clients)
         backtracked = round.backtracked(rho)
         state = self.server.damping.after_merge(
-            self.family,
+            problem.family,
             before,
             state,
             round.every_client_merged() and not backtracked,
@@ -414,7 +417,7 @@ class PVI:
         state = state._replace(
             damping=self.server.damping.after_round(state.damping, elbo, backtracked)
         )
-        move = q_move(self.family, old_q, state.q)
+        move = q_move(problem.family, old_q, state.q)
         info = RoundInfo(
             elbo,
             *round.record(),
@@ -538,7 +541,7 @@ class PVI:
                 *(np.concatenate([np.asarray(old), new]) for old, new in zip(init_history, history))
             )
         converged, stopped_because = monitor.at_end()
-        averaged = None if average_rounds is None else average_states(self.family, state, last)
+        averaged = None if average_rounds is None else average_states(problem.family, state, last)
         return PVIRunResult(
             state, history, self.config, problem, converged, stopped_because, averaged
         )
@@ -578,7 +581,7 @@ class PVI:
         server_state = _grow(state.server_state, self.server.init(state.q, capacity))
         state = state._replace(
             factors=_grow(
-                state.factors, _broadcast(self.family.zeros(new.sites.dim), capacity, zero=True)
+                state.factors, _broadcast(new.family.zeros(new.sites.dim), capacity, zero=True)
             ),
             client_states=_grow(state.client_states, _broadcast(local, capacity)),
             hyper_grads=_grow(state.hyper_grads, _broadcast(state.hyper, capacity, zero=True)),
@@ -612,9 +615,24 @@ class PVI:
         problem."""
         return self._problem(args, kwargs).sites
 
-    def get_posterior(self, state: PVIState) -> dist.Distribution:
-        """``q`` as a NumPyro distribution over the flat unconstrained vector ``zeta``."""
-        return self.family.to_dist(state.q)
+    def get_posterior(self, state: PVIState, problem: Problem | None = None) -> dist.Distribution:
+        """``q`` as a NumPyro distribution over the flat vector ``zeta``.
+
+        :param problem: the problem the state was made on, whose laid-out family
+            (``problem.family``) is used. Without it the family is laid out from the global sites'
+            shapes the state records (``state.made_for``): all a Gaussian or an exponential family
+            needs; a :class:`~numpyro_pvi.SiteFamilies` needs the problem (``ValueError``).
+
+        **Example:** ``inference.get_posterior(state).mean``;
+        ``inference.get_posterior(state, problem)`` with ``SiteFamilies``.
+        """
+        if problem is not None:
+            family = problem.family
+        elif state.made_for.known:
+            family = self.family.with_layout(None, dict(state.made_for.sites))
+        else:  # a state built by hand records no sites
+            family = self.family
+        return family.to_dist(state.q)
 
     def get_params(self, state: PVIState) -> dict:
         """The model's ``numpyro.param`` values, constrained, like ``SVI.get_params`` (``{}`` if it

@@ -6,6 +6,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 import numpyro_pvi as pvi
 from numpyro_pvi.families import NatParams
@@ -346,3 +347,30 @@ class LocalFederation:
 
     def __exit__(self, *exc):
         self.stop()
+# ---------------------------------------------------------------------- one client visit
+def first_client(problem):
+    """Client 0's data (its slot of the problem's stacked clients)."""
+    return jax.tree.map(lambda a: a[0], problem.clients)
+
+
+def one_visit(model, family, update, *args, **kwargs):
+    """``(key -> q_new, laid-out family)``: one client of every row (``kwargs["y"]``) visited once
+    from the prior (cavity = q = prior), as in the first round of PVI with one client."""
+    rows = np.arange(kwargs["y"].shape[0])
+    problem = pvi.PVI(model, family, [rows], update, pvi.Sequential()).build(*args, **kwargs)
+    cp, client, q = problem.client_problem, first_client(problem), problem.prior
+    bound = update.bind(cp)
+    return lambda key: q + bound(key, client, q, q, update.init_state(cp)).delta, problem.family
+
+
+def conjugate_update():
+    """DP-SGD without noise or clipping for the conjugate tests (and their spread,
+    benchmarks/dp_generic.py)."""
+    return pvi.DPGradientUpdate(
+        optax.adam(0.05, b2=0.99),
+        num_steps=3000,
+        batch_size=30,
+        clip_norm=1e6,
+        noise_multiplier=0.0,
+        num_particles=4,
+    )

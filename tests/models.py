@@ -12,7 +12,7 @@ import numpyro
 import numpyro.distributions as dist
 from jax import random
 from numpyro.distributions import constraints
-from scipy.optimize import minimize_scalar
+from scipy.optimize import minimize, minimize_scalar
 
 import numpyro_pvi as pvi
 from numpyro_pvi.families import NatParams
@@ -247,6 +247,32 @@ def ng_errors(family, q, reference):
     )
 
 
+def poisson_data():
+    return random.poisson(random.PRNGKey(0), 3.0, (EP_N,)).astype(jnp.float32)
+
+
+def gamma_errors(q, y, prior=(2.0, 0.5)):
+    """``(|mean error| / sd, |sd ratio - 1|)`` of a Gamma ``q`` against the exact posterior of
+    ``poisson_model``."""
+    a, b = prior[0] + float(np.sum(y)), prior[1] + len(y)
+    marginals = pvi.Gamma().marginals(q)
+    sd = np.sqrt(a) / b
+    return abs(float(marginals.mean[0]) - a / b) / sd, abs(
+        float(np.sqrt(marginals.variance[0])) / sd - 1.0
+    )
+
+
+def poisson_pvi(server, backend="vmap", update=None):
+    return pvi.PVI(
+        poisson_model,
+        pvi.Gamma(),
+        partitions=EP_PARTS,
+        server=server,
+        backend=backend,
+        local_update=update or pvi.SNEPUpdate(),
+    )
+
+
 def categorical_pvi(update=None):
     return pvi.PVI(
         categorical_model,
@@ -328,3 +354,91 @@ def make_nb_data():
     X = random.normal(k1, (2000, 3))
     y = dist.NegativeBinomial2(jnp.exp(2.0 + X @ jnp.array([0.5, -0.3, 0.2])), NB_PHI).sample(k2)
     return X, y
+# ---------------------------------------------------------------------- SiteFamilies' models
+UNEVEN_N = 48  # rows of the SiteFamilies tests' regressions
+UNEVEN_PARTS = np.split(np.arange(UNEVEN_N), [5, 14, 30])  # four uneven clients
+
+
+def intercept_regression_model(X, y=None):
+    """Linear regression with weights ``w`` (2,), an intercept ``b`` and known noise ``NOISE``
+    (tests/test_site_families.py; benchmarks/adaptive_damping_tolerance.py)."""
+    w = numpyro.sample("w", dist.Normal(0.0, 1.0).expand([2]).to_event(1))
+    b = numpyro.sample("b", dist.Normal(0.0, 2.0))
+    with pvi.partition_plate("data", X.shape[0]):
+        numpyro.sample("y", dist.Normal(X @ w + b, NOISE), obs=y)
+
+
+def make_intercept_regression_data():
+    """``UNEVEN_N`` rows of shifted features (``w`` and ``b`` are correlated a posteriori)."""
+    X = 0.3 + random.normal(random.PRNGKey(0), (UNEVEN_N, 2))
+    y = X @ jnp.array([1.0, -0.5]) + 0.3 + NOISE * random.normal(random.PRNGKey(1), (UNEVEN_N,))
+    return X, y
+
+
+def intercept_regression_posterior(X, y):
+    """``(precision, mean)`` of ``intercept_regression_model``'s exact posterior over ``(w, b)``,
+    float64."""
+    A = np.concatenate([np.asarray(X, np.float64), np.ones((len(y), 1))], axis=1)
+    precision = A.T @ A / NOISE**2 + np.diag([1.0, 1.0, 0.25])
+    return precision, np.linalg.solve(precision, A.T @ np.asarray(y, np.float64) / NOISE**2)
+
+
+def halfnormal_scale_model(X, y=None):
+    """Linear regression whose noise scale has a ``HalfNormal(1)`` prior."""
+    w = numpyro.sample("w", dist.Normal(0.0, 1.0).expand([2]).to_event(1))
+    sigma = numpyro.sample("sigma", dist.HalfNormal(1.0))
+    with pvi.partition_plate("data", X.shape[0]):
+        numpyro.sample("y", dist.Normal(X @ w, sigma), obs=y)
+
+
+def block_diagonal_vi_optimum(X, y):
+    """The optimum of the ELBO over q(w) = N(m, S) (full rank) times q(log sigma) = N(mu, s^2), in
+    closed form.
+
+    Every expectation is analytic (``E[sigma^-2] = exp(-2 mu + 2 s^2)``, ``E[sigma^2] = exp(2 mu + 2
+    s^2)``), q(w) is optimal in closed form given q(log sigma), and the remaining 2-d ELBO is
+    maximised by Nelder-Mead in float64.
+    """
+    X, y = np.asarray(X, np.float64), np.asarray(y, np.float64)
+
+    def w_given(mu, s):
+        inv_var = np.exp(-2 * mu + 2 * s**2)
+        cov = np.linalg.inv(inv_var * X.T @ X + np.eye(2))
+        return cov @ (inv_var * X.T @ y), cov
+
+    def negative_elbo(params):
+        mu, s = params[0], np.exp(params[1])
+        m, cov = w_given(mu, s)
+        inv_var = np.exp(-2 * mu + 2 * s**2)
+        likelihood = -len(y) * mu - 0.5 * inv_var * (
+            np.sum((y - X @ m) ** 2) + np.trace(X @ cov @ X.T)
+        )
+        # HalfNormal(1) in log space
+        prior = -0.5 * (m @ m + np.trace(cov)) - 0.5 * np.exp(2 * mu + 2 * s**2) + mu
+        entropy = 0.5 * np.linalg.slogdet(cov)[1] + np.log(s)
+        return -(likelihood + prior + entropy)
+
+    opt = minimize(
+        negative_elbo,
+        np.array([-0.5, np.log(0.1)]),
+        method="Nelder-Mead",
+        options={"xatol": 1e-10, "fatol": 1e-12, "maxiter": 5000},
+    )
+    m, cov = w_given(opt.x[0], np.exp(opt.x[1]))
+    return m, cov, opt.x[0], np.exp(opt.x[1])
+
+
+# ---------------------------------------------------------------------- the Flower set-up
+FLOWER_SITES, FLOWER_GROUPS = 4, 3  # Flower sites, intercept_model's groups per site
+
+
+def make_flower_data():
+    """``(x, y, parts)``: ``FLOWER_SITES * FLOWER_GROUPS`` groups of 4 rows for
+    ``intercept_model`` (``y = 0.5 + u[g] + 1.2 x + N(0, 1)``) and their iid split over the
+    ``FLOWER_SITES`` sites (tests/test_flower.py, benchmarks/flower.py)."""
+    groups = FLOWER_SITES * FLOWER_GROUPS
+    kx, ku, ky = random.split(random.PRNGKey(0), 3)
+    x = random.normal(kx, (groups, 4))
+    u = random.normal(ku, (groups,))
+    y = 0.5 + u[:, None] + 1.2 * x + random.normal(ky, x.shape)
+    return x, y, pvi.split_iid(random.PRNGKey(1), groups, FLOWER_SITES)

@@ -154,7 +154,7 @@ def test_site_families_clip_every_block_and_checkpoint_resumes_exactly(tmp_path)
     # eta1, w's eta2 (2 x 2), tau's eta2
     assert len(leaves) == 3 and all(np.any(leaf != 0) for leaf in leaves)
     np.testing.assert_allclose(np.sqrt(sum(np.sum(leaf**2) for leaf in leaves)), 0.5, rtol=1e-5)
-    assert bool(family.is_valid(result.state.q))
+    assert bool(result.family.is_valid(result.state.q))
     assert_checkpoint_resumes(inference, result, tmp_path / "run.npz")
 
 

@@ -9,6 +9,7 @@ from numpyro.distributions.transforms import biject_to
 import numpyro_pvi as pvi
 from numpyro_pvi.families.reparameterised import GuideParameters
 
+from fakes import conjugate_update, first_client, one_visit
 from models import (
     bernoulli_model,
     categorical_model,
@@ -37,10 +38,6 @@ def _problem(update, X, y):
     return pvi.PVI(linear_model, pvi.MeanFieldGaussian(), PARTS, update, pvi.Sequential()).build(
         X, y=y
     )
-
-
-def _first_client(problem):
-    return jax.tree.map(lambda a: a[0], problem.clients)
 
 
 def _params(family, q):
@@ -88,7 +85,7 @@ def _one_step_change(update, data, outlier, keys):
     family, dim = problems[0].client_problem.family, problems[0].client_problem.dim
     q = family.from_loc_scale(jnp.zeros(dim), jnp.ones(dim))
     binds = [update.bind(p.client_problem) for p in problems]
-    clients = [_first_client(p) for p in problems]
+    clients = [first_client(p) for p in problems]
     state = update.init_state(problems[0].client_problem)
 
     def params_after(bound, client, key):
@@ -144,7 +141,7 @@ def test_noise_has_sd_noise_multiplier_times_clip_norm_over_rate(linear_data):
     X, y = linear_data
     noisy, exact = _update(clip_norm=0.5, noise_multiplier=2.0), _update(clip_norm=0.5)
     problem = _problem(noisy, X, y)
-    client, dim = _first_client(problem), problem.client_problem.dim
+    client, dim = first_client(problem), problem.client_problem.dim
     params, rate = (jnp.zeros(dim), jnp.zeros(dim)), 0.5
     keys = random.split(random.PRNGKey(2), 4000)
 
@@ -168,7 +165,7 @@ def test_randomness_comes_from_the_key(linear_data):
     run = jax.jit(
         lambda key: (
             update.bind(problem.client_problem)(
-                key, _first_client(problem), q, q, update.init_state(None)
+                key, first_client(problem), q, q, update.init_state(None)
             ).delta
         )
     )
@@ -244,16 +241,6 @@ def normal_gamma():
     return X, y, normal_gamma_vb(X, y)
 
 
-def one_visit(model, family, update, *args, **kwargs):
-    """``key -> q_new``: one client of every row (``kwargs["y"]``) visited once from the prior
-    (cavity = q = prior), as in the first round of PVI with one client."""
-    rows = np.arange(kwargs["y"].shape[0])
-    problem = pvi.PVI(model, family, [rows], update, pvi.Sequential()).build(*args, **kwargs)
-    cp, client, q = problem.client_problem, _first_client(problem), problem.prior
-    bound = update.bind(cp)
-    return lambda key: q + bound(key, client, q, q, update.init_state(cp)).delta
-
-
 def test_noiseless_unclipped_dp_sgd_with_site_families_reaches_the_normal_gamma_vb_fixed_point(
     normal_gamma,
 ):
@@ -275,7 +262,8 @@ def test_noiseless_unclipped_dp_sgd_with_site_families_reaches_the_normal_gamma_
         noise_multiplier=0.0,
         num_particles=4,
     )
-    q = jax.jit(one_visit(normal_gamma_model, family, update, X, y=y))(random.PRNGKey(0))
+    visit, family = one_visit(normal_gamma_model, family, update, X, y=y)
+    q = jax.jit(visit)(random.PRNGKey(0))
     w_block, tau_block = family.split(q)
     shape, rate = (float(p[0]) for p in pvi.Gamma().to_params(tau_block))
     np.testing.assert_allclose(shape / rate, a / b, rtol=0.025)
@@ -304,22 +292,10 @@ def test_noiseless_unclipped_dp_sgd_reaches_the_conjugate_posterior(family):
             random.categorical(random.PRNGKey(1), jnp.log(jnp.arange(1.0, 5.0)), shape=(30,)),
         )
         exact = np.array([1.0, 2.0, 0.5, 3.0]) + np.bincount(np.asarray(y), minlength=4)
-    q = jax.jit(one_visit(model, family, conjugate_update(), y=y))(random.PRNGKey(2))
+    visit, family = one_visit(model, family, conjugate_update(), y=y)
+    q = jax.jit(visit)(random.PRNGKey(2))
     np.testing.assert_allclose(
         np.concatenate([np.asarray(p) for p in family.to_params(q)]), exact, rtol=0.08
-    )
-
-
-def conjugate_update():
-    """DP-SGD without noise or clipping for the conjugate tests (and their spread,
-    benchmarks/dp_generic.py)."""
-    return pvi.DPGradientUpdate(
-        optax.adam(0.05, b2=0.99),
-        num_steps=3000,
-        batch_size=30,
-        clip_norm=1e6,
-        noise_multiplier=0.0,
-        num_particles=4,
     )
 
 
@@ -338,7 +314,7 @@ def test_a_non_gaussian_family_spends_the_same_epsilon(normal_gamma):
         result = pvi.PVI(model, family, parts, update, pvi.Synchronous(0.5)).run(
             random.PRNGKey(1), 2, X, y=y, progress_bar=False
         )
-        assert bool(family.is_valid(result.state.q))
+        assert bool(result.family.is_valid(result.state.q))
         spent.append(result.privacy_spent(1e-5))
     np.testing.assert_array_equal(
         pvi.privacy.accounting.releases(result.config.local_update, result.state.client_states, 2),

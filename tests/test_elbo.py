@@ -29,8 +29,7 @@ def _site_families() -> pvi.SiteFamilies:
     """A Gaussian block ``w`` (2,) and a Gamma block ``rate``, laid out as a model ``w, rate`` lays
     them."""
     family = pvi.SiteFamilies({"rate": pvi.Gamma()}, default=pvi.FullRankGaussian())
-    family.adopt_layout(((("w",), 2), (("rate",), 1)), {"w": (2,), "rate": ()})
-    return family
+    return family.with_layout(((("w",), 2), (("rate",), 1)), {"w": (2,), "rate": ()})
 
 
 def _gaussian_q(family, concentration):

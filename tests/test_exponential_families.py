@@ -204,8 +204,8 @@ def test_moment_matching_is_exact_for_a_conjugate_likelihood(model, family):
 
 def test_refusals_name_the_site_the_family_and_the_alternative():
     """An exponential-family block has no prior factor: a LogNormal prior in a Gamma block is
-    refused naming the site, the family and the Gaussian alternative; a batch of simplices in one
-    Dirichlet and EP with NUTS are refused too."""
+    refused naming the site, the family and the Gaussian alternative; two simplex sites in one
+    Dirichlet are refused too."""
 
     def lognormal_rate(y=None):
         rate = numpyro.sample("rate", dist.LogNormal(0.0, 1.0))
@@ -221,10 +221,8 @@ def test_refusals_name_the_site_the_family_and_the_alternative():
     )
     with pytest.raises(ValueError, match=r"\['rate'\].*Gamma\(\).*Gaussian family"):
         inference.build(y=y)
-    family = pvi.Dirichlet()
-    family.check_shapes([(4,)])
-    with pytest.raises(ValueError, match="give each simplex site its own"):
-        family.check_shapes([(3,)])
+    with pytest.raises(ValueError, match="holds one simplex site; got 2 sites"):
+        pvi.Dirichlet().with_layout(None, {"a": (4,), "b": (3,)})
 
 
 def test_moment_matching_with_the_cavity_proposal():
@@ -266,8 +264,8 @@ def test_batched_dirichlet_is_exact_in_one_round():
     y = random.categorical(random.PRNGKey(0), jnp.log(jnp.array([0.2, 0.3, 0.5])), shape=(N,))
     counts = np.zeros((2, 3))
     np.add.at(counts, (np.asarray(group), np.asarray(y)), 1.0)
-    family = pvi.Dirichlet()
-    result = one_round(batched_categorical_model, family, group=group, y=y)
+    result = one_round(batched_categorical_model, pvi.Dirichlet(), group=group, y=y)
+    family = result.family  # laid out: it records the (2, 3) shape
     expected = np.array([[1.0, 2.0, 0.5], [3.0, 1.0, 1.0]]) + counts
     np.testing.assert_allclose(family.to_params(result.state.q)[0], expected.reshape(-1), rtol=1e-5)
     marg = family.marginals(result.state.q)

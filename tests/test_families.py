@@ -364,7 +364,7 @@ def test_site_families_lay_out_blocks_and_map_over_them():
             numpyro.sample("y", dist.Normal(a + w.sum(), 1.0 / jnp.sqrt(tau)), obs=y)
 
     family = pvi.SiteFamilies({"w": pvi.FullRankGaussian(), "tau": pvi.Gamma()})
-    sites = family.prepare_sites(read_model(model, (), {"y": jnp.zeros(3)}))
+    family, sites = family.lay_out(read_model(model, (), {"y": jnp.zeros(3)}))
     assert [s.name for s in sites.globals] == ["a", "w", "tau"] and sites.dim == 4
     assert [(a, b) for _, a, b, _ in family.blocks] == [(0, 1), (1, 3), (3, 4)]
     # its own value, no exp
@@ -409,4 +409,4 @@ def test_site_families_lay_out_blocks_and_map_over_them():
     marg = family.marginals(q)
     np.testing.assert_allclose(marg.mean, [0.0, 1.0, 1.0, 1.5], rtol=1e-6)
     with pytest.raises(ValueError, match="not global latent sites"):
-        pvi.SiteFamilies({"nope": pvi.Gamma()}).prepare_sites(sites)
+        pvi.SiteFamilies({"nope": pvi.Gamma()}).lay_out(sites)

@@ -14,8 +14,6 @@ import warnings
 import jax
 import jax.numpy as jnp
 import numpy as np
-import numpyro
-import numpyro.distributions as dist
 import optax
 import pytest
 from jax import random
@@ -40,30 +38,17 @@ from numpyro_pvi.flower import (  # noqa: E402
 )
 from numpyro_pvi.flower.wire import adopt_layout, layout_to_text  # noqa: E402
 
-from models import normal_gamma_model  # noqa: E402
+from models import (  # noqa: E402
+    FLOWER_SITES,
+    intercept_model,
+    make_flower_data,
+    normal_gamma_model,
+)
 
-NUM_CLIENTS, GROUPS, NUM_ROUNDS, DAMPING = 4, 3, 3, 0.5
+NUM_CLIENTS, NUM_ROUNDS, DAMPING = FLOWER_SITES, 3, 0.5
 # 2 of the 4 sites per round, weighted
 SAMPLED = dict(clients_per_round=2, client_weights=[1.0, 2.0, 3.0, 4.0])
 LOCAL = pvi.GradientUpdate(optax.adam(0.05), num_steps=30, num_particles=2)
-
-
-def intercept_model(x, y=None):
-    """Groups with their own intercepts ``u`` (local latents: each site keeps its groups' guides)
-    and a shared slope."""
-    b = numpyro.sample("b", dist.Normal(0.0, 2.0))
-    w = numpyro.sample("w", dist.Normal(0.0, 2.0))
-    with pvi.partition_plate("groups", x.shape[0]):
-        u = numpyro.sample("u", dist.Normal(0.0, 1.0))
-        numpyro.sample("y", dist.Normal(b + u[:, None] + w * x, 1.0).to_event(1), obs=y)
-
-
-def _data():
-    kx, ku, ky = random.split(random.PRNGKey(0), 3)
-    x = random.normal(kx, (NUM_CLIENTS * GROUPS, 4))
-    u = random.normal(ku, (NUM_CLIENTS * GROUPS,))
-    y = 0.5 + u[:, None] + 1.2 * x + random.normal(ky, x.shape)
-    return x, y, pvi.split_iid(random.PRNGKey(1), NUM_CLIENTS * GROUPS, NUM_CLIENTS)
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +104,7 @@ def run_flower():
     """One Flower simulation: 4 virtual sites, each loading only its own groups (Ray actors on this
     machine); the ServerApp runs a synchronous strategy, a sequential one and a sampling one, on the
     same sites."""
-    X, y, parts = _data()
+    X, y, parts = make_flower_data()
     site_data = [(np.asarray(X[p]), np.asarray(y[p])) for p in parts]
 
     def load_data(context):
@@ -158,7 +143,7 @@ def run_flower():
 
 def _in_process(*seeds, server=None):
     """The in-process vmap runs with these seeds (one PVI: the compiled round is shared)."""
-    X, y, parts = _data()
+    X, y, parts = make_flower_data()
     server = pvi.Synchronous(DAMPING) if server is None else server
     inference = pvi.PVI(
         intercept_model, pvi.MeanFieldGaussian(), parts, LOCAL, server, backend="vmap"
@@ -352,7 +337,7 @@ def test_a_sites_layout_lays_out_a_copy_of_the_servers_family():
     problem = pvi.PVI(
         normal_gamma_model, site_families(), [np.arange(6)], LOCAL, pvi.Synchronous(DAMPING)
     ).build(X, y=X[:, 0])
-    text = layout_to_text(problem.client_problem.family, problem.sites)
+    text = layout_to_text(problem.family, problem.sites)
     server = site_families()
     laid_out = adopt_layout(server, text)
     assert laid_out.layout() == ((("w",), 2), (("tau",), 1))
@@ -408,4 +393,4 @@ def test_flower_site_families_match_in_process(by_value):
     np.testing.assert_array_equal(strategy.history.rejection, reference.history.rejection)
     with pytest.raises(ValueError, match="same SiteFamilies"):
         # w and tau in one block
-        site_families().adopt_layout([[["w", "tau"], 3]], {"w": (2,), "tau": ()})
+        site_families().with_layout([[["w", "tau"], 3]], {"w": (2,), "tau": ()})

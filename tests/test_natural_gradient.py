@@ -233,7 +233,7 @@ def test_cvi_normal_gamma_is_within_half_a_percent_of_mean_field_vb():
         pvi.Sequential(),
     )
     result = inference.run(random.PRNGKey(0), 10, X, y=y, progress_bar=False)
-    w_block, tau_block = family.split(result.state.q)
+    w_block, tau_block = result.family.split(result.state.q)
     shape, rate = pvi.Gamma().to_params(tau_block)
     np.testing.assert_allclose([float(shape[0]), float(rate[0])], [a, b], rtol=0.005)
     w_mean, _ = pvi.FullRankGaussian().moments(w_block)
@@ -283,7 +283,7 @@ def test_cvi_with_a_gamma_block_from_a_wide_prior_on_a_negbin_log_link_reaches_n
     )
     result = inference.run(random.PRNGKey(0), 4, X, y=y, progress_bar=False)
     # the flat layout: the default block (w, b), then phi
-    marginals = family.marginals(result.state.q)
+    marginals = result.family.marginals(result.state.q)
     mean, sd = marginals.mean, np.sqrt(marginals.variance)
     assert np.max(np.abs(mean - NEGBIN_NUTS_MEAN) / NEGBIN_NUTS_SD) < 0.25, mean
     np.testing.assert_allclose(sd, NEGBIN_NUTS_SD, rtol=0.25)
@@ -305,8 +305,9 @@ def test_laplace_site_of_a_gamma_block_is_the_conjugate_posterior():
     np.testing.assert_allclose(np.concatenate([site.eta1, site.eta2]), [17.0, -5.0], rtol=1e-4)
     # SiteFamilies: a Gaussian block w (likelihood N(w; 2, 0.5^2): site eta1 = 8, eta2 = -2) and the
     # Gamma block
-    family = pvi.SiteFamilies({"lam": pvi.Gamma()}, default=pvi.FullRankGaussian())
-    family.adopt_layout([(("w",), 1), (("lam",), 1)], {"w": (1,), "lam": ()})
+    family = pvi.SiteFamilies({"lam": pvi.Gamma()}, default=pvi.FullRankGaussian()).with_layout(
+        [(("w",), 1), (("lam",), 1)], {"w": (1,), "lam": ()}
+    )
     gauss = pvi.FullRankGaussian()
     cavity = family.join([gauss.from_loc_scale(jnp.zeros(1), 10.0 * jnp.eye(1)), cavity])
     q = family.join([gauss.from_loc_scale(jnp.full(1, -20.0), 10.0 * jnp.eye(1)), q])
@@ -325,8 +326,7 @@ def test_laplace_coordinates_of_every_exponential_family_round_trip():
     """Each family's Laplace members agree: laplace_start is the mode of laplace_log_density (zero
     gradient), laplace_precision its negative Hessian there, and from_laplace of the two is the
     member itself."""
-    dirichlet = pvi.Dirichlet()
-    dirichlet.check_shapes([(2, 3)])  # two simplices of three
+    dirichlet = pvi.Dirichlet().with_layout(None, {"probs": (2, 3)})  # two simplices of three
     cases = [
         (pvi.Gamma(), (jnp.array([3.0, 0.5]), jnp.array([2.0, 4.0]))),
         (pvi.Beta(), (jnp.array([3.0, 1.5]), jnp.array([2.0, 4.0]))),

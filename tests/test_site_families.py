@@ -7,6 +7,9 @@ precision, ``SiteFamilies({"w": FullRankGaussian(), "tau": Gamma()})`` has the N
 mean-field VB fixed point, computed here by coordinate ascent.
 """
 
+import pickle
+from dataclasses import replace
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,37 +19,26 @@ import optax
 import pytest
 from jax import random
 from numpyro.infer import Predictive
-from scipy.optimize import minimize
 
 import numpyro_pvi as pvi
 
 from fakes import assert_checkpoint_resumes
-from models import normal_gamma_model, normal_gamma_vb
-
-NOISE = 0.5
-N = 48
-PARTS = np.split(np.arange(N), [5, 14, 30])  # four uneven clients
-
-
-def linear_model(X, y=None):
-    w = numpyro.sample("w", dist.Normal(0.0, 1.0).expand([2]).to_event(1))
-    b = numpyro.sample("b", dist.Normal(0.0, 2.0))
-    with pvi.partition_plate("data", X.shape[0]):
-        numpyro.sample("y", dist.Normal(X @ w + b, NOISE), obs=y)
+from models import (
+    UNEVEN_N,
+    UNEVEN_PARTS,
+    block_diagonal_vi_optimum,
+    halfnormal_scale_model,
+    intercept_regression_model,
+    intercept_regression_posterior,
+    make_intercept_regression_data,
+    normal_gamma_model,
+    normal_gamma_vb,
+)
 
 
 @pytest.fixture(scope="module")
 def data():
-    # shifted: w and b are correlated a posteriori
-    X = 0.3 + random.normal(random.PRNGKey(0), (N, 2))
-    y = X @ jnp.array([1.0, -0.5]) + 0.3 + NOISE * random.normal(random.PRNGKey(1), (N,))
-    return X, y
-
-
-def exact_precision_and_mean(X, y):
-    A = np.concatenate([np.asarray(X, np.float64), np.ones((N, 1))], axis=1)
-    precision = A.T @ A / NOISE**2 + np.diag([1.0, 1.0, 0.25])
-    return precision, np.linalg.solve(precision, A.T @ np.asarray(y, np.float64) / NOISE**2)
+    return make_intercept_regression_data()
 
 
 def cvi(family, server, backend="vmap", laplace_fallback=True):
@@ -54,7 +46,12 @@ def cvi(family, server, backend="vmap", laplace_fallback=True):
         step_size=1.0, num_particles=8, laplace_fallback=laplace_fallback
     )
     return pvi.PVI(
-        linear_model, family, partitions=PARTS, server=server, backend=backend, local_update=update
+        intercept_regression_model,
+        family,
+        partitions=UNEVEN_PARTS,
+        server=server,
+        backend=backend,
+        local_update=update,
     )
 
 
@@ -67,27 +64,31 @@ def block_precisions(family, q):
 def test_block_diagonal_fixed_point_is_mean_field_vb(data, server, rounds):
     """FullRankGaussian over w, MeanFieldGaussian over b: the exact mean, the exact precision's
     diagonal blocks."""
-    precision, mean = exact_precision_and_mean(*data)
+    precision, mean = intercept_regression_posterior(*data)
     family = pvi.SiteFamilies({"w": pvi.FullRankGaussian()})
     result = cvi(family, server).run(
         random.PRNGKey(2), rounds, *data[:1], y=data[1], progress_bar=False
     )
-    np.testing.assert_allclose(family.marginals(result.state.q).mean, mean, rtol=1e-4, atol=1e-4)
-    w_precision, b_precision = block_precisions(family, result.state.q)
+    np.testing.assert_allclose(
+        result.family.marginals(result.state.q).mean, mean, rtol=1e-4, atol=1e-4
+    )
+    w_precision, b_precision = block_precisions(result.family, result.state.q)
     np.testing.assert_allclose(w_precision, precision[:2, :2], rtol=1e-4)
     np.testing.assert_allclose(b_precision, precision[2, 2], rtol=1e-4)
 
 
 def test_one_block_is_the_full_rank_posterior(data):
     """Grouping w and b in one FullRankGaussian block gives the exact posterior in one round."""
-    precision, mean = exact_precision_and_mean(*data)
+    precision, mean = intercept_regression_posterior(*data)
     family = pvi.SiteFamilies({("w", "b"): pvi.FullRankGaussian()})
     result = cvi(family, pvi.Synchronous(1.0)).run(
         random.PRNGKey(2), 1, data[0], y=data[1], progress_bar=False
     )
-    (block,) = family.split(result.state.q)
+    (block,) = result.family.split(result.state.q)
     np.testing.assert_allclose(-2.0 * np.asarray(block.eta2), precision, rtol=1e-4)
-    np.testing.assert_allclose(family.marginals(result.state.q).mean, mean, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(
+        result.family.marginals(result.state.q).mean, mean, rtol=1e-4, atol=1e-4
+    )
 
 
 def test_backends_agree_and_checkpoint_resumes_exactly(data, tmp_path):
@@ -111,8 +112,8 @@ def test_backends_agree_and_checkpoint_resumes_exactly(data, tmp_path):
 
 @pytest.fixture(scope="module")
 def normal_gamma_data():
-    X = random.normal(random.PRNGKey(4), (N, 2))
-    y = X @ jnp.array([1.0, -0.5]) + 0.7 * random.normal(random.PRNGKey(5), (N,))
+    X = random.normal(random.PRNGKey(4), (UNEVEN_N, 2))
+    y = X @ jnp.array([1.0, -0.5]) + 0.7 * random.normal(random.PRNGKey(5), (UNEVEN_N,))
     return X, y
 
 
@@ -130,12 +131,12 @@ def test_normal_gamma_fixed_point_is_mean_field_vb(normal_gamma_data, server, ro
     inference = pvi.PVI(
         normal_gamma_model,
         family,
-        partitions=PARTS,
+        partitions=UNEVEN_PARTS,
         server=server,
         local_update=pvi.NaturalGradientUpdate(step_size=1.0, num_particles=512),
     )
     result = inference.run(random.PRNGKey(6), rounds, X, y=y, progress_bar=False)
-    w_block, tau_block = family.split(result.state.q)
+    w_block, tau_block = result.family.split(result.state.q)
     shape, rate = pvi.Gamma().to_params(tau_block)
     np.testing.assert_allclose(float(shape[0] / rate[0]), a / b, rtol=0.04)
     np.testing.assert_allclose(float(shape[0]), a, rtol=0.25)
@@ -152,11 +153,59 @@ def gradient_result(normal_gamma_data):
     inference = pvi.PVI(
         normal_gamma_model,
         family,
-        partitions=PARTS,
+        partitions=UNEVEN_PARTS,
         server=pvi.Sequential(),
         local_update=pvi.GradientUpdate(optax.adam(0.05), num_steps=300, num_particles=4),
     )
     return inference.run(random.PRNGKey(7), 3, X, y=y, progress_bar=False)
+
+
+def shaped_model(X, y=None):
+    """Every global site's shape follows the data's columns ``K``: ``w`` ``(K,)`` and a batch of two
+    simplices ``probs`` ``(2, K)`` (a prior only)."""
+    K = X.shape[1]
+    w = numpyro.sample("w", dist.Normal(0.0, 1.0).expand([K]).to_event(1))
+    numpyro.sample("probs", dist.Dirichlet(jnp.ones((2, K))).to_event(1))
+    with pvi.partition_plate("data", X.shape[0]):
+        numpyro.sample("y", dist.Normal(X @ w, 1.0), obs=y)
+
+
+def test_lay_out_returns_a_new_family_and_changes_none():
+    """``lay_out`` is a pure function: laid out for sites with 2 and then 3 columns, one
+    ``SiteFamilies`` (and the one ``pvi.Dirichlet()`` in it) returns two laid-out copies, each with
+    its own blocks and simplex shape, and is itself left unlaid, pickled byte for byte as a fresh
+    one. On main ``prepare_sites`` recorded the layout in the family and the second model raised
+    ``ValueError`` ("laid out for another model's sites")."""
+    from numpyro_pvi.model.sites import read_model
+
+    dirichlet = pvi.Dirichlet()
+    family = pvi.SiteFamilies({"w": pvi.FullRankGaussian(), "probs": dirichlet})
+    fresh = pickle.dumps(family)
+    X = np.zeros((3, 3))
+    narrow, _ = family.lay_out(read_model(shaped_model, (X[:, :2],), {"y": np.zeros(3)}))
+    wide, sites = family.lay_out(read_model(shaped_model, (X,), {"y": np.zeros(3)}))
+    assert narrow.layout() == ((("w",), 2), (("probs",), 4))
+    assert wide.layout() == ((("w",), 3), (("probs",), 6)) and sites.dim == 9
+    assert (narrow.blocks[1][0].shape, wide.blocks[1][0].shape) == ((2, 2), (2, 3))
+    assert family.blocks is None and dirichlet.shape is None
+    assert pickle.dumps(family) == fresh
+
+
+def test_each_problem_holds_its_own_laid_out_family():
+    """Two problems of one ``PVI`` on data of 2 and 3 columns: each problem's family
+    (``problem.family``, what the steps and results use) is laid out for its sites, and the
+    configuration's family is the same unlaid object (on main the second build raised)."""
+    family = pvi.SiteFamilies({"w": pvi.FullRankGaussian()})
+    fresh = pickle.dumps(family)
+    inference = pvi.PVI(shaped_model, family, local_update=pvi.NaturalGradientUpdate())
+    X = random.normal(random.PRNGKey(0), (6, 3))
+    y = X @ jnp.array([1.0, -0.5, 0.2])
+    narrow, wide = inference.build(X[:, :2], y=y), inference.build(X, y=y)
+    # probs in the default mean-field block: (2, K - 1) unconstrained coordinates
+    assert narrow.family.layout() == ((("w",), 2), (("probs",), 2))
+    assert wide.family.layout() == ((("w",), 3), (("probs",), 4))
+    assert wide.client_problem.family is wide.family
+    assert inference.config.family is family and pickle.dumps(family) == fresh
 
 
 def test_gradient_update_fits_site_families(normal_gamma_data, gradient_result):
@@ -167,6 +216,33 @@ def test_gradient_update_fits_site_families(normal_gamma_data, gradient_result):
     marg = gradient_result.family.marginals(gradient_result.state.q)
     np.testing.assert_allclose(marg.mean[:2], mean, atol=0.1 * np.sqrt(np.diag(cov)).max())
     np.testing.assert_allclose(marg.mean[2], a / b, rtol=0.1)
+
+
+def test_a_run_leaves_the_configured_family_unlaid(gradient_result):
+    """After a run the configured ``SiteFamilies`` is pickled byte for byte as a fresh one (never
+    laid out), the result's family is the problem's laid-out copy, and ``PVI.get_posterior`` wants
+    the problem for a ``SiteFamilies`` (a ``ValueError`` that says so) while a plain ``Dirichlet``
+    is laid out from the shapes the state records (two simplices of 3, not one of 6)."""
+    config = gradient_result.config
+    fresh = pvi.SiteFamilies({"w": pvi.FullRankGaussian(), "tau": pvi.Gamma()})
+    assert pickle.dumps(config.family) == pickle.dumps(fresh)
+    assert gradient_result.family is gradient_result.problem.family
+    assert gradient_result.family.layout() == ((("w",), 2), (("tau",), 1))
+    inference = pvi.PVI(**config._asdict())
+    with pytest.raises(ValueError, match=r"get_posterior\(state, problem\)"):
+        inference.get_posterior(gradient_result.state)
+    posterior = inference.get_posterior(gradient_result.state, gradient_result.problem)
+    np.testing.assert_allclose(
+        posterior.mean, gradient_result.family.marginals(gradient_result.state.q).mean, rtol=1e-5
+    )
+    probs = gradient_result.state._replace(
+        q=pvi.Dirichlet().from_params(jnp.arange(1.0, 7.0)),
+        made_for=replace(gradient_result.state.made_for, sites=(("probs", (2, 3)),)),
+    )
+    dirichlet = pvi.PVI(**config._replace(family=pvi.Dirichlet())._asdict())
+    np.testing.assert_allclose(
+        dirichlet.get_posterior(probs).mean, [1 / 6, 2 / 6, 3 / 6, 4 / 15, 5 / 15, 6 / 15]
+    )
 
 
 def test_posterior_samples_guide_and_arviz(normal_gamma_data, gradient_result):
@@ -188,7 +264,7 @@ def test_posterior_samples_guide_and_arviz(normal_gamma_data, gradient_result):
     )
     draws = predictive(random.PRNGKey(9), X)
     assert (
-        draws["y"].shape == (50, N)
+        draws["y"].shape == (50, UNEVEN_N)
         and draws["tau"].shape == (50,)
         and bool(jnp.all(draws["tau"] > 0))
     )
@@ -208,13 +284,15 @@ def test_asynchronous_server_reaches_the_same_fixed_point(data):
     (measured by benchmarks/adaptive_damping_tolerance.py).
     """
     server = pvi.Asynchronous(speeds=[1.0, 1.0, 0.3, 1.0], rng_key=random.PRNGKey(1))
-    precision, mean = exact_precision_and_mean(*data)
+    precision, mean = intercept_regression_posterior(*data)
     family = pvi.SiteFamilies({"w": pvi.FullRankGaussian()})
     result = cvi(family, server).run(random.PRNGKey(2), 48, data[0], y=data[1], progress_bar=False)
     assert float(result.state.damping.rho) > 0.5  # never driven to its floor by tiny falls
-    np.testing.assert_allclose(family.marginals(result.state.q).mean, mean, rtol=1e-3, atol=1e-3)
     np.testing.assert_allclose(
-        block_precisions(family, result.state.q)[0], precision[:2, :2], rtol=1e-3
+        result.family.marginals(result.state.q).mean, mean, rtol=1e-3, atol=1e-3
+    )
+    np.testing.assert_allclose(
+        block_precisions(result.family, result.state.q)[0], precision[:2, :2], rtol=1e-3
     )
 
 
@@ -226,50 +304,6 @@ def test_plot_clients_draws_every_block(gradient_result):
     fig = plot_clients(gradient_result, sites=["w", "tau"])
     assert len(fig.axes) >= 3  # a column per coordinate: w[0], w[1], tau
     matplotlib.pyplot.close(fig)
-
-
-def halfnormal_scale_model(X, y=None):
-    w = numpyro.sample("w", dist.Normal(0.0, 1.0).expand([2]).to_event(1))
-    sigma = numpyro.sample("sigma", dist.HalfNormal(1.0))
-    with pvi.partition_plate("data", X.shape[0]):
-        numpyro.sample("y", dist.Normal(X @ w, sigma), obs=y)
-
-
-def block_diagonal_vi_optimum(X, y):
-    """The optimum of the ELBO over q(w) = N(m, S) (full rank) times q(log sigma) = N(mu, s^2), in
-    closed form.
-
-    Every expectation is analytic (``E[sigma^-2] = exp(-2 mu + 2 s^2)``, ``E[sigma^2] = exp(2 mu + 2
-    s^2)``), q(w) is optimal in closed form given q(log sigma), and the remaining 2-d ELBO is
-    maximised by Nelder-Mead in float64.
-    """
-    X, y = np.asarray(X, np.float64), np.asarray(y, np.float64)
-
-    def w_given(mu, s):
-        inv_var = np.exp(-2 * mu + 2 * s**2)
-        cov = np.linalg.inv(inv_var * X.T @ X + np.eye(2))
-        return cov @ (inv_var * X.T @ y), cov
-
-    def negative_elbo(params):
-        mu, s = params[0], np.exp(params[1])
-        m, cov = w_given(mu, s)
-        inv_var = np.exp(-2 * mu + 2 * s**2)
-        likelihood = -len(y) * mu - 0.5 * inv_var * (
-            np.sum((y - X @ m) ** 2) + np.trace(X @ cov @ X.T)
-        )
-        # HalfNormal(1) in log space
-        prior = -0.5 * (m @ m + np.trace(cov)) - 0.5 * np.exp(2 * mu + 2 * s**2) + mu
-        entropy = 0.5 * np.linalg.slogdet(cov)[1] + np.log(s)
-        return -(likelihood + prior + entropy)
-
-    opt = minimize(
-        negative_elbo,
-        np.array([-0.5, np.log(0.1)]),
-        method="Nelder-Mead",
-        options={"xatol": 1e-10, "fatol": 1e-12, "maxiter": 5000},
-    )
-    m, cov = w_given(opt.x[0], np.exp(opt.x[1]))
-    return m, cov, opt.x[0], np.exp(opt.x[1])
 
 
 def test_halfnormal_scale_in_the_default_block_gets_a_prior_factor():
@@ -291,7 +325,7 @@ def test_halfnormal_scale_in_the_default_block_gets_a_prior_factor():
     )
     result = inference.run(random.PRNGKey(10), 8, X, y=y, progress_bar=False)
     assert result.problem.rest == ("sigma",) and int(result.history.num_rejected.sum()) == 0
-    w_block, sigma_block = family.split(result.state.q)
+    w_block, sigma_block = result.family.split(result.state.q)
     w_mean, w_cov = pvi.FullRankGaussian().moments(w_block)
     sd = np.sqrt(np.diag(cov))
     np.testing.assert_allclose(w_mean, m, atol=0.08 * sd.min())

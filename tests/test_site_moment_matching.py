@@ -63,9 +63,7 @@ def test_site_families_one_client_is_the_moment_matched_posterior():
     X, y = normal_gamma_data()
     inference = normal_gamma_pvi(UPDATE)
     result = inference.run(random.PRNGKey(0), 2, X, y=y, progress_bar=False)
-    w_mean, w_sd, tau_mean, tau_sd = ng_errors(
-        inference.family, result.state.q, normal_gamma_ep(X, y)
-    )
+    w_mean, w_sd, tau_mean, tau_sd = ng_errors(result.family, result.state.q, normal_gamma_ep(X, y))
     assert w_mean < 0.07 and w_sd < 0.033 and tau_mean < 0.007 and tau_sd < 0.023
 
 

@@ -20,43 +20,19 @@ from jax import random
 import numpyro_pvi as pvi
 
 from models import (
-    EP_N,
     EP_PARTS,
     categorical_data,
     categorical_pvi,
     dirichlet_errors,
+    gamma_errors,
     ng_errors,
     normal_gamma_data,
     normal_gamma_ep,
     normal_gamma_pvi,
+    poisson_data,
     poisson_model,
+    poisson_pvi,
 )
-
-
-def poisson_data():
-    return random.poisson(random.PRNGKey(0), 3.0, (EP_N,)).astype(jnp.float32)
-
-
-def gamma_errors(q, y, prior=(2.0, 0.5)):
-    """``(|mean error| / sd, |sd ratio - 1|)`` of a Gamma ``q`` against the exact posterior of
-    ``poisson_model``."""
-    a, b = prior[0] + float(np.sum(y)), prior[1] + len(y)
-    marginals = pvi.Gamma().marginals(q)
-    sd = np.sqrt(a) / b
-    return abs(float(marginals.mean[0]) - a / b) / sd, abs(
-        float(np.sqrt(marginals.variance[0])) / sd - 1.0
-    )
-
-
-def poisson_pvi(server, backend="vmap", update=None):
-    return pvi.PVI(
-        poisson_model,
-        pvi.Gamma(),
-        partitions=EP_PARTS,
-        server=server,
-        backend=backend,
-        local_update=update or pvi.SNEPUpdate(),
-    )
 
 
 def test_poisson_gamma_sequential_is_the_exact_posterior():
@@ -125,9 +101,7 @@ def test_site_families_one_client_is_the_moment_matched_posterior():
     X, y = normal_gamma_data()
     inference = normal_gamma_pvi()
     result = inference.run(random.PRNGKey(0), 2, X, y=y, progress_bar=False)
-    w_mean, w_sd, tau_mean, tau_sd = ng_errors(
-        inference.family, result.state.q, normal_gamma_ep(X, y)
-    )
+    w_mean, w_sd, tau_mean, tau_sd = ng_errors(result.family, result.state.q, normal_gamma_ep(X, y))
     assert w_mean < 0.04 and w_sd < 0.03 and tau_mean < 0.007 and tau_sd < 0.02
 
 

@@ -120,7 +120,7 @@ def mixed_start(data):
         init_scale=0.2,
     )
     problem = inference.build(data[0], y=data[1])
-    return family, problem, inference.init(random.PRNGKey(2), problem)
+    return problem.family, problem, inference.init(random.PRNGKey(2), problem)
 
 
 def test_exponential_blocks_start_at_the_requested_mean_and_spread(mixed_start):

@@ -26,6 +26,7 @@ Normal-precision for ``Gamma``, Bernoulli / binomial for ``Beta``, categorical /
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import jax
@@ -367,8 +368,8 @@ class Dirichlet(ExponentialFamily):
     simplices, independent rows): ``eta1 = alpha - 1`` flattened (``eta2`` is empty).
 
     Conjugate to categorical and multinomial likelihoods of the probabilities. The site's shape is
-    read when PVI builds its problem: an instance serves one site (give each simplex site its own
-    ``pvi.Dirichlet()``).
+    read when PVI builds its problem, which holds the laid-out copy (``problem.family``); the
+    instance itself is never changed. Unlaid (``shape`` ``None``), it reads ``(D,)`` as one simplex.
 
     **Example:** ``pvi.SiteFamilies({"probs": pvi.Dirichlet()})``.
 
@@ -390,18 +391,20 @@ class Dirichlet(ExponentialFamily):
         return 0
 
     def check_shapes(self, shapes: list) -> None:
-        """One simplex site, of shape ``(K,)`` or ``(..., K)``; records it."""
+        """One simplex site, of shape ``(K,)`` or ``(..., K)``."""
         if len(shapes) != 1:
             raise ValueError(
                 f"Dirichlet() holds one simplex site; got {len(shapes)} sites: give each its own "
                 f"Dirichlet() in pvi.SiteFamilies({{...}})."
             )
-        if self.shape is not None and self.shape != tuple(shapes[0]):
-            raise ValueError(
-                f"This Dirichlet() instance holds a simplex site of shape {self.shape}, not "
-                f"{tuple(shapes[0])}: give each simplex site its own pvi.Dirichlet()."
-            )
-        self.shape = tuple(shapes[0])
+
+    def with_layout(self, layout: Any, shapes: dict) -> Dirichlet:
+        """A copy that records its one simplex site's shape (this instance is left as it was, so
+        one ``pvi.Dirichlet()`` may configure any number of sites and models)."""
+        self.check_shapes([tuple(shape) for shape in shapes.values()])
+        laid_out = copy.copy(self)
+        laid_out.shape = tuple(next(iter(shapes.values())))
+        return laid_out
 
     def _rows(self, x: Any) -> Any:
         """``(D,)`` -> ``(B, K)``: the simplices (one row unless the site is a batch of them)."""

@@ -8,7 +8,6 @@ the exact prior.
 
 from __future__ import annotations
 
-import copy
 from dataclasses import replace
 from typing import Any, Callable
 
@@ -112,7 +111,8 @@ class ExponentialFamily:
         raise NotImplementedError
 
     def check_shapes(self, shapes: list) -> None:
-        """Raise ``ValueError`` if the family cannot hold sites of these shapes."""
+        """Raise ``ValueError`` if the family cannot hold sites of these shapes (records
+        nothing)."""
 
     # ------------------------------------------------------------------ core
     def zeros(self, dim: int) -> NatParams:
@@ -150,9 +150,10 @@ class ExponentialFamily:
         mean, var = self.mean_var(params)
         return Marginals(mean, var, 1.0 / var)
 
-    def prepare_sites(self, sites: Any) -> Any:
-        """Every global site in its own space (identity transform); ``ValueError`` if one has
-        another support."""
+    def lay_out(self, sites: Any) -> tuple[ExponentialFamily, Any]:
+        """``(family, sites)``: the family laid out for the global sites' shapes
+        (:meth:`with_layout`) and every global site in its own space (identity transform);
+        ``ValueError`` if one has another support."""
         out = []
         for site in sites.globals:
             if not isinstance(_base_transform(site.transform), self.transform_type):
@@ -162,9 +163,9 @@ class ExponentialFamily:
                     f"Give it another family with pvi.SiteFamilies({{...}})."
                 )
             out.append(replace(site, flat_shape=tuple(site.shape), transform=IdentityTransform()))
-        self.check_shapes([tuple(s.shape) for s in sites.globals])
+        family = self.with_layout(None, {s.name: tuple(s.shape) for s in sites.globals})
         gaussian = {k: v for k, v in sites.gaussian_prior.items() if k not in {s.name for s in out}}
-        return replace(sites, globals=tuple(out), gaussian_prior=gaussian)
+        return family, replace(sites, globals=tuple(out), gaussian_prior=gaussian)
 
     # ------------------------------------------------------------------ guide
     def guide_params(self, nat: NatParams) -> tuple:
@@ -390,11 +391,11 @@ class ExponentialFamily:
         return None
 
     def with_layout(self, layout: Any, shapes: dict) -> ExponentialFamily:
-        """A copy laid out for global sites of these ``shapes`` (site name -> shape; a
-        ``Dirichlet`` records its site's); ``ValueError`` if the family cannot hold them."""
-        laid_out = copy.copy(self)
-        laid_out.check_shapes([tuple(shape) for shape in shapes.values()])
-        return laid_out
+        """The family laid out for global sites of these ``shapes`` (site name -> shape):
+        ``ValueError`` if it cannot hold them; this family itself when it records nothing of them
+        (a ``Dirichlet`` returns a copy that records its site's shape)."""
+        self.check_shapes([tuple(shape) for shape in shapes.values()])
+        return self
 
 
 def unit_scale(family: ExponentialFamily, scale: float) -> float:

@@ -24,7 +24,7 @@ class FactorFamily(Protocol):
     :class:`~numpyro_pvi.families.MeanParamFamily` (SNEP's), as the Gaussian families do.
 
     * **Core**: :meth:`zeros`, :meth:`is_valid`, :meth:`to_dist`, :meth:`marginals`,
-      :meth:`prepare_sites`.
+      :meth:`lay_out`.
     * **Guide** (``GradientUpdate``, ``DPGradientUpdate``): :meth:`guide_params`,
       :meth:`params_distribution`,
       :meth:`guide`, :meth:`from_guide`.
@@ -72,11 +72,14 @@ class FactorFamily(Protocol):
         float64 numpy."""
         ...
 
-    def prepare_sites(self, sites: Any) -> Any:
-        """The model's sites as this family lays them out (sites in their own space get an identity
-        transform).
+    def lay_out(self, sites: Any) -> tuple[FactorFamily, Any]:
+        """``(family, sites)``: this family laid out for the model's ``sites`` and the sites as it
+        lays them out (sites in their own space get an identity transform).
 
-        Called once per problem; raises ``ValueError`` if a site does not fit the family.
+        A pure function: the laid-out family is a new one (or this one if it needs no layout), and
+        this one is never changed, so one family configures any number of problems; the problem
+        holds the laid-out family (``problem.family``). Called once per problem; raises
+        ``ValueError`` if a site does not fit the family.
         """
         ...
 
@@ -172,7 +175,7 @@ class FactorFamily(Protocol):
         the others (fitted by the prior factor ``t_0``); ``ValueError`` if a site's prior can be
         neither.
 
-        :param sites: the sites (as :meth:`prepare_sites` laid them out) of this family's
+        :param sites: the sites (as :meth:`lay_out` laid them out) of this family's
             coordinates.
         :param prior_values: ``names -> (values (S,), points (S, D))``, the prior's log density of
             the sites ``names`` at :meth:`reference_draws` points.
@@ -210,7 +213,7 @@ class FactorFamily(Protocol):
 
     def layout(self) -> Any:
         """What another instance needs, beyond the global sites' shapes, to lay itself out as this
-        one was by :meth:`prepare_sites`: a JSON-able value (``None`` if nothing)."""
+        one was by :meth:`lay_out`: a JSON-able value (``None`` if nothing)."""
         ...
 
     def with_layout(self, layout: Any, shapes: dict) -> FactorFamily:

@@ -185,9 +185,10 @@ class GaussianFamily:
         return self.whiten(*frame, zeta)
 
     # ------------------------------------------------------------------ the FactorFamily contract
-    def prepare_sites(self, sites: Any) -> Any:
-        """Gaussian factors live in the unconstrained space of every site: the sites as read."""
-        return sites
+    def lay_out(self, sites: Any) -> tuple[GaussianFamily, Any]:
+        """``(self, sites)``: Gaussian factors live in the unconstrained space of every site, so
+        the family needs no layout and the sites are as read."""
+        return self, sites
 
     def guide_params(self, nat: NatParams) -> tuple[jax.Array, jax.Array]:
         """``(loc, scale)``, as :meth:`loc_scale`."""

@@ -23,7 +23,6 @@ import numpyro.distributions as dist
 
 from numpyro_pvi.families import tilted
 from numpyro_pvi.families.block_distribution import BlockDistribution
-from numpyro_pvi.families.exponential_family import ExponentialFamily
 from numpyro_pvi.families.factor import FactorFamily, member_proposal
 from numpyro_pvi.families.mean_field import MeanFieldGaussian
 from numpyro_pvi.families.mean_params import MeanParamFamily
@@ -38,8 +37,9 @@ class SiteFamilies:
     A client's factor is the product of its per-block factors, so ``q`` is block-diagonal across the
     blocks: e.g. ``FullRankGaussian`` over regression weights, a ``Gamma`` over a noise precision
     and mean field elsewhere. A key is a site name or a tuple of site names (one block holding them
-    all). The layout is read from the model when :class:`~numpyro_pvi.PVI` builds its problem; an
-    instance serves one model (its sites' names and shapes).
+    all). The layout is read from the model when :class:`~numpyro_pvi.PVI` builds its problem,
+    which holds a laid-out copy (``problem.family``, ``result.family``; :meth:`lay_out`); the
+    instance itself is never changed, so one may configure any number of models.
 
     A Gaussian block holds its Gaussian priors (``Normal``, ``LogNormal``, ``MultivariateNormal``
     with fixed parameters) exactly and fits the others (a ``HalfNormal`` scale...) by its part of
@@ -94,9 +94,14 @@ class SiteFamilies:
         return f"SiteFamilies({{{inner}}}, default={_name(self.default)})"
 
     # ------------------------------------------------------------------ layout
-    def prepare_sites(self, sites: Any) -> Any:
-        """The sites block by block, each block's sites as its family lays them out; records the
-        layout."""
+    def lay_out(self, sites: Any) -> tuple[SiteFamilies, Any]:
+        """``(family, sites)``: a copy laid out block by block for the model's ``sites`` (each
+        block's family laid out for its sites), and the sites as the blocks lay them out. This
+        instance is left as it was (unlaid), so one ``SiteFamilies`` configures any number of
+        problems; the problem holds the copy (``problem.family``).
+
+        **Example:** ``family, sites = pvi.SiteFamilies({"tau": pvi.Gamma()}).lay_out(sites)``.
+        """
         names = [s.name for s in sites.globals]
         unknown = [n for group in self.groups for n in group if n not in names]
         if unknown:
@@ -113,8 +118,9 @@ class SiteFamilies:
             members[group].append(site)
         globals_, gaussian, blocks, start = [], dict(sites.gaussian_prior), [], 0
         for group in order:
-            family = self._family_of(group)
-            sub = family.prepare_sites(replace(sites, globals=tuple(members[group])))
+            family, sub = self._family_of(group).lay_out(
+                replace(sites, globals=tuple(members[group]))
+            )
             for site in members[group]:
                 gaussian.pop(site.name, None)
             gaussian.update(sub.gaussian_prior)
@@ -122,11 +128,11 @@ class SiteFamilies:
             blocks.append((family, start, start + size, tuple(s.name for s in sub.globals)))
             globals_.extend(sub.globals)
             start += size
-        self._set_blocks(tuple(blocks))
-        return replace(sites, globals=tuple(globals_), gaussian_prior=gaussian)
+        laid_out = replace(sites, globals=tuple(globals_), gaussian_prior=gaussian)
+        return self._with_blocks(tuple(blocks)), laid_out
 
     def layout(self) -> tuple:
-        """The laid-out blocks as ``((names, size), ...)``: what :meth:`adopt_layout` needs to lay
+        """The laid-out blocks as ``((names, size), ...)``: what :meth:`with_layout` needs to lay
         out another instance with the same groups identically, without the model (e.g. a Flower
         server, which has no data).
 
@@ -136,15 +142,23 @@ class SiteFamilies:
         """
         return tuple((names, b - a) for _, a, b, names in self._laid_out())
 
-    def adopt_layout(self, layout: Iterable, shapes: dict) -> None:
-        """Lay out as another instance with the same groups was (its :meth:`layout`).
+    def with_layout(self, layout: Iterable, shapes: dict) -> SiteFamilies:
+        """A copy laid out as :meth:`layout` described another instance with the same groups (this
+        one is left as it was): what a Flower server, which has no data, does with a site's layout.
 
         :param layout: ``((names, size), ...)`` per block, as :meth:`layout` gives it.
         :param shapes: site name -> the site's shape (a ``Dirichlet`` block records its site's
             shape).
-        :raises ValueError: if a block's sites are not one group of this instance, or this instance
-            was laid out otherwise before.
+        :raises ValueError: if a block's sites are not one group of this instance.
+
+        **Example:** ``family.with_layout(((("w",), 2), (("tau",), 1)), {"w": (2,), "tau": ()})``.
         """
+        if layout is None:
+            raise ValueError(
+                f"{self!r} is laid out from the model's sites, not from their shapes alone: use "
+                "the problem's laid-out copy (problem.family; inference.get_posterior(state, "
+                "problem); result.get_posterior()) or give its layout (problem.family.layout())."
+            )
         blocks, start = [], 0
         for names, size in layout:
             names = tuple(names)
@@ -154,12 +168,18 @@ class SiteFamilies:
                     f"SiteFamilies: the block {names} of the layout is not one group of {self!r} "
                     "(were both ends configured with the same SiteFamilies?)."
                 )
-            family = self._family_of(groups.pop())
-            if isinstance(family, ExponentialFamily):
-                family.check_shapes([tuple(shapes[n]) for n in names])
+            family = self._family_of(groups.pop()).with_layout(
+                None, {n: tuple(shapes[n]) for n in names}
+            )
             blocks.append((family, start, start + int(size), names))
             start += int(size)
-        self._set_blocks(tuple(blocks))
+        return self._with_blocks(tuple(blocks))
+
+    def _with_blocks(self, blocks: tuple) -> SiteFamilies:
+        """A copy of this (unlaid) instance with these blocks; this one is left as it was."""
+        laid_out = copy.copy(self)
+        laid_out.blocks = blocks
+        return laid_out
 
     def _group_of(self, name: str) -> tuple | None:
         """The group naming site ``name`` (``None``: the default block's)."""
@@ -168,21 +188,12 @@ class SiteFamilies:
     def _family_of(self, group: tuple | None) -> FactorFamily:
         return self.default if group is None else self.groups[group]
 
-    def _set_blocks(self, blocks: tuple) -> None:
-        if self.blocks is not None and tuple(b[1:] for b in self.blocks) != tuple(
-            b[1:] for b in blocks
-        ):
-            raise ValueError(
-                "This SiteFamilies instance was laid out for another model's sites; make a new "
-                "pvi.SiteFamilies({...}) for each model."
-            )
-        self.blocks = blocks
-
     def _laid_out(self) -> tuple:
         if self.blocks is None:
             raise RuntimeError(
-                "SiteFamilies is laid out from the model's sites: build the problem first "
-                "(inference.build(...), init or run)."
+                f"{self!r} is not laid out: it is laid out from the model's sites, and the problem "
+                "holds the laid-out copy (problem.family, result.family): build the problem first "
+                "(inference.build(...), init or run) and use its family."
             )
         return self.blocks
 
@@ -522,20 +533,6 @@ class SiteFamilies:
         """DP-SGD's parameters: the unconstrained values of every block's guide sites
         (:class:`~numpyro_pvi.families.reparameterised.GuideParameters`)."""
         return GuideParameters(self, dim)
-
-    def with_layout(self, layout: Iterable, shapes: dict) -> SiteFamilies:
-        """A copy laid out as :meth:`layout` described another instance with the same groups (this
-        one is left as it was): what a Flower server, which has no data, does with a site's layout.
-
-        :param layout: ``((names, size), ...)`` per block, as :meth:`layout` gives it.
-        :param shapes: site name -> the site's shape.
-        :raises ValueError: as :meth:`adopt_layout`.
-
-        **Example:** ``family.with_layout(((("w",), 2), (("tau",), 1)), {"w": (2,), "tau": ()})``.
-        """
-        laid_out = copy.deepcopy(self)
-        laid_out.adopt_layout(layout, shapes)
-        return laid_out
 
 
 def _name(family: Any) -> str:

@@ -147,7 +147,7 @@ class Site:
             {
                 "client": prep.client_id,
                 "dim": int(problem.sites.dim),
-                "layout": layout_to_text(problem.client_problem.family, problem.sites),
+                "layout": layout_to_text(problem.family, problem.sites),
                 # Flower rejects empty strings
                 **{k: v for k, v in unsupported.items() if v},
             }
@@ -159,7 +159,7 @@ class Site:
         energy."""
         prep = self.prepare(context)
         # the family as laid out for the site
-        like = prep.problem.client_problem.family.zeros(prep.problem.sites.dim)
+        like = prep.problem.family.zeros(prep.problem.sites.dim)
         content, config = message.content, message.content.config_records["pvi"]
         cavity = tree_from_record(content.array_records["cavity"], like, "cavity")
         q = tree_from_record(content.array_records["q"], like, "q")

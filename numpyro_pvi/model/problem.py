@@ -50,6 +50,9 @@ from numpyro_pvi.server.steps import Steps, compile_steps
 class Problem:
     """A model and its data, read, split over clients, stacked and compiled (immutable).
 
+    :ivar family: the configuration's family laid out for these sites (``config.family.lay_out``):
+        the family every step, update and result of this problem uses; ``config.family`` itself is
+        the user's, never laid out (e.g. an unlaid :class:`~numpyro_pvi.SiteFamilies`).
     :ivar sites: the model's sites (local sites with a padded client's shapes).
     :ivar buckets: the clients' data in :class:`~numpyro_pvi.model.clients.Bucket` s of similar
         sizes (each a stacked :class:`~numpyro_pvi.local_updates.Client`, rows padded with copies of
@@ -74,6 +77,7 @@ class Problem:
     take it in place of the data.
     """
 
+    family: FactorFamily
     sites: ModelSites
     buckets: tuple
     split: ClientColumns
@@ -127,10 +131,10 @@ def build_problem(
     **Example:** ``problem = pvi.model.problem.build_problem(inference.config, (X,), {"y": y})``
     (what ``inference.build(X, y=y)`` does).
     """
-    sites, split = _read(config, args, kwargs)
+    family, sites, split = _read(config, args, kwargs)
     config.server.check_clients(len(split.sizes))
     return _assemble(
-        config, sites, split, max(split.sizes), len(split.sizes), (args, kwargs), reuse
+        config, family, sites, split, max(split.sizes), len(split.sizes), (args, kwargs), reuse
     )
 
 
@@ -150,6 +154,7 @@ def add_client(config: PVIConfig, problem: Problem, args: tuple, kwargs: dict) -
         capacity = 2 * capacity
     return _assemble(
         config,
+        problem.family,
         problem.sites,
         split,
         rows,
@@ -160,8 +165,11 @@ def add_client(config: PVIConfig, problem: Problem, args: tuple, kwargs: dict) -
     )
 
 
-def _read(config: PVIConfig, args: tuple, kwargs: dict) -> tuple[ModelSites, ClientColumns]:
-    """The model's sites (one trace) and the clients' split data."""
+def _read(
+    config: PVIConfig, args: tuple, kwargs: dict
+) -> tuple[FactorFamily, ModelSites, ClientColumns]:
+    """The family laid out for the model's sites, the sites (one trace) and the clients' split
+    data."""
     model, partitions = config.model, config.partitions
     if isinstance(partitions, ClientData):
         if args or kwargs:
@@ -170,20 +178,20 @@ def _read(config: PVIConfig, args: tuple, kwargs: dict) -> tuple[ModelSites, Cli
                 "to init/update/run."
             )
         first_args, first_kwargs = partitions[0]
-        sites = config.family.prepare_sites(
+        family, sites = config.family.lay_out(
             read_model(model, first_args, first_kwargs, who="Client 0's data")
         )
         split = split_client_data(partitions, sites.plate_size, sites.plate)
         # client 0's: checked by read_model
         check_clients(model, sites, split, range(1, len(split.sizes)))
-        return sites, split
+        return family, sites, split
     if not args and not kwargs:
         raise TypeError(
             "Pass the pooled data to init/update/run (or give partitions=pvi.ClientData(...))."
         )
-    sites = config.family.prepare_sites(read_model(model, args, kwargs, who="The pooled data"))
+    family, sites = config.family.lay_out(read_model(model, args, kwargs, who="The pooled data"))
     parts = [np.arange(sites.plate_size)] if partitions is None else list(partitions)
-    return sites, split_pooled(args, kwargs, parts, sites.plate_size, sites.plate)
+    return family, sites, split_pooled(args, kwargs, parts, sites.plate_size, sites.plate)
 
 
 def check_clients(
@@ -310,6 +318,7 @@ def check_memory(family: Any, dim: int, num_clients: int) -> None:
 
 def _assemble(
     config: PVIConfig,
+    family: FactorFamily,
     sites: ModelSites,
     split: ClientColumns,
     rows: int,
@@ -318,24 +327,26 @@ def _assemble(
     reuse: Problem | None,
     grow: bool = False,
 ) -> Problem:
-    check_memory(config.family, sites.dim, capacity)
+    check_memory(family, sites.dim, capacity)
     by_size = isinstance(config.backend, VmapBackend) and not sites.has_local
     bucketed = buckets(split, by_size, rows, capacity, grow)
     first_client = bucketed[0].clients
     first = split.layout.build([a[0] for a in first_client.arrays])
     sites = read_padded(config.model, sites, *first, int(first_client.mask.shape[1]))
     prior, rest = exact_prior(
-        config.family,
+        family,
         sites,
         lambda zeta, names: log_prior(config.model, sites, zeta, *first, names=names),
     )
     signature = _signature(sites, split, bucketed, rest)
     if reuse is not None and _same(reuse.signature, signature):
-        client_problem, steps = reuse.client_problem, reuse.steps
+        # the same sites, so the same layout: the steps were compiled with the reused family
+        family, client_problem, steps = reuse.family, reuse.client_problem, reuse.steps
     else:
-        client_problem = _client_problem(config, sites, split)
+        client_problem = _client_problem(config, family, sites, split)
         steps = compile_steps(config, client_problem, split.layout, rest)
     return Problem(
+        family,
         sites,
         bucketed,
         split,
@@ -350,8 +361,11 @@ def _assemble(
     )
 
 
-def _client_problem(config: PVIConfig, sites: ModelSites, split: ClientColumns) -> ClientProblem:
-    """The client problem; its functions hold the model and the argument layout only, never data."""
+def _client_problem(
+    config: PVIConfig, family: FactorFamily, sites: ModelSites, split: ClientColumns
+) -> ClientProblem:
+    """The client problem (``family``: the laid-out one); its functions hold the model and the
+    argument layout only, never data."""
     model, layout = config.model, split.layout
 
     def client_loglik(zeta: jax.Array, client: Client, hyper: Any = ()) -> jax.Array:
@@ -362,9 +376,9 @@ def _client_problem(config: PVIConfig, sites: ModelSites, split: ClientColumns) 
         c_args, c_kwargs = layout.build(client.arrays)
         local_model(model, sites, zeta, c_args, c_kwargs, client.mask, hyper)
 
-    _check_support(config.local_update, sites, config.family)
+    _check_support(config.local_update, sites, family)
     return ClientProblem(
-        config.family,
+        family,
         sites.dim,
         client_loglik,
         split.is_row,

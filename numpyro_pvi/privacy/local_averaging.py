@@ -26,17 +26,18 @@ from numpyro.distributions import kl_divergence
 from numpyro_pvi.families import NatParams
 from numpyro_pvi.local_updates.base import Client, ClientProblem, ClientResult, LocalUpdate
 from numpyro_pvi.privacy import accounting as privacy
-from numpyro_pvi.privacy.clipping import clip_rows
-from numpyro_pvi.privacy.dp_sgd import (
+from numpyro_pvi.privacy._release import (
+    CountsReleases,
     DPState,
     budget_gate,
     check_dp_arguments,
     gated_result,
     gaussian_noise,
 )
+from numpyro_pvi.privacy.clipping import clip_rows
 
 
-class DPLocalAveraging(LocalUpdate):
+class DPLocalAveraging(CountsReleases, LocalUpdate):
     """Wrap a local update: fit it on ``num_shards`` disjoint shards, release the clipped, noised
     mean delta.
 
@@ -120,15 +121,6 @@ class DPLocalAveraging(LocalUpdate):
         """The ``DpEvent`` of ``num_releases`` releases (one Gaussian mechanism each, whatever
         ``num_rows``)."""
         return privacy.gaussian_event(self.noise_multiplier, num_releases)
-
-    def rejected_state(self, old: DPState, new: DPState) -> DPState:
-        """A release the server rejected still counts towards the budget (it was sent)."""
-        return old._replace(releases=new.releases)
-
-    def num_releases(self, client_states: DPState) -> jax.Array:
-        """``(M,)`` each client's releases so far: the count its budget gate reads
-        (``privacy_spent`` too)."""
-        return client_states.releases
 
     def init_state(self, problem: ClientProblem) -> DPState:
         """No release yet; the wrapped update's state (which must hold no arrays)."""

@@ -34,16 +34,15 @@ def client_local(problem: Problem, state: PVIState, client: int) -> tuple[Any, i
 
 def sample_posterior(
     problem: Problem,
-    family: Any,
     state: PVIState,
     rng_key: jax.Array,
     num_samples: int,
     client: int | None = None,
 ) -> dict:
     """``num_samples`` draws of every global site from ``q`` (constrained, in model order), and
-    client ``client``'s local sites."""
+    client ``client``'s local sites (``q`` of the problem's laid-out family, ``problem.family``)."""
     zeta_key, local_key = jax.random.split(rng_key) if client is not None else (rng_key, None)
-    zeta = family.to_dist(state.q).sample(zeta_key, (num_samples,))
+    zeta = problem.family.to_dist(state.q).sample(zeta_key, (num_samples,))
     # vmap returns the dict with sorted keys: back to model order
     drawn = jax.vmap(problem.sites.unflatten)(zeta)
     samples = {site.name: drawn[site.name] for site in problem.sites.globals}
@@ -55,24 +54,23 @@ def sample_posterior(
 
 def make_guide(
     problem: Problem,
-    family: Any,
     state: PVIState,
     client: int | None = None,
     model: Callable | None = None,
     partitions: Any = None,
 ) -> Callable:
     """A NumPyro guide drawing the global sites from ``q`` and every local site from its client's
-    guide.
+    guide (``q`` of the problem's laid-out family, ``problem.family``).
 
     With ``client``, the local sites of that client's rows (call the guide with its data); without,
     of every client's rows in the pooled data's order (``partitions``: the index arrays of
     ``PVI(partitions=...)``; with ``ClientData``, client 0's rows then client 1's, ...). Given
     ``model``, a call whose partition plate does not have those rows raises ``ValueError``.
 
-    **Example:** ``Predictive(model, guide=make_guide(problem, family, state, model=model),
+    **Example:** ``Predictive(model, guide=make_guide(problem, state, model=model),
     num_samples=100)`` (what ``result.guide()`` returns).
     """
-    sites, q_dist = problem.sites, family.to_dist(state.q)
+    sites, q_dist = problem.sites, problem.family.to_dist(state.q)
     local, rows = {}, 0
     if sites.locals and client is not None:
         own, rows = client_local(problem, state, client)
@@ -194,8 +192,9 @@ class PVIRunResult(NamedTuple):
 
     @property
     def family(self) -> Any:
-        """The factors' family."""
-        return self.config.family
+        """The factors' family, laid out for the model's sites (``problem.family``;
+        ``config.family`` is the family as configured)."""
+        return self.problem.family
 
     @property
     def num_clients(self) -> int:
@@ -209,7 +208,7 @@ class PVIRunResult(NamedTuple):
 
         With ``client``, also that client's local latent sites (its rows only).
         """
-        return sample_posterior(self.problem, self.family, self.state, rng_key, num_samples, client)
+        return sample_posterior(self.problem, self.state, rng_key, num_samples, client)
 
     def guide(self, client: int | None = None) -> Callable:
         """A guide for ``numpyro.infer.Predictive(model, guide=result.guide(), num_samples=...)``.
@@ -222,7 +221,6 @@ class PVIRunResult(NamedTuple):
         """
         return make_guide(
             self.problem,
-            self.family,
             self.state,
             client,
             self.config.model,

@@ -93,8 +93,9 @@ def compile_steps(
     # XLA compiles JAX's default CPU Threefry (a loop per hash) 2.4x slower, into slower kernels
     unroll_threefry_on_cpu()
     runner = config.backend.prepare(config.local_update, problem)
-    apply = jax.jit(_apply_fn(config.family, config.server, config.local_update))
-    family = config.family
+    # the family laid out for these sites (config.family is the user's, unlaid)
+    family = problem.family
+    apply = jax.jit(_apply_fn(family, config.server, config.local_update))
 
     def run_group(
         state: PVIState, group: Group, key: jax.Array, pulled: NatParams
@@ -157,7 +158,7 @@ def _steps(
     hyperparameters' step."""
     prior_logdensity = _prior_logdensity(config.model, problem.sites, layout)
     prior_init, prior_step = _prior_steps(config, problem, prior_logdensity, rest)
-    elbo = _elbo_fn(config.family, problem, prior_logdensity)
+    elbo = _elbo_fn(problem.family, problem, prior_logdensity)
     return Steps(
         group_step,
         apply,
@@ -262,7 +263,7 @@ def _prior_steps(
     None)``."""
     if not rest:
         return None, None
-    family, server, slices = config.family, config.server, problem.sites.slices()
+    family, server, slices = problem.family, config.server, problem.sites.slices()
     rest_mask = np.zeros(problem.dim, bool)
     for name in rest:
         rest_mask[slices[name]] = True
