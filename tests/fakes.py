@@ -87,3 +87,11 @@ class FaultyUpdate(ExactLinearUpdate):
             return result._replace(free_energy=result.free_energy + zero)
 
         return client_update
+
+
+class NoMeanParamsGaussian(pvi.MeanFieldGaussian):
+    """A mean-field Gaussian that declares no mean parameters (``mean_param_family()`` is ``None``):
+    SNEP and EP's ``NUTSMoments`` must refuse it by the contract's answer, not by its class."""
+
+    def mean_param_family(self) -> None:
+        return None
