@@ -1,5 +1,5 @@
 """``SNEPUpdate`` with ``Gamma``, ``Dirichlet`` and ``SiteFamilies``: SNEP in mean parameters
-(``snep_blocks``).
+(the family's ``MeanParamChains``, :mod:`numpyro_pvi.families.chain_moments`).
 
 The references are exact. A conjugate likelihood makes every tilted distribution a member of the
 family, so EP's fixed point is the exact posterior. With one client, EP's fixed point is the moment
