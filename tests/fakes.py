@@ -347,6 +347,8 @@ class LocalFederation:
 
     def __exit__(self, *exc):
         self.stop()
+
+
 # ---------------------------------------------------------------------- one client visit
 def first_client(problem):
     """Client 0's data (its slot of the problem's stacked clients)."""
@@ -374,3 +376,11 @@ def conjugate_update():
         noise_multiplier=0.0,
         num_particles=4,
     )
+
+
+class NoMeanParamsGaussian(pvi.MeanFieldGaussian):
+    """A mean-field Gaussian that declares no mean parameters (``mean_param_family()`` is ``None``):
+    SNEP and EP's ``NUTSMoments`` must refuse it by the contract's answer, not by its class."""
+
+    def mean_param_family(self) -> None:
+        return None

@@ -1,5 +1,5 @@
 """``SNEPUpdate`` with ``Gamma``, ``Dirichlet`` and ``SiteFamilies``: SNEP in mean parameters
-(``snep_blocks``).
+(the family's ``MeanParamChains``, :mod:`numpyro_pvi.families.chain_moments`).
 
 The references are exact. A conjugate likelihood makes every tilted distribution a member of the
 family, so EP's fixed point is the exact posterior. With one client, EP's fixed point is the moment
@@ -19,6 +19,7 @@ from jax import random
 
 import numpyro_pvi as pvi
 
+from fakes import NoMeanParamsGaussian
 from models import (
     EP_PARTS,
     categorical_data,
@@ -162,4 +163,24 @@ def test_the_gaussian_site_clamp_is_refused_by_name():
         local_update=pvi.SNEPUpdate(site_variance=(0.01, 1.0)),
     )
     with pytest.raises(ValueError, match="site_variance"):
+        inference.init(random.PRNGKey(0), inference.build(y=poisson_data()))
+
+
+@pytest.mark.parametrize("in_blocks", [False, True], ids=["family", "site_families"])
+@pytest.mark.parametrize(
+    "update, error",
+    [
+        (pvi.SNEPUpdate(), NotImplementedError),
+        (pvi.MomentMatchingUpdate(tilted=pvi.NUTSMoments()), ValueError),
+    ],
+    ids=["snep", "nuts_moments"],
+)
+def test_a_family_without_mean_parameters_is_refused_by_name(in_blocks, update, error):
+    """Capability is the contract's answer (``FactorFamily.mean_param_family()``), not the family's
+    class: a family that has no mean parameters is refused by name, alone or as a ``SiteFamilies``
+    block, before a round compiles. (On main both updates took it: its class has the methods.)"""
+    family = NoMeanParamsGaussian()
+    family = pvi.SiteFamilies({"rate": family}) if in_blocks else family
+    inference = pvi.PVI(poisson_model, family, partitions=EP_PARTS, local_update=update)
+    with pytest.raises(error, match="mean parameters"):
         inference.init(random.PRNGKey(0), inference.build(y=poisson_data()))

@@ -23,6 +23,7 @@ from numpyro.distributions.transforms import (
     biject_to,
 )
 
+from numpyro_pvi.families.chain_moments import MeanParamChains, refuse_site_clamp
 from numpyro_pvi.families.factor import member_proposal
 from numpyro_pvi.families.params import Marginals, NatParams, Proposal
 from numpyro_pvi.families.reparameterised import GuideParameters
@@ -254,6 +255,17 @@ class ExponentialFamily:
 
     # ------------------------------------------------------------------ mean parameters (SNEP;
     # MeanParamFamily)
+    def mean_param_family(self) -> ExponentialFamily:
+        """This family: its mean parameters are ``E_q[T]``."""
+        return self
+
+    def chain_moments(self, control_variates: bool, site_variance: tuple | None) -> MeanParamChains:
+        """Stein features regressed under ``q``
+        (:class:`~numpyro_pvi.families.chain_moments.MeanParamChains`); ``site_variance`` is a
+        ``ValueError``."""
+        refuse_site_clamp(self, site_variance)
+        return MeanParamChains(self, control_variates)
+
     def log_factor(self, nat: NatParams, theta: jax.Array) -> jax.Array:
         """``eta . T(theta)`` of one point ``theta`` ``(D,)``."""
         return self.stats(theta) @ jnp.concatenate([nat.eta1, nat.eta2], axis=-1)

@@ -8,6 +8,7 @@ from typing import Any, Callable, Protocol, runtime_checkable
 import jax
 import numpyro.distributions as dist
 
+from numpyro_pvi.families.mean_params import MeanParamFamily
 from numpyro_pvi.families.params import Marginals, NatParams, Proposal
 from numpyro_pvi.families.reparameterised import Reparameterised
 
@@ -25,6 +26,8 @@ class FactorFamily(Protocol):
 
     * **Core**: :meth:`zeros`, :meth:`is_valid`, :meth:`to_dist`, :meth:`marginals`,
       :meth:`lay_out`.
+    * **Mean parameters** (SNEP, EP's ``NUTSMoments``): :meth:`mean_param_family`, the family as a
+      :class:`~numpyro_pvi.families.MeanParamFamily` or ``None``.
     * **Guide** (``GradientUpdate``, ``DPGradientUpdate``): :meth:`guide_params`,
       :meth:`params_distribution`,
       :meth:`guide`, :meth:`from_guide`.
@@ -80,6 +83,18 @@ class FactorFamily(Protocol):
         this one is never changed, so one family configures any number of problems; the problem
         holds the laid-out family (``problem.family``). Called once per problem; raises
         ``ValueError`` if a site does not fit the family.
+        """
+        ...
+
+    def mean_param_family(self) -> MeanParamFamily | None:
+        """This family as a :class:`~numpyro_pvi.families.MeanParamFamily` (sufficient statistics,
+        mean parameters, chain coordinates: what SNEP and EP's ``NUTSMoments`` need), or ``None`` if
+        it has none. Every built-in family has them (a ``SiteFamilies`` when all its blocks do).
+
+        >>> import numpyro_pvi as pvi
+        >>> family = pvi.Gamma()
+        >>> family.mean_param_family() is family
+        True
         """
         ...
 

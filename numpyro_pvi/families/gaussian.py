@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpyro
 import numpyro.distributions as dist
 
+from numpyro_pvi.families.gaussian_chains import GaussianChains
 from numpyro_pvi.families.params import Proposal
 from numpyro_pvi.families.protocol import Family, NatParams
 from numpyro_pvi.families.reparameterised import GaussianParameters
@@ -134,22 +135,17 @@ class GaussianFamily:
         """The ``(D, D)`` precision matrix."""
         return self.to_dense(self.precision(nat))
 
-    def mix_moments(
-        self,
-        mean_a: jax.Array,
-        cov_a: jax.Array,
-        mean_b: jax.Array,
-        cov_b: jax.Array,
-        weight: jax.Array,
-    ) -> tuple[jax.Array, jax.Array]:
-        """Mean and covariance of the mixture ``(1 - weight) N(mean_a, cov_a) + weight N(mean_b,
-        cov_b)``."""
-        d = mean_a - mean_b
-        cov = (1.0 - weight) * cov_a + weight * cov_b + weight * (1.0 - weight) * self.outer(d, d)
-        return (1.0 - weight) * mean_a + weight * mean_b, self.sym(cov)
-
     # ------------------------------------------------------------------ mean parameters (SNEP;
     # MeanParamFamily)
+    def mean_param_family(self) -> GaussianFamily:
+        """This family: a Gaussian has mean parameters ``(zeta, zeta zeta^T)``."""
+        return self
+
+    def chain_moments(self, control_variates: bool, site_variance: tuple | None) -> GaussianChains:
+        """SNEP's O(D^2) estimator in whitened moments, with the optional site clamp
+        (:class:`~numpyro_pvi.families.gaussian_chains.GaussianChains`)."""
+        return GaussianChains(self, control_variates, site_variance)
+
     def log_factor(self, nat: NatParams, zeta: jax.Array) -> jax.Array:
         """``eta . T(zeta)`` with ``T = (zeta, zeta zeta^T)``: :meth:`quadratic`."""
         return self.quadratic(nat, zeta)

@@ -24,8 +24,10 @@ values in which an MCMC chain with a unit mass matrix fits ``q``:
 :meth:`MeanParamFamily.chain_frame` reads the standardisation off ``q``,
 :meth:`MeanParamFamily.from_chain` maps ``u`` to the values, with the log Jacobian, and
 :meth:`MeanParamFamily.to_chain` back. A Dirichlet block of ``B`` simplices of ``K`` has ``B (K -
-1)`` chain coordinates (:meth:`MeanParamFamily.chain_dim`). SNEP's exponential-family path
-(:mod:`numpyro_pvi.local_updates.snep_blocks`) uses nothing else of the family.
+1)`` chain coordinates (:meth:`MeanParamFamily.chain_dim`). SNEP's loop
+(:mod:`numpyro_pvi.local_updates.snep`) uses these and the family's estimator of a tilted
+distribution's mean parameters from chains, :meth:`MeanParamFamily.chain_moments`
+(:mod:`numpyro_pvi.families.chain_moments`).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import jax
 
+from numpyro_pvi.families.chain_moments import ChainMoments
 from numpyro_pvi.families.params import NatParams
 
 
@@ -101,4 +104,19 @@ class MeanParamFamily(Protocol):
     def to_chain(self, frame: Any, theta: jax.Array) -> jax.Array:
         """The chain coordinates ``(chain_dim,)`` of values ``theta`` ``(D,)``: the inverse of
         :meth:`from_chain`."""
+        ...
+
+    def chain_moments(self, control_variates: bool, site_variance: tuple | None) -> ChainMoments:
+        """SNEP's estimator of a tilted distribution's mean parameters from chains in this family's
+        coordinates, and its mirror map (:class:`~numpyro_pvi.families.chain_moments.ChainMoments`):
+        a Gaussian's O(D^2) control variate, or Stein features regressed under ``q`` (the others).
+
+        :param control_variates: Stein control variates (else the chains' plain averages).
+        :param site_variance: ``(v_min, v_max)``, a clamp of a Gaussian site's covariance, or
+            ``None``; ``ValueError`` for a family that has no such clamp.
+
+        >>> import numpyro_pvi as pvi
+        >>> pvi.Gamma().chain_moments(control_variates=True, site_variance=None).laplace_start
+        False
+        """
         ...

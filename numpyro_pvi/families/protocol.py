@@ -33,23 +33,23 @@ class Family(FactorFamily, Protocol):
     symmetric ``(D, D)`` matrix (a ``(D,)`` diagonal for mean field, the matrix for full rank), and
     ``scale`` is the guide's scale (a ``(D,)`` sd vector or a ``(D, D)`` lower Cholesky factor
     ``L``). A new family implements every member below (subclassing
-    ``numpyro_pvi.families.gaussian.GaussianFamily`` gives ``to_dist``, ``dense_precision`` and
-    ``mix_moments``):
+    ``numpyro_pvi.families.gaussian.GaussianFamily`` gives ``to_dist``, ``dense_precision``, the
+    :class:`FactorFamily` and :class:`~numpyro_pvi.families.MeanParamFamily` members, and SNEP's
+    estimator, which needs the whitened moments and form algebra of
+    :class:`~numpyro_pvi.families.gaussian_chains.WhitenedForm` as well):
 
     * **Guide and core** (used by PVI, the servers and ``GradientUpdate``): ``scale_name``,
       ``scale_constraint``, :meth:`zeros`, :meth:`is_valid`, :meth:`precision`,
       :meth:`from_mean_precision`, :meth:`loc_scale`, :meth:`from_loc_scale`, :meth:`distribution`,
       :meth:`to_dist`.
-    * **Moments**: :meth:`moments`, :meth:`from_moments`, :meth:`from_dense_precision`,
-      :meth:`mix_moments`.
+    * **Moments**: :meth:`moments`, :meth:`from_moments`, :meth:`from_dense_precision`.
     * **Densities**: :meth:`quadratic`, :meth:`dense_precision`, :meth:`marginals`.
     * **Forms** (matrix algebra in the family's form): :meth:`to_dense`, :meth:`from_dense`,
-      :meth:`identity`, :meth:`outer`, :meth:`outer_sum`, :meth:`sym`, :meth:`matvec`,
-          :meth:`min_eig`.
-    * **Whitening** ``zeta = loc + L u`` (SNEP, sampling, CVI): :meth:`unwhiten`, :meth:`whiten`,
-      :meth:`whitened_to_nat`, :meth:`nat_to_whitened`.
-    * **Sites**: :meth:`stein_hessian`, :meth:`site_update` (the CVI site), :meth:`clamp_precision`
-      (SNEP's site clamp), :meth:`with_block` (the prior's exact Gaussian blocks).
+      :meth:`identity`, :meth:`outer`, :meth:`outer_sum`, :meth:`sym`.
+    * **Whitening** ``zeta = loc + L u`` (sampling, CVI, SNEP's chains): :meth:`unwhiten`,
+      :meth:`whiten`.
+    * **Sites**: :meth:`stein_hessian`, :meth:`site_update` (the CVI site), :meth:`with_block` (the
+      prior's exact Gaussian blocks).
 
     Sampling is ``to_dist(nat).sample(key, shape)``.
 
@@ -133,25 +133,6 @@ class Family(FactorFamily, Protocol):
         ... )
         >>> pvi.MeanFieldGaussian().precision(nat)  # 1 / (2/3)
         Array([1.5, 1.5], dtype=float32)
-        """
-        ...
-
-    def mix_moments(
-        self,
-        mean_a: jax.Array,
-        cov_a: jax.Array,
-        mean_b: jax.Array,
-        cov_b: jax.Array,
-        weight: jax.Array,
-    ) -> tuple[jax.Array, jax.Array]:
-        """Mean and covariance of the mixture ``(1 - weight) N(mean_a, cov_a) + weight N(mean_b,
-        cov_b)``.
-
-        >>> import jax.numpy as jnp, numpyro_pvi as pvi
-        >>> pvi.MeanFieldGaussian().mix_moments(
-        ...     jnp.zeros(1), jnp.ones(1), jnp.full(1, 2.0), jnp.ones(1), 0.5
-        ... )
-        (Array([1.], dtype=float32), Array([2.], dtype=float32))
         """
         ...
 
@@ -247,24 +228,6 @@ class Family(FactorFamily, Protocol):
         """
         ...
 
-    def matvec(self, matrix: jax.Array, v: jax.Array) -> jax.Array:
-        """``M v`` for every row ``v`` of ``(..., D)``.
-
-        >>> import jax.numpy as jnp, numpyro_pvi as pvi
-        >>> pvi.MeanFieldGaussian().matvec(jnp.array([2.0, 3.0]), jnp.ones((1, 2)))
-        Array([[2., 3.]], dtype=float32)
-        """
-        ...
-
-    def min_eig(self, matrix: jax.Array) -> jax.Array:
-        """The smallest eigenvalue of a symmetric matrix in the family's form.
-
-        >>> import jax.numpy as jnp, numpyro_pvi as pvi
-        >>> pvi.FullRankGaussian().min_eig(jnp.array([[2.0, 1.0], [1.0, 2.0]])).round(4)
-        Array(1., dtype=float32)
-        """
-        ...
-
     # ------------------------------------------------------------------ whitening zeta = loc + L u
     def unwhiten(self, loc: jax.Array, scale: jax.Array, u: jax.Array) -> jax.Array:
         """``loc + L u`` for every row ``u`` of ``(..., D)``; ``(loc, scale)`` as from
@@ -286,34 +249,6 @@ class Family(FactorFamily, Protocol):
         ...     jnp.zeros(2), jnp.array([[2.0, 0.0], [1.0, 1.0]]), jnp.full(2, 2.0)
         ... )
         Array([1., 1.], dtype=float32)
-        """
-        ...
-
-    def whitened_to_nat(
-        self, loc: jax.Array, scale: jax.Array, mean: jax.Array, cov: jax.Array
-    ) -> NatParams:
-        """Natural parameters (in ``zeta``) of the Gaussian with whitened ``mean`` and ``cov`` (in
-        ``u``).
-
-        >>> import jax.numpy as jnp, numpyro_pvi as pvi
-        >>> family = pvi.MeanFieldGaussian()  # zeta = 1 + 2 u; u ~ N(1, 1) is zeta ~ N(3, 4)
-        >>> family.moments(
-        ...     family.whitened_to_nat(jnp.ones(1), jnp.full(1, 2.0), jnp.ones(1), jnp.ones(1))
-        ... )
-        (Array([3.], dtype=float32), Array([4.], dtype=float32))
-        """
-        ...
-
-    def nat_to_whitened(
-        self, loc: jax.Array, scale: jax.Array, nat: NatParams
-    ) -> tuple[jax.Array, jax.Array]:
-        """Whitened mean and covariance of valid ``nat``: the inverse of :meth:`whitened_to_nat`.
-
-        >>> import jax.numpy as jnp, numpyro_pvi as pvi
-        >>> family = pvi.MeanFieldGaussian()
-        >>> nat = family.from_moments(jnp.array([3.0]), jnp.array([4.0]))
-        >>> family.nat_to_whitened(jnp.ones(1), jnp.array([2.0]), nat)
-        (Array([1.], dtype=float32), Array([1.], dtype=float32))
         """
         ...
 
@@ -342,21 +277,6 @@ class Family(FactorFamily, Protocol):
         >>> import jax.numpy as jnp, numpyro_pvi as pvi
         >>> pvi.MeanFieldGaussian().site_update(jnp.ones(1), jnp.array([-2.0]), jnp.ones(1))
         NatParams(eta1=Array([3.], dtype=float32), eta2=Array([-1.], dtype=float32))
-        """
-        ...
-
-    def clamp_precision(
-        self, nat: NatParams, low: float, high: float
-    ) -> tuple[NatParams, jax.Array]:
-        """``nat`` with its precision's eigenvalues clipped to ``[low, high]``, and whether any was.
-
-        >>> import jax.numpy as jnp, numpyro_pvi as pvi
-        >>> from numpyro_pvi.families import NatParams
-        >>> nat, clamped = pvi.MeanFieldGaussian().clamp_precision(
-        ...     NatParams(jnp.zeros(2), jnp.array([-0.05, -1.0])), 0.5, 1.0
-        ... )
-        >>> nat.eta2, clamped
-        (Array([-0.25, -0.5 ], dtype=float32), Array(True, dtype=bool))
         """
         ...
 

@@ -23,9 +23,9 @@ import numpyro.distributions as dist
 
 from numpyro_pvi.families import tilted
 from numpyro_pvi.families.block_distribution import BlockDistribution
+from numpyro_pvi.families.chain_moments import MeanParamChains, refuse_site_clamp
 from numpyro_pvi.families.factor import FactorFamily, member_proposal
 from numpyro_pvi.families.mean_field import MeanFieldGaussian
-from numpyro_pvi.families.mean_params import MeanParamFamily
 from numpyro_pvi.families.params import Marginals, NatParams, Proposal
 from numpyro_pvi.families.reparameterised import GuideParameters
 
@@ -382,12 +382,24 @@ class SiteFamilies:
         """The blocks, each a ``MeanParamFamily`` (``TypeError`` if one is not)."""
         blocks = self._laid_out()
         for family, _, _, names in blocks:
-            if not isinstance(family, MeanParamFamily):
+            if family.mean_param_family() is None:
                 raise TypeError(
                     f"SiteFamilies: the block {list(names)}'s family {family!r} has no mean "
                     "parameters (numpyro_pvi.families.MeanParamFamily), which SNEPUpdate needs."
                 )
         return blocks
+
+    def mean_param_family(self) -> SiteFamilies | None:
+        """This family if every block's family has mean parameters, else ``None``."""
+        families = [*self.groups.values(), self.default]
+        return self if all(f.mean_param_family() is not None for f in families) else None
+
+    def chain_moments(self, control_variates: bool, site_variance: tuple | None) -> MeanParamChains:
+        """Stein features regressed under ``q`` over all the blocks together
+        (:class:`~numpyro_pvi.families.chain_moments.MeanParamChains`); ``site_variance`` is a
+        ``ValueError``."""
+        refuse_site_clamp(self, site_variance)
+        return MeanParamChains(self, control_variates)
 
     def log_factor(self, nat: NatParams, zeta: jax.Array) -> jax.Array:
         """The sum of the blocks' ``eta . T`` at their slices of ``zeta`` ``(D,)``."""

@@ -7,9 +7,9 @@
   ``lax.scan`` with a unit mass matrix, in coordinates where one fits (whitened by a Gaussian
   approximation, or standardised by a family's
   :meth:`~numpyro_pvi.families.MeanParamFamily.chain_frame`).
-* **Stein control variates** (:func:`stein_features`, :func:`stein_coefficients`) and the check
-  that a member has the mean parameters asked of it (:func:`matches`): EP's NUTS estimate and SNEP's
-  mean-parameter path.
+
+The Stein control variates of EP's NUTS estimate and SNEP are the families'
+(:mod:`numpyro_pvi.families.chain_moments`).
 """
 
 from __future__ import annotations
@@ -18,16 +18,10 @@ from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax.flatten_util import ravel_pytree
 from numpyro.infer.hmc import hmc
 
 from numpyro_pvi.backtracking import backtrack
-from numpyro_pvi.families import FactorFamily, MeanParamFamily, NatParams
-
-# draws of q (fixed key) from which control-variate coefficients are read
-NUM_CV_DRAWS = 256
-# largest relative residual of a member's mean parameters (from_mean_params did not converge above)
-MEAN_TOL = 1e-4
+from numpyro_pvi.families import FactorFamily, NatParams
 
 
 def laplace(
@@ -165,50 +159,9 @@ def nuts_draws(
     return jax.vmap(chain)(jax.random.split(rng_key, num_chains)).reshape(-1, dim)
 
 
-def stein_features(u: jax.Array, score: jax.Array) -> jax.Array:
-    """Zero-mean functions ``(K + K^2,)`` of a draw ``u`` of any ``p`` with score ``grad log p(u)``:
-    ``score`` and ``I + u score^T`` (Stein's identity ``E_p[div f + f . score] = 0`` for ``f = e_k``
-    and ``f = u_j e_k``)."""
-    return jnp.concatenate([score, (jnp.eye(u.shape[-1]) + jnp.outer(u, score)).reshape(-1)])
-
-
-def stein_coefficients(family: MeanParamFamily, frame: Any, q: NatParams) -> jax.Array:
-    """The regression coefficients ``(P, K + K^2)`` of ``T`` on :func:`stein_features` under ``q``.
-
-    ``T - C features`` has the mean of ``T`` under any ``p`` (the features have mean zero under
-    every ``p``), and with ``q``'s regression coefficients the least variance when ``p`` is ``q``:
-    exact where ``T`` is in their span (a Gaussian block's ``zeta`` and ``zeta zeta^T``, a Gamma's
-    ``theta``). Read off ``NUM_CV_DRAWS`` draws of ``q`` (a fixed key), the control variates of this
-    path as Stein's are of the Gaussian path.
-    """
-    theta = family.to_dist(q).sample(jax.random.PRNGKey(1), (NUM_CV_DRAWS,))
-    u = jax.vmap(lambda t: family.to_chain(frame, t))(theta)
-
-    def log_q(v: jax.Array) -> jax.Array:
-        value, log_det = family.from_chain(frame, v)
-        return family.log_factor(q, value) + log_det
-
-    features = jax.vmap(stein_features)(u, jax.vmap(jax.grad(log_q))(u))
-    stats = jax.vmap(lambda t: ravel_pytree(family.chain_mean_params(t[None]))[0])(theta)
-    features, stats = features - jnp.mean(features, axis=0), stats - jnp.mean(stats, axis=0)
-    gram = features.T @ features + 1e-6 * jnp.trace(features.T @ features) * jnp.eye(
-        features.shape[1]
-    )
-    return jnp.linalg.solve(gram, features.T @ stats).T
-
-
-def matches(family: MeanParamFamily, nat: NatParams, target: NatParams) -> jax.Array:
-    """Whether ``nat`` is valid and its mean parameters are ``target`` (to ``MEAN_TOL`` relative): a
-    target outside the family's mean domain (a control-variate estimate may be) has no inverse."""
-    flat = ravel_pytree(target)[0]
-    residual = ravel_pytree(family.mean_params(nat))[0] - flat
-    return family.is_valid(nat) & jnp.all(jnp.abs(residual) <= MEAN_TOL * (1.0 + jnp.abs(flat)))
-
-
 def nuts_kernel(potential_gen: Callable, max_tree_depth: int) -> Callable:
     """``(key, u, tau, step_size) -> (u, grad log p(u), accept prob)``: one NUTS transition (unit
-    mass matrix, fixed step size) of the target ``exp(-potential_gen(tau)(u))``; both SNEP paths'
-    sampler."""
+    mass matrix, fixed step size) of the target ``exp(-potential_gen(tau)(u))``; SNEP's sampler."""
     init_kernel, sample_kernel = hmc(potential_fn_gen=potential_gen, algo="NUTS")
 
     def transition(key: jax.Array, u: jax.Array, tau: NatParams, step_size: jax.Array) -> tuple:

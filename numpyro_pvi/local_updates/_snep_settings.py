@@ -1,5 +1,4 @@
-"""What SNEP's inner loops read of :class:`~numpyro_pvi.SNEPUpdate`: a value, so that the loops
-(``snep_inner``, ``snep_blocks``) need not import the update class (internal)."""
+"""What SNEP's loop reads of :class:`~numpyro_pvi.SNEPUpdate`: a value (internal)."""
 
 from __future__ import annotations
 

@@ -30,7 +30,7 @@ where the tilted density is not log-concave:
   (:meth:`~numpyro_pvi.families.MeanParamFamily.from_chain`, standardised by the Laplace
   approximation; the log Jacobian in the potential), the draws' average of the sufficient
   statistics less Stein control variates whose coefficients are read off that approximation
-  (:func:`~numpyro_pvi.local_updates._numerics.stein_coefficients`; the plain average where that
+  (:func:`~numpyro_pvi.families.chain_moments.stein_coefficients`; the plain average where that
   estimate has no member). With ``Synchronous`` this is distributed EP as in ep-stan (Vehtari et
   al. 2020).
 
@@ -49,18 +49,12 @@ import jax.numpy as jnp
 from jax.flatten_util import ravel_pytree
 
 from numpyro_pvi.backtracking import backtrack
-from numpyro_pvi.families import FactorFamily, MeanParamFamily, NatParams
+from numpyro_pvi.families import FactorFamily, NatParams
+from numpyro_pvi.families.chain_moments import matches, stein_coefficients, stein_features
 from numpyro_pvi.families.factor import member_proposal
 from numpyro_pvi.families.gaussian import variance_inflation, weighted_covariance
 from numpyro_pvi.families.params import Proposal
-from numpyro_pvi.local_updates._numerics import (
-    laplace_fit,
-    matches,
-    nuts_draws,
-    stein_coefficients,
-    stein_features,
-    where_tree,
-)
+from numpyro_pvi.local_updates._numerics import laplace_fit, nuts_draws, where_tree
 from numpyro_pvi.local_updates.base import (
     Client,
     ClientProblem,
@@ -265,7 +259,7 @@ class NUTSMoments:
 
     def check(self, family: Any) -> None:
         """The chains need the family's chain coordinates and mean parameters."""
-        if not isinstance(family, MeanParamFamily):
+        if family.mean_param_family() is None:
             raise ValueError(
                 "MomentMatchingUpdate: NUTSMoments needs a family with mean parameters and chain "
                 f"coordinates (pvi.families.MeanParamFamily); {family!r} has none: use "
