@@ -18,7 +18,7 @@ seconds compare, the wall-clock ones do not):
 * ``ep-linear``: ``MomentMatchingUpdate`` (EP, Laplace proposal) on the conjugate linear model of
   ``tests/test_moment_matching.py`` (``FullRankGaussian``, 4 clients, ``Synchronous(1.0)``).
 * ``bnn``: a 64-32-32-10 Bayesian neural network on scikit-learn's ``load_digits`` with 10
-  label-skewed clients: ``PVI(...)`` and ``init`` alone.
+  label-skewed clients, ``Sequential``, 100 steps of batches of 64 per visit.
 
 The compilations are counted with a ``jax.monitoring`` listener on XLA's backend compile event
 (``/jax/core/compile/backend_compile_duration``, one per executable built): how many by the end of
@@ -31,6 +31,11 @@ compilation cache filled by an earlier process: a user's second run of a script)
     python benchmarks/startup.py                  # every configuration, cold
     python benchmarks/startup.py --quick          # logistic-100, dirichlet-1000, snep-poisson
     python benchmarks/startup.py --modes cold cache O0 --configs logistic-100
+    python benchmarks/startup.py --baseline /path/to/main   # before (that checkout) and after
+
+With ``--baseline DIR`` every configuration also runs with the package imported from the checkout
+``DIR`` (e.g. a worktree of ``main``): rows ``before`` (``DIR``) and ``after`` (this checkout), each
+in its own fresh process, one after the other.
 """
 
 import argparse
@@ -209,7 +214,7 @@ def child(config, num_rounds, cache):
     state = inference.init(random.PRNGKey(2), *args, **kwargs)
     jax.block_until_ready(state.q)
     result = {"init": time.perf_counter() - start}
-    rounds = 0 if config == "bnn" else num_rounds
+    rounds = num_rounds
     times, counts, cpu = [], [], []
     for _ in range(rounds):
         state, info = inference.update(state, *args, **kwargs)
@@ -236,8 +241,11 @@ def child(config, num_rounds, cache):
     print(json.dumps(result))
 
 
-def run_child(config, num_rounds, mode, cache):
+def run_child(config, num_rounds, mode, cache, source=None):
     env = dict(os.environ)
+    # the package imported from ``source`` (a checkout), else from this one
+    root = source or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in [env.get("PYTHONPATH")] if p])
     if mode == "O0":
         env["XLA_FLAGS"] = (
             env.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
@@ -259,6 +267,9 @@ def main():
     parser.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK)}")
     parser.add_argument("--configs", nargs="+", choices=CONFIGS, default=None)
     parser.add_argument("--modes", nargs="+", choices=["cold", "cache", "O0"], default=["cold"])
+    parser.add_argument(
+        "--baseline", default=None, help="a checkout to compare with (rows 'before' and 'after')"
+    )
     parser.add_argument("--child", choices=CONFIGS, help=argparse.SUPPRESS)
     parser.add_argument("--cache", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -271,38 +282,39 @@ def main():
         "and of the run\n"
     )
     print(
-        f"{'configuration':>14} {'mode':>5} {'init':>6} {'round 1':>8} "
+        f"{'configuration':>14} {'mode':>5} {'code':>6} {'init':>6} {'round 1':>8} "
         f"{f'{args.rounds} rounds':>10} {'CPU 1 / all':>13} {'s/round':>8} "
         f"{'XLA@1':>11} {'XLA all':>11}  three slowest by round 1"
     )
-    for config in configs:
-        for mode in args.modes:
-            with tempfile.TemporaryDirectory() as cache:
-                r = run_child(config, args.rounds, mode, cache)
-            cells = [f"{r['init']:6.2f}"] + (
-                [
-                    f"{r['round1']:8.2f}",
-                    f"{r['rounds']:10.2f}",
-                    f"{r['cpu1']:6.1f} {r['cpu']:6.1f}",
-                    f"{r['steady']:8.4f}",
-                    f"{r['compiles1']:3d} {r['compile_s1']:6.2f}s",
-                ]
-                if "round1" in r
-                else ["", "", "", "", ""]
-            )
-            cells.append(f"{r['compiles']:3d} {r['compile_s']:6.2f}s")
-            target = ""
-            if config in TARGETS and mode == "cold":
-                key, limit = TARGETS[config]
-                target = f"  [{key} < {limit} s: {'met' if r[key] < limit else 'missed'}]"
-            print(
-                f"{config:>14} {mode:>5} "
-                + " ".join(f"{c:>{w}}" for c, w in zip(cells, (6, 8, 10, 13, 8, 11, 11)))
-                + "  "
-                + ", ".join(r["slowest"])
-                + target,
-                flush=True,
-            )
+    sources = [("before", args.baseline), ("after", None)] if args.baseline else [("", None)]
+    runs = [(c, m, s) for c in configs for m in args.modes for s in sources]
+    for config, mode, (code, source) in runs:
+        with tempfile.TemporaryDirectory() as cache:
+            r = run_child(config, args.rounds, mode, cache, source)
+        cells = [f"{r['init']:6.2f}"] + (
+            [
+                f"{r['round1']:8.2f}",
+                f"{r['rounds']:10.2f}",
+                f"{r['cpu1']:6.1f} {r['cpu']:6.1f}",
+                f"{r['steady']:8.4f}",
+                f"{r['compiles1']:3d} {r['compile_s1']:6.2f}s",
+            ]
+            if "round1" in r
+            else ["", "", "", "", ""]
+        )
+        cells.append(f"{r['compiles']:3d} {r['compile_s']:6.2f}s")
+        target = ""
+        if config in TARGETS and mode == "cold":
+            key, limit = TARGETS[config]
+            target = f"  [{key} < {limit} s: {'met' if r[key] < limit else 'missed'}]"
+        print(
+            f"{config:>14} {mode:>5} {code:>6} "
+            + " ".join(f"{c:>{w}}" for c, w in zip(cells, (6, 8, 10, 13, 8, 11, 11)))
+            + "  "
+            + ", ".join(r["slowest"])
+            + target,
+            flush=True,
+        )
     print(
         "\nreference: the PyTorch PVI library takes about 42 s for 20 synchronous rounds at M = 100"
     )

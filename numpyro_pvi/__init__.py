@@ -25,6 +25,7 @@ pvi.GradientUpdate(optax.adam(0.05), 100), pvi.Sequential()).run(key, 10, X, y=y
 """
 
 from numpyro_pvi._version import __version__ as __version__
+from numpyro_pvi.compilation import enable_compilation_cache
 from numpyro_pvi.families import (
     Beta,
     Dirichlet,
@@ -95,4 +96,6 @@ __all__ = [
     "save",
     "load",
     "calibrate_noise_multiplier",
+    # start-up
+    "enable_compilation_cache",
 ]

@@ -55,16 +55,20 @@ def backtrack(
         (0.25, 2, True)
     """
     start = jnp.asarray(start)
+    # one loop that tries k = start, start + 1, ... and carries the last proposal: ``propose`` is
+    # traced (and compiled) once, not three times (first try, loop body, value at the step taken)
+    value, _ = jax.eval_shape(propose, step * 0.5**start)
+    blank = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), value)
 
     def cond(carry: tuple) -> jax.Array:
-        k, valid = carry
+        k, _, valid = carry
         return (~valid) & (k < start + max_halvings)
 
     def body(carry: tuple) -> tuple:
-        k, _ = carry
-        return k + 1, propose(step * 0.5 ** (k + 1))[1]
+        k = carry[0] + 1
+        value, valid = propose(step * 0.5**k)
+        return k, value, valid
 
-    k, valid = jax.lax.while_loop(cond, body, (start, propose(step * 0.5**start)[1]))
-    value, _ = propose(step * 0.5**k)
+    k, value, valid = jax.lax.while_loop(cond, body, (start - 1, blank, jnp.asarray(False)))
     halvings = jnp.where(valid, k - start, max_halvings + 1)
     return Backtracked(value, jnp.where(valid, step * 0.5**k, 0.0), halvings, valid)

@@ -283,7 +283,10 @@ class PVI:
         zeros = family.zeros(problem.sites.dim)
         factors = _broadcast(zeros, capacity, zero=True)
         t0 = zeros if steps.prior_init is None else steps.prior_init(problem.prior, _data(problem))
-        q = problem.prior + t0
+        # added in NumPy (the same float sums): an eager add compiles in a fresh process
+        q = jax.device_put(
+            jax.tree.map(lambda a, b: np.asarray(a) + np.asarray(b), problem.prior, t0)
+        )
         # a chosen start, split over the factors
         config = self.config
         if config.init_loc_fn is not None or config.init_scale is not None:
@@ -672,13 +675,15 @@ def _data(problem: Problem) -> tuple:
 
 
 def _broadcast(tree: Any, capacity: int, zero: bool = False) -> Any:
-    """``tree`` repeated over ``capacity`` client slots (zeros of its shape if ``zero``)."""
+    """``tree`` repeated over ``capacity`` client slots (zeros of its shape if ``zero``), built in
+    NumPy and sent with ``device_put`` (eager JAX operations compile one program each in a fresh
+    process)."""
     fill = (
-        (lambda x: jnp.zeros((capacity,) + jnp.shape(x), jnp.result_type(x)))
+        (lambda x: np.zeros((capacity,) + np.shape(x), jnp.result_type(x)))
         if zero
-        else (lambda x: jnp.broadcast_to(x, (capacity,) + jnp.shape(x)))
+        else (lambda x: np.broadcast_to(np.asarray(x), (capacity,) + np.shape(x)).copy())
     )
-    return jax.tree.map(fill, tree)
+    return jax.device_put(jax.tree.map(fill, tree))
 
 
 def _grow(old: Any, fresh: Any) -> Any:

@@ -1,9 +1,13 @@
-"""``compilation``: JAX's Threefry unrolled on CPU, the same bits in fewer kernels."""
+"""``compilation``: JAX's Threefry unrolled on CPU, the same bits in fewer kernels; the opt-in
+persistent cache."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from jax.experimental.compilation_cache import compilation_cache
 from jax.extend.random import threefry_2x32
 
+import numpyro_pvi as pvi
 from numpyro_pvi.compilation import unroll_threefry_on_cpu
 
 
@@ -23,3 +27,31 @@ def test_threefry_is_unrolled_on_cpu_and_hashes_the_same_bits():
     for key, count, expected in known:
         out = hashed(np.asarray(key, np.uint32), np.asarray(count, np.uint32))
         np.testing.assert_array_equal(np.asarray(out), np.asarray(expected, np.uint32))
+
+
+def test_enable_compilation_cache_sets_jaxs_cache_idempotently_and_stores_programs(
+    tmp_path, monkeypatch
+):
+    """The opt-in cache: JAX's cache directory and threshold set (the default under the user's cache
+    directory), the same state after a second call, and a compiled program written there."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    before = (
+        jax.config.jax_compilation_cache_dir,
+        jax.config.jax_persistent_cache_min_compile_time_secs,
+    )
+    try:
+        where = pvi.enable_compilation_cache()
+        assert where == tmp_path / "xdg" / "numpyro_pvi" / "jax" and where.is_dir()
+        assert jax.config.jax_compilation_cache_dir == str(where)
+        assert jax.config.jax_persistent_cache_min_compile_time_secs == 0.0
+        assert pvi.enable_compilation_cache(where) == where
+        assert jax.config.jax_compilation_cache_dir == str(where)
+        other = pvi.enable_compilation_cache(tmp_path / "other")
+        assert jax.config.jax_compilation_cache_dir == str(other)
+        # a program of a shape nothing else compiles, stored in the new directory
+        jax.jit(lambda x: jnp.sin(x) * 3.0 + 1.0)(jnp.zeros(7, jnp.float32)).block_until_ready()
+        assert any(other.iterdir())
+    finally:
+        compilation_cache.reset_cache()
+        jax.config.update("jax_compilation_cache_dir", before[0])
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", before[1])

@@ -207,8 +207,12 @@ class Bucket(NamedTuple):
     ids: np.ndarray
 
 
-# a bucket (a compiled shape, a vmapped call) must save this share of all rows of padding
-BUCKET_OVERHEAD = 0.1
+# a bucket (a compiled shape, a vmapped call) must save this share of all rows of padding: as many
+# padded rows as the split holds, since each bucket compiles its own client update (seconds, the
+# start-up of a run) while a round's padding costs a step a few microseconds a row; a Dirichlet(0.3)
+# split of 1,000 clients (benchmarks/startup.py) then has 2 buckets (25,135 padded rows) instead of
+# 5 (13,936 rows) at 0.1, and starts within 1.5x of an even split instead of 2.5x
+BUCKET_OVERHEAD = 1.0
 # ... and at least this many rows: a bucket compiles its own client update (seconds to minutes,
 # once), while a padded row costs microseconds a round; on a few hundred rows one bucket always wins
 # (the sweep's skewed splits)

@@ -19,7 +19,6 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import numpyro
 
@@ -296,7 +295,8 @@ def stack_clients(
     for column, row in zip(columns, is_row):
         values = [pad_rows(x, rows) if row else np.asarray(x) for x in column]
         values += [values[0]] * (capacity - len(values))
-        out.append(jnp.asarray(np.stack(values)))
+        # device_put, not jnp.asarray: the latter compiles a copy in a fresh process
+        out.append(jax.device_put(np.stack(values)))
     return out
 
 

@@ -316,6 +316,10 @@ def check_memory(family: Any, dim: int, num_clients: int) -> None:
         )
 
 
+# the first client of a stack, in one compiled call (eager indexing compiles two programs a leaf)
+_first_rows = jax.jit(lambda arrays: [a[0] for a in arrays])
+
+
 def _assemble(
     config: PVIConfig,
     family: FactorFamily,
@@ -331,7 +335,7 @@ def _assemble(
     by_size = isinstance(config.backend, VmapBackend) and not sites.has_local
     bucketed = buckets(split, by_size, rows, capacity, grow)
     first_client = bucketed[0].clients
-    first = split.layout.build([a[0] for a in first_client.arrays])
+    first = split.layout.build(_first_rows(first_client.arrays))
     sites = read_padded(config.model, sites, *first, int(first_client.mask.shape[1]))
     prior, rest = exact_prior(
         family,

@@ -97,8 +97,11 @@ class Fixed:
     def init(self, q: Any, factors: Any, family: Any) -> FixedDampingState:
         # the step sized for family's marginals: the state's shapes never change between rounds
         dtype, n = jnp.result_type(float), 2 * np.size(family.marginals(q).mean)
+        # built in NumPy and sent: eager jnp.full / zeros compile in a fresh process
         return FixedDampingState(
-            jnp.full((n,), jnp.nan, dtype), jnp.zeros((), dtype), jnp.zeros((), jnp.int32)
+            *jax.device_put(
+                (np.full((n,), np.nan, dtype), np.zeros((), dtype), np.zeros((), np.int32))
+            )
         )
 
     def rho(self, state: Any) -> float:

@@ -130,7 +130,9 @@ def compile_steps(
 
     if not config.backend.jit_group:
         return _steps(config, problem, layout, rest, group_step, apply, runner)
-    fused, run_one = jax.jit(group_step), jax.jit(run_group)
+    # the merge of several buckets' results, concatenations included, in one compiled call (eager
+    # concatenations compile one small executable per leaf shape)
+    fused, run_one, merge_all = jax.jit(group_step), jax.jit(run_group), jax.jit(merge_groups)
 
     def jitted_group_step(
         state: PVIState, groups: tuple, key: jax.Array, pulled: NatParams
@@ -140,7 +142,7 @@ def compile_steps(
         merge."""
         if len(groups) == 1:
             return fused(state, groups, key, pulled)
-        return merge_groups(state, groups, [run_one(state, g, key, pulled) for g in groups])
+        return merge_all(state, groups, [run_one(state, g, key, pulled) for g in groups])
 
     return _steps(config, problem, layout, rest, jitted_group_step, apply, runner)
 
