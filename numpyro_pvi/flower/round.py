@@ -159,10 +159,11 @@ class FlowerRunner:
     ) -> ClientResult:
         """Site ``m``'s reply to ``handle`` (waiting for it): a failed site gives a non-finite
         delta and ``RAISED``, a silent one ``TIMEOUT``; the server rejects both."""
+        # pulled at least once: a reply that came while the server merged others is not late
+        self._pull([handle.message_id])
         while handle.message_id not in self.replies and time.time() <= handle.deadline:
+            time.sleep(PULL_INTERVAL)
             self._pull([handle.message_id])
-            if handle.message_id not in self.replies:
-                time.sleep(PULL_INTERVAL)
         reply = self.replies.pop(handle.message_id, None)
         if reply is None:
             return failed_result(cavity, state, hyper, Rejection.TIMEOUT)
