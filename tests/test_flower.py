@@ -567,3 +567,38 @@ def test_every_server_over_flower_messages_gives_the_in_process_q(flower_task, c
     if late:
         # round 1 visits the first two sites, round 2 only the one that joined
         np.testing.assert_array_equal(strategy.history.attempts, [[1, 1, 0], [0, 0, 1]])
+
+
+def test_asynchronous_over_flower_messages_reaches_the_exact_posterior(flower_task):
+    """``Asynchronous`` over Flower (before: refused) is truly asynchronous: a site gets its next
+    cavity as soon as its reply is merged (push/pull), so its updates are computed against a ``q``
+    up to two merges stale and the arrival order is not the in-process clock's. On the conjugate
+    linear model each site's exact (CVI, step 1) factor is a fixed point, so q reaches the exact
+    posterior whatever the order.
+
+    Measured (8 rounds = 24 merges, seeds 0-2, this machine): worst mean error 3.7e-4 posterior sds,
+    worst covariance error 3.9e-3 (relative to the sds), the same for every seed (the update is
+    deterministic on a Gaussian likelihood); after 3 rounds the mean is still 0.013 sds off and
+    the covariance 0.14. The tolerances (0.01, 0.02) sit between the two.
+    """
+    from models import exact_linear_posterior, linear_model, make_linear_data
+
+    X, y = (a[:40] for a in make_linear_data())
+    data = _sites_data(X, y, pvi.split_iid(random.PRNGKey(1), 40, 3))
+    update = pvi.NaturalGradientUpdate(step_size=1.0, num_particles=32)
+    site = Site(
+        linear_model, pvi.FullRankGaussian(), update, lambda c: data[c.node_config["partition-id"]]
+    )
+    strategy = PVIStrategy(pvi.FullRankGaussian(), 3, random.PRNGKey(0), pvi.Asynchronous(0.5))
+    grid = LocalGrid(site, 3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", pvi.PVIWarning)
+        strategy.start(grid, num_rounds=8, timeout=60)
+    # a round is M merges; each site was sent its next cavity before the others' replies merged
+    np.testing.assert_array_equal(strategy.history.accepted.sum(1), 3)
+    assert len(grid.pushed) > 24
+    mean, cov = exact_linear_posterior(X, y)
+    q = pvi.FullRankGaussian().to_dist(strategy.state.q)
+    sd = np.sqrt(np.diag(cov))
+    assert np.max(np.abs(np.asarray(q.mean) - mean) / sd) < 0.01
+    assert np.max(np.abs(np.asarray(q.covariance_matrix) - cov) / np.outer(sd, sd)) < 0.02
