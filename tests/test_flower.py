@@ -6,10 +6,10 @@ round: q after three rounds depends on it.
 """
 
 import gc
+import importlib
 import itertools
 import json
 import re
-import sys
 import warnings
 
 import jax
@@ -74,7 +74,7 @@ def by_value():
     value (and run the workers at the tests' priority)."""
     import ray.cloudpickle
 
-    modules = [sys.modules[name] for name in [__name__, "models", "fakes"]]
+    modules = [importlib.import_module(name) for name in [__name__, "models", "fakes"]]
     for module in modules:
         ray.cloudpickle.register_pickle_by_value(module)
     with pytest.MonkeyPatch.context() as env:
