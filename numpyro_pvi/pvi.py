@@ -12,7 +12,6 @@ and the :class:`~numpyro_pvi.PVIState` are values passed in and out.
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from typing import Any, Callable
 
@@ -34,7 +33,8 @@ from numpyro_pvi.model.problem import Problem, build_problem
 from numpyro_pvi.model.sites import ModelSites
 from numpyro_pvi.model.start import chosen_start
 from numpyro_pvi.results.result import PVIRunResult, average_states
-from numpyro_pvi.server.monitor import RunMonitor, largest, q_move
+from numpyro_pvi.server.monitor import RunMonitor
+from numpyro_pvi.server.play import play_round
 from numpyro_pvi.server.round import InFlight, Round, cancel_in_flight
 from numpyro_pvi.server.servers import Server, Synchronous
 from numpyro_pvi.state import MadeFor, PVIState, RoundInfo
@@ -374,70 +374,40 @@ class PVI:
         self, state: PVIState, problem: Problem, in_flight: InFlight, monitor: RunMonitor
     ) -> tuple[PVIState, RoundInfo]:
         self._check_state(state, problem)
-        start, steps, old_q = time.perf_counter(), problem.steps, state.q
-        round_key, sample_key, next_key = jax.random.split(state.rng_key, 3)
-        rho = float(self.server.damping.rho(state.damping))
-        if steps.prior_step is not None:
-            state = steps.prior_step(state, _data(problem))
-        round = Round(
-            steps,
-            problem.buckets,
-            round_key,
-            problem.num_clients,
-            problem.capacity,
-            in_flight,
-            sample_key,
+        steps, data = problem.steps, _data(problem)
+
+        def make_round(round_key: jax.Array, sample_key: jax.Array) -> Round:
+            return Round(
+                steps,
+                problem.buckets,
+                round_key,
+                problem.num_clients,
+                problem.capacity,
+                in_flight,
+                sample_key,
+            )
+
+        def elbo(state: PVIState) -> float:
+            # the same draws every round (common random numbers): rounds' ELBOs compare without
+            # sampling noise
+            return steps.elbo(
+                state.q, ELBO_KEY, data, self.num_elbo_particles, state.client_states, state.hyper
+            )
+
+        prior_step = (
+            None if steps.prior_step is None else lambda state: steps.prior_step(state, data)
         )
-        before = state
-        state = self.server.run_round(state, round, problem.num_clients)
-        backtracked = round.backtracked(rho)
-        state = self.server.damping.after_merge(
+        return play_round(
+            self.server,
             problem.family,
-            before,
             state,
-            round.every_client_merged() and not backtracked,
-            rho,
-        )
-        if steps.hyper_step is not None and round.hyper_grad:
-            grads = state.hyper_grads
-            for m, grad in round.hyper_grad.items():
-                grads = jax.tree.map(lambda stack, g, m=m: stack.at[m].set(g), grads, grad)
-            state = steps.hyper_step(
-                state._replace(hyper_grads=grads), jax.tree.map(lambda g: g.sum(0), grads)
-            )
-        # the same draws every round (common random numbers): rounds' ELBOs compare without sampling
-        # noise
-        elbo = float(
-            steps.elbo(
-                state.q,
-                ELBO_KEY,
-                _data(problem),
-                self.num_elbo_particles,
-                state.client_states,
-                state.hyper,
-            )
-        )
-        state = state._replace(
-            damping=self.server.damping.after_round(state.damping, elbo, backtracked)
-        )
-        move = q_move(problem.family, old_q, state.q)
-        info = RoundInfo(
+            steps,
+            make_round,
+            problem.num_clients,
+            monitor,
             elbo,
-            *round.record(),
-            time.perf_counter() - start,
-            round.rejection,
-            round.moved,
-            largest(move),
-            round.bytes_received,
-            round.bytes_sent,
-            round.inflation,
+            prior_step,
         )
-        monitor.after_round(info, round.staleness, move)
-        # an oscillating or falling run says so
-        note = self.server.damping.warning(state.damping)
-        if note is not None:
-            monitor.warn(*note)
-        return state._replace(rng_key=next_key), info
 
     def run(
         self,

@@ -14,6 +14,7 @@ them), so a site compiles once, not once per message.
 
 from __future__ import annotations
 
+import json
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -23,6 +24,7 @@ from flwr.clientapp import ClientApp
 
 from numpyro_pvi.backends.base import failed_result, take
 from numpyro_pvi.families import FactorFamily
+from numpyro_pvi.flower.round import reply_result
 from numpyro_pvi.flower.wire import (
     key_from_record,
     layout_to_text,
@@ -65,6 +67,7 @@ class Prepared(NamedTuple):
     problem: Problem
     client: Client
     update: Callable
+    hyper: Any
 
 
 class Site:
@@ -118,8 +121,10 @@ class Site:
                     jax.jit(self.local_update.bind(problem.client_problem)),
                 )
                 _UPDATES[id(problem.client_problem)] = cached
+            # the hyperparameters' structure (their initial values: no randomness)
+            hyper = inference.init(jax.random.PRNGKey(0), problem).hyper
             _PREPARED[key] = Prepared(
-                self.client_id(context), problem, take(problem.clients, 0), cached[1]
+                self.client_id(context), problem, take(problem.clients, 0), cached[1], hyper
             )
         return _PREPARED[key]
 
@@ -128,35 +133,35 @@ class Site:
         parameters.
 
         The prior is the model's (public, the same at every site): the server starts ``q`` from it
-        and checks that every site agrees. The reply names the sites the server cannot handle (a
-        prior not Gaussian in unconstrained space, hyperparameters) so that it can refuse them
-        before any round.
+        and checks that every site agrees; so are the hyperparameters' initial values, which the
+        server then steps from the sites' gradients. The reply names the global sites whose prior
+        is not Gaussian in unconstrained space, which the server refuses before any round.
         """
         prep = self.prepare(context)
         problem = prep.problem
         # a new run (of this or another strategy) starts from a fresh local state
         for key in (STATE, PENDING):
             context.state.pop(key, None)
-        # prior (and t_0): no randomness
-        q0 = _INFERENCES[context.run_id].init(jax.random.PRNGKey(0), problem).q
-        unsupported = {
-            "fitted-prior-sites": ",".join(problem.rest),
-            "hyper-sites": ",".join(h.name for h in problem.sites.hyper),
-        }
+        # prior (and t_0), the hyperparameters' initial values: no randomness
+        start = _INFERENCES[context.run_id].init(jax.random.PRNGKey(0), problem)
+        hyper_shapes = {h: list(np.shape(v)) for h, v in (start.hyper or {}).items()}
         info = ConfigRecord(
             {
                 "client": prep.client_id,
                 "dim": int(problem.sites.dim),
                 "layout": layout_to_text(problem.family, problem.sites),
+                "hyper": json.dumps(hyper_shapes),
                 # Flower rejects empty strings
-                **{k: v for k, v in unsupported.items() if v},
+                **({"fitted-prior-sites": ",".join(problem.rest)} if problem.rest else {}),
             }
         )
-        return Message(RecordDict({"q0": tree_to_record(q0), "pvi": info}), reply_to=message)
+        content = {"q0": tree_to_record(start.q), "hyper": tree_to_record(start.hyper), "pvi": info}
+        return Message(RecordDict(content), reply_to=message)
 
     def train(self, message: Message, context: Context) -> Message:
-        """One local update against the cavity in ``message``; reply with the delta and the free
-        energy."""
+        """One local update against the cavity in ``message`` (with the hyperparameters it carries);
+        reply with the :class:`~numpyro_pvi.local_updates.base.ClientResult` but the local state
+        (:func:`~numpyro_pvi.flower.round.reply_result`)."""
         prep = self.prepare(context)
         # the family as laid out for the site
         like = prep.problem.family.zeros(prep.problem.sites.dim)
@@ -164,21 +169,26 @@ class Site:
         cavity = tree_from_record(content.array_records["cavity"], like, "cavity")
         q = tree_from_record(content.array_records["q"], like, "q")
         rng_key = key_from_record(content.array_records["key"], str(config["key-impl"]))
+        hyper = (
+            tree_from_record(content.array_records["hyper"], prep.hyper, "hyperparameters")
+            if prep.hyper
+            else ()
+        )
         state = self._local_state(context, prep, bool(config["accepted"]))
         try:
-            result = jax.block_until_ready(prep.update(rng_key, prep.client, cavity, q, state, ()))
+            result = jax.block_until_ready(
+                prep.update(rng_key, prep.client, cavity, q, state, hyper)
+            )
         except Exception:  # noqa: BLE001 - a failing update is reported (non-finite delta, RAISED), not fatal
-            result = failed_result(cavity, state)
+            result = failed_result(cavity, state, hyper)
         context.state[PENDING] = tree_to_record(result.state)
         metrics = MetricRecord(
-            {
-                "free-energy": float(result.free_energy),
-                "clamped": int(np.sum(result.clamped)),
-                "failure": int(result.failure),
-            }
+            {"free-energy": float(result.free_energy), "failure": int(result.failure)}
         )
+        # everything the server's merge reads (ClientResult), but the local state, which stays here
         return Message(
-            RecordDict({"delta": tree_to_record(result.delta), "pvi": metrics}), reply_to=message
+            RecordDict({"result": tree_to_record(reply_result(result)), "pvi": metrics}),
+            reply_to=message,
         )
 
     def _local_state(self, context: Context, prep: Prepared, accepted: bool) -> Any:

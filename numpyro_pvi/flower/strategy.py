@@ -1,30 +1,32 @@
-"""The PVI server as a Flower ``Strategy``: it holds ``q`` and the factors and merges the sites'
-deltas.
+"""The PVI server as a Flower ``Strategy``: the library's servers, run over sites that hold their
+own data.
 
-A run starts with one query to every site (its client index and the model's prior, from which ``q``
-starts; every site must agree). Each round then sends site ``m`` its cavity ``q - t_m``, ``q`` and
-the random key ``fold_in(round_key, m)`` -- the key the in-process run hands client ``m`` -- and
-merges the replies with
-:func:`~numpyro_pvi.server.merge.merge`, the library's damped merge with validity backtracking: a
-non-finite delta, a failed or silent site is rejected, and a merge that would leave ``q`` or a
-cavity invalid is retried with the damping halved and, failing that, dropped. The server never sees
-a site's data.
+A run starts with one query to every site (its client index, the model's prior, from which ``q``
+starts, and its hyperparameters' initial values; every site must agree). Each round is the
+in-process round (:func:`~numpyro_pvi.server.play.play_round`): the server's own ``run_round``
+schedules the sites through a :class:`~numpyro_pvi.flower.round.FlowerRound`, which sends site ``m``
+its cavity ``q - t_m``, ``q``, the hyperparameters and the key ``fold_in(round_key, m)`` -- the key
+the in-process run hands client ``m`` -- and merges the replies with the library's merge (damped,
+validity-backtracked: a non-finite delta, a failed or silent site is rejected). Damping, the
+hyperparameters' step, the monitor's warnings and convergence (``tol``) are the in-process run's
+code. The server never sees a site's data.
 
-With client sampling (``Synchronous(damping, clients_per_round=K, client_weights=...)``) a round
-draws its ``K`` sites from the state's key exactly as the in-process server does
-(:mod:`numpyro_pvi.server.sampling`): only they receive a message, the others keep their factors,
-and the run still equals the in-process one.
+A site that connects after the run started joins at the next round as
+:meth:`PVI.add_client <numpyro_pvi.PVI.add_client>` adds a client (its factor starts flat;
+:class:`~numpyro_pvi.Continual` then visits only it).
 """
 
 from __future__ import annotations
 
+import json
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from logging import INFO
+from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
+import optax
 from flwr.app import (
     ArrayRecord,
     ConfigRecord,
@@ -38,46 +40,53 @@ from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import Result, Strategy
 from flwr.supercore import log
 
-from numpyro_pvi.backends.base import stack
-from numpyro_pvi.families import FactorFamily, NatParams
+from numpyro_pvi.families import FactorFamily
 from numpyro_pvi.flower.grid import PollingGrid
-from numpyro_pvi.flower.wire import (
-    adopt_layout,
-    content_bytes,
-    key_to_record,
-    tree_from_record,
-    tree_to_record,
-)
+from numpyro_pvi.flower.round import FlowerRound, FlowerRunner, hyper_like, result_like
+from numpyro_pvi.flower.wire import adopt_layout, tree_from_record, tree_to_record
+from numpyro_pvi.hyper_optim import rprop
+from numpyro_pvi.pvi import _broadcast, _grow
 from numpyro_pvi.results.checkpoint import save
-from numpyro_pvi.server.damping import Fixed
-from numpyro_pvi.server.merge import merge, rejection_codes, screen
-from numpyro_pvi.server.monitor import RunMonitor, q_change
-from numpyro_pvi.server.servers import Sequential, Synchronous
-from numpyro_pvi.state import PVIState, Rejection, RoundInfo
+from numpyro_pvi.server.damping import AdaptiveDamping
+from numpyro_pvi.server.monitor import RunMonitor
+from numpyro_pvi.server.play import play_round
+from numpyro_pvi.server.round import InFlight, cancel_in_flight
+from numpyro_pvi.server.servers import Server, Synchronous
+from numpyro_pvi.server.steps import Steps, _apply_fn, _hyper_step
+from numpyro_pvi.state import PVIState, RoundInfo
 
 CONNECT_POLL = 1.0  # seconds between checks for connected sites
 
 
 class PVIStrategy(Strategy):
-    """PVI over Flower: synchronous rounds (every site against the same ``q``, PVI-sync) or
-    sequential ones (site after site, each against the ``q`` its predecessor left, PVI-seq).
+    """PVI over Flower: any of the library's servers (:class:`~numpyro_pvi.Synchronous` with any
+    damping and client sampling, :class:`~numpyro_pvi.Sequential`,
+    :class:`~numpyro_pvi.Asynchronous`, :class:`~numpyro_pvi.Continual`) schedules sites that hold
+    their own data.
 
     :param family: the family of ``q`` (the sites' must be the same).
-    :param num_clients: the number of sites; each answers with a distinct client index ``0 .. M-1``.
+    :param num_clients: the number of sites the run waits for before its first round; each answers
+        with a distinct client index ``0 .. M-1``. A site that connects later joins as
+        :meth:`PVI.add_client <numpyro_pvi.PVI.add_client>` adds one (with the next index).
     :param rng_key: the run's random key: with the same key, data split, local update and server,
         the rounds give the ``q`` of ``PVI(..., server=server).run(rng_key, ...)`` in process.
-    :param server: ``pvi.Synchronous(damping)`` with a fixed damping (an adaptive damping needs the
-        global ELBO, which needs all the data; default ``Synchronous(1.0)``), optionally sampling
-        ``clients_per_round`` sites per round (with ``client_weights``), or ``pvi.Sequential()``.
+    :param server: as :class:`~numpyro_pvi.PVI`'s (default ``Synchronous()``, heavy-ball damping).
+        ``Asynchronous`` runs truly asynchronously (as on Ray): a site is sent its next cavity as
+        soon as its reply is merged, and a round is ``num_clients`` merges.
+    :param hyper_optimizer: the hyperparameters' optax optimiser, as :class:`~numpyro_pvi.PVI`'s
+        (default :func:`~numpyro_pvi.rprop` ``(0.1)``), stepped from the sites' gradients.
 
     After (or during) a run, ``strategy.state`` is a :class:`~numpyro_pvi.PVIState` (``q``, the
-    factors; the sites' local states stay at the sites), ``strategy.history`` the rounds'
-    :class:`~numpyro_pvi.RoundInfo` (``elbo`` is NaN: the server cannot evaluate it without data)
+    factors, the hyperparameters; the sites' local states stay at the sites), ``strategy.history``
+    the rounds' :class:`~numpyro_pvi.RoundInfo`, ``strategy.converged`` /
+    ``strategy.stopped_because`` what :class:`~numpyro_pvi.PVIRunResult` says of an in-process run,
     and ``strategy.traffic`` each round's ``(bytes sent to the sites, bytes received)`` as Flower
-    counts its records.
+    counts its records. ``RoundInfo.elbo`` is NaN while the sites report no ELBO terms (the server
+    cannot evaluate it without data); :class:`~numpyro_pvi.AdaptiveDamping`, which follows it,
+    then warns.
 
     **Example:** ``strategy = PVIStrategy(pvi.MeanFieldGaussian(), 4, random.PRNGKey(0),
-    pvi.Synchronous(0.5))``; ``ServerApp`` from :func:`server_app`.
+    pvi.Synchronous())``; ``ServerApp`` from :func:`server_app`.
     """
 
     def __init__(
@@ -85,9 +94,11 @@ class PVIStrategy(Strategy):
         family: FactorFamily,
         num_clients: int,
         rng_key: jax.Array,
-        server: Synchronous | Sequential | None = None,
+        server: Server | None = None,
+        *,
+        hyper_optimizer: optax.GradientTransformation | None = None,
     ) -> None:
-        server = Synchronous(1.0) if server is None else server
+        server = Synchronous() if server is None else server
         if not isinstance(family, FactorFamily):
             raise TypeError(
                 "family must be a pvi family such as pvi.MeanFieldGaussian(), "
@@ -95,51 +106,54 @@ class PVIStrategy(Strategy):
             )
         if not isinstance(num_clients, int) or isinstance(num_clients, bool) or num_clients < 1:
             raise ValueError(f"num_clients must be a positive integer, got {num_clients!r}.")
-        if type(server) not in (Synchronous, Sequential):
-            raise NotImplementedError(
-                f"PVIStrategy runs pvi.Synchronous or pvi.Sequential rounds; got {server!r}."
+        if not isinstance(server, Server):
+            raise TypeError(
+                f"server must be a pvi server such as pvi.Synchronous(), got {server!r}."
             )
-        server.sampling.check(num_clients)
-        if not isinstance(server.damping, Fixed):
-            raise ValueError(
-                "PVIStrategy needs a fixed damping, e.g. pvi.Synchronous(0.5), got "
-                f"{server.damping!r}: AdaptiveDamping follows the global ELBO, which needs every "
-                "site's data, and pvi.HeavyBall (the default of pvi.Synchronous()) is not wired "
-                "through Flower yet."
+        if hyper_optimizer is not None and not isinstance(
+            hyper_optimizer, optax.GradientTransformation
+        ):
+            raise TypeError(
+                f"hyper_optimizer must be an optax.GradientTransformation, got {hyper_optimizer!r}."
             )
+        server.check_clients(num_clients)
         self.family, self.num_clients, self.rng_key, self.server = (
             family,
             num_clients,
             rng_key,
             server,
         )
+        self.hyper_optimizer = rprop(0.1) if hyper_optimizer is None else hyper_optimizer
         self.state: PVIState | None = None
         self.nodes: dict[int, int] = {}  # Flower node id -> client index
         self.infos: list[RoundInfo] = []
         # per round: (bytes sent to the sites, bytes received)
         self.traffic: list[tuple[int, int]] = []
-        # self.family when first traced: the family as start() laid it out from the sites' layout
-        self._merge = jax.jit(
-            lambda q, factors, ids, deltas, ok: merge(
-                self.family,
-                q,
-                factors,
-                ids,
-                deltas,
-                ok,
-                server.damping.rho(()),
-                server.max_backtracks,
-            )
-        )
-        self._accepted, self._monitor = np.zeros(num_clients, bool), RunMonitor(server)
-        self._round: dict = {}
+        self.converged: bool | None = None
+        self.stopped_because = ""
+        self._hyper_shapes: dict = {}
 
     @property
     def history(self) -> RoundInfo:
-        """The rounds' :class:`~numpyro_pvi.RoundInfo`, every field with a leading round axis."""
+        """The rounds' :class:`~numpyro_pvi.RoundInfo`, every field with a leading round axis (the
+        per-site fields of rounds before a site joined hold what a site that did not run holds)."""
         if not self.infos:
             raise RuntimeError("No round has run yet.")
-        return RoundInfo(*(np.stack([np.asarray(x) for x in field]) for field in zip(*self.infos)))
+        sites = max(np.size(info.attempts) for info in self.infos)
+        fill = dict(free_energy=np.nan, inflation=1.0)
+
+        def padded(name: str, x: Any) -> np.ndarray:
+            x = np.asarray(x)
+            if x.ndim == 0 or x.shape[0] == sites:
+                return x
+            return np.concatenate([x, np.full(sites - x.shape[0], fill.get(name, 0), x.dtype)])
+
+        return RoundInfo(
+            *(
+                np.stack([padded(name, x) for x in field])
+                for name, field in zip(RoundInfo._fields, zip(*self.infos))
+            )
+        )
 
     # ------------------------------------------------------------------ the run
 
@@ -151,13 +165,16 @@ class PVIStrategy(Strategy):
         timeout: float = 3600,
         train_config: ConfigRecord | None = None,
         evaluate_config: ConfigRecord | None = None,
-        evaluate_fn: Callable | None = None,
+        evaluate_fn: Any = None,
+        *,
+        tol: float | None = None,
     ) -> Result:
-        """Query the sites, start ``q`` from the prior, and run ``num_rounds`` rounds (Flower's
-        loop).
+        """Query the sites, start ``q`` from the prior, and run up to ``num_rounds`` rounds of the
+        server (fewer if the run converges, ``tol`` as in :meth:`PVI.run <numpyro_pvi.PVI.run>`).
 
         ``initial_arrays`` must be ``None``: ``q`` starts from the model's prior, which the sites
-        report.
+        report. ``timeout``: seconds to wait for the sites to connect and for each reply (a silent
+        site is rejected, ``Rejection.TIMEOUT``).
         """
         if initial_arrays is not None:
             raise ValueError(
@@ -166,24 +183,88 @@ class PVIStrategy(Strategy):
             )
         if not isinstance(num_rounds, int) or isinstance(num_rounds, bool) or num_rounds < 1:
             raise ValueError(f"num_rounds must be a positive integer, got {num_rounds!r}.")
+        if tol is not None and not (isinstance(tol, (int, float)) and tol > 0):
+            raise ValueError(f"tol must be a positive number or None, got {tol!r}.")
         self.connect(grid, timeout)
-        if isinstance(self.server, Sequential):
-            return self._run_sequential(
-                grid, num_rounds, timeout, ConfigRecord() if train_config is None else train_config
-            )
-        return super().start(
+        like = result_like(self.state.q, self.state.hyper)
+        runner = FlowerRunner(
             grid,
-            tree_to_record(self.state.q),
-            num_rounds,
+            {m: node for node, m in self.nodes.items()},
+            like,
             timeout,
-            train_config,
-            evaluate_config,
-            evaluate_fn,
+            ConfigRecord() if train_config is None else train_config,
         )
+        steps = Steps(
+            None,
+            jax.jit(_apply_fn(self.family, self.server, None)),
+            runner,
+            None,
+            None,
+            None,
+            _hyper_step(self.hyper_optimizer) if self.state.hyper else None,
+        )
+        in_flight, monitor, result = InFlight(), RunMonitor(self.server, tol), Result()
+
+        def make_round(round_key: jax.Array, sample_key: jax.Array) -> FlowerRound:
+            return FlowerRound(
+                steps,
+                self.family,
+                round_key,
+                self.num_clients,
+                self.num_clients,
+                in_flight,
+                sample_key,
+            )
+
+        try:
+            for server_round in range(1, num_rounds + 1):
+                self._admit(grid, timeout, runner)
+                runner.down = runner.up = 0
+                self.state, info = play_round(
+                    self.server,
+                    self.family,
+                    self.state,
+                    steps,
+                    make_round,
+                    self.num_clients,
+                    monitor,
+                    _no_elbo,
+                )
+                if not np.isfinite(info.elbo) and isinstance(self.server.damping, AdaptiveDamping):
+                    monitor.warn(
+                        "flower elbo",
+                        "AdaptiveDamping follows the round's ELBO, which the sites do not report "
+                        "in this run (RoundInfo.elbo is NaN): it shrinks the damping every round. "
+                        "Use a fixed damping (a float) or HeavyBall.",
+                    )
+                self.infos.append(info)
+                self.traffic.append((int(runner.down), int(runner.up)))
+                result.arrays = tree_to_record(self.state.q)
+                result.train_metrics_clientapp[server_round] = MetricRecord(
+                    {
+                        "accepted": int(np.sum(info.accepted)),
+                        "change": float(info.change),
+                        "bytes-down": int(runner.down),
+                        "bytes-up": int(runner.up),
+                    }
+                )
+                log(
+                    INFO,
+                    "[ROUND %s/%s] %s",
+                    server_round,
+                    num_rounds,
+                    result.train_metrics_clientapp[server_round],
+                )
+                if monitor.settled:
+                    break
+        finally:
+            cancel_in_flight(runner, in_flight)
+        self.converged, self.stopped_because = monitor.at_end()
+        return result
 
     def connect(self, grid: Grid, timeout: float) -> None:
-        """Wait for the sites, learn their client indices and the prior, and set up
-        :attr:`state`."""
+        """Wait for the sites, learn their client indices, the prior and the hyperparameters, and
+        set up :attr:`state`."""
         deadline = time.time() + timeout
         while len(node_ids := list(grid.get_node_ids())) < self.num_clients:
             if time.time() > deadline:
@@ -191,28 +272,16 @@ class PVIStrategy(Strategy):
                     f"Only {len(node_ids)} of {self.num_clients} sites connected in {timeout} s."
                 )
             time.sleep(CONNECT_POLL)
-        messages = [
-            Message(RecordDict(), dst_node_id=n, message_type=MessageType.QUERY) for n in node_ids
-        ]
-        replies = list(grid.send_and_receive(messages, timeout=timeout))
-        failed = [r for r in replies if r.has_error()]
-        if failed:
-            raise RuntimeError(f"{len(failed)} site(s) failed to start: {failed[0].error.reason}")
-        info = {r.metadata.src_node_id: r.content.config_records["pvi"] for r in replies}
-        self.nodes = {node: int(c["client"]) for node, c in info.items()}
+        self.nodes = {}
+        # a new run starts afresh; the sites after the first num_clients join at the first round
+        info, priors, hypers = self._query(grid, node_ids, timeout)
+        first = sorted(info, key=lambda node: int(info[node]["client"]))[: self.num_clients]
+        self.nodes = {node: int(info[node]["client"]) for node in first}
         if sorted(self.nodes.values()) != list(range(self.num_clients)):
             raise ValueError(
                 f"The sites' client indices {sorted(self.nodes.values())} are not 0 .. "
                 f"{self.num_clients - 1}: give each site a distinct partition-id."
             )
-        for c in info.values():
-            if "fitted-prior-sites" in c or "hyper-sites" in c:
-                raise NotImplementedError(
-                    "PVIStrategy handles global sites with a Gaussian prior in unconstrained "
-                    "space and no hyperparameters; this model has prior-fitted sites "
-                    f"[{c.get('fitted-prior-sites', '')}] and hyperparameters "
-                    f"[{c.get('hyper-sites', '')}]. Run it in process (pvi.PVI) instead."
-                )
         layouts = {str(c["layout"]) for c in info.values()}
         if len(layouts) != 1:
             raise ValueError(
@@ -220,202 +289,122 @@ class PVIStrategy(Strategy):
                 "model and family?"
             )
         # a SiteFamilies (a Dirichlet) is laid out as the sites' own
-        self.family = adopt_layout(self.family, layouts.pop())
-        like = self.family.zeros(int(next(iter(info.values()))["dim"]))
-        priors = [tree_from_record(r.content.array_records["q0"], like, "prior") for r in replies]
-        if not all(
-            all(np.allclose(a, b) for a, b in zip(jax.tree.leaves(priors[0]), jax.tree.leaves(p)))
-            for p in priors
-        ):
+        self._layout = layouts.pop()
+        self.family = adopt_layout(self.family, self._layout)
+        c = next(iter(info.values()))
+        self._dim, self._hyper_shapes = int(c["dim"]), json.loads(str(c["hyper"]))
+        like = self.family.zeros(self._dim)
+        q0s = [tree_from_record(priors[n], like, "prior") for n in node_ids]
+        hs = [hyper_like(hypers[n], self._hyper_shapes) for n in node_ids]
+        if not all(_close(q0s[0], p) and _close(hs[0], h) for p, h in zip(q0s, hs)):
             raise ValueError(
-                "The sites report different priors: do they run the same model and family?"
+                "The sites report different priors or hyperparameters: do they run the same model "
+                "and family?"
             )
-        factors = jax.tree.map(lambda x: jnp.zeros((self.num_clients,) + x.shape, x.dtype), like)
-        # a new run starts afresh
-        self.state = PVIState(priors[0], factors, like, (), None, self.rng_key)
-        self.infos, self._accepted, self._monitor = (
-            [],
-            np.zeros(self.num_clients, bool),
-            RunMonitor(self.server),
+        q, hyper = q0s[0], hs[0] or ()
+        capacity = self.num_clients
+        factors = _broadcast(like, capacity, zero=True)
+        self.state = PVIState(
+            q,
+            factors,
+            like,
+            (),
+            self.server.init(q, capacity),
+            self.rng_key,
+            hyper,
+            self.hyper_optimizer.init(hyper) if hyper else (),
+            _broadcast(hyper, capacity, zero=True),
+            self.server.damping.init(q, factors, self.family),
         )
-        self.traffic = []
+        self.infos, self.traffic = [], []
+        self._pending = {n: int(info[n]["client"]) for n in info if n not in self.nodes}
 
-    # ------------------------------------------------------------------ one round
-
-    def begin_round(self) -> None:
-        """Split the state's key as :meth:`PVI.update <numpyro_pvi.PVI.update>` does, draw the
-        round's sites (all of them without client sampling) and open the round's record."""
-        round_key, sample_key, next_key = jax.random.split(self.state.rng_key, 3)
-        m_total, sampling = self.num_clients, self.server.sampling
-        ids = (
-            [int(m) for m in sampling.draw(sample_key, m_total)]
-            if sampling.active(m_total)
-            else list(range(m_total))
-        )
-        self._round = {
-            "start": time.perf_counter(),
-            "key": round_key,
-            "next_key": next_key,
-            "old_q": self.state.q,
-            "ids": ids,
-            "down": 0,
-            "up": 0,
-            "free_energy": np.full(m_total, np.nan),
-            "clamped": np.zeros(m_total, int),
-            "accepted": np.zeros(m_total, int),
-            "damping": np.zeros(m_total),
-            "rejection": np.zeros(m_total, int),
-            "moved": np.zeros(m_total, bool),
-        }
-
-    def messages(self, ids: list, server_round: int, config: ConfigRecord) -> list[Message]:
-        """Site ``m`` of ``ids`` gets its cavity ``q - t_m``, ``q``, its key and whether its last
-        update was merged."""
-        state, round_key = self.state, self._round["key"]
-        node_of = {m: node for node, m in self.nodes.items()}
-        q_record, out = tree_to_record(state.q), []
-        for m in ids:
-            cavity = jax.tree.map(lambda a, f, m=m: a - f[m], state.q, state.factors)
-            # as the compiled group step does
-            key, impl = key_to_record(jax.random.fold_in(round_key, m))
-            settings = ConfigRecord(
-                {
-                    **dict(config),
-                    "server-round": server_round,
-                    "client": m,
-                    "key-impl": impl,
-                    "accepted": int(self._accepted[m]),
-                }
+    def _query(self, grid: Grid, node_ids: list, timeout: float) -> tuple[dict, dict, dict]:
+        """Ask the sites ``node_ids`` who they are: ``(config, prior record, hyperparameters
+        record)`` by node."""
+        messages = [
+            Message(RecordDict(), dst_node_id=n, message_type=MessageType.QUERY) for n in node_ids
+        ]
+        replies = list(grid.send_and_receive(messages, timeout=timeout))
+        failed = [r for r in replies if r.has_error()]
+        if failed:
+            raise RuntimeError(f"{len(failed)} site(s) failed to start: {failed[0].error.reason}")
+        if len(replies) < len(node_ids):
+            raise TimeoutError(
+                f"{len(node_ids) - len(replies)} site(s) did not answer the first query in "
+                f"{timeout} s."
             )
-            content = RecordDict(
-                {"cavity": tree_to_record(cavity), "q": q_record, "key": key, "pvi": settings}
-            )
-            self._round["down"] += content_bytes(content)
-            out.append(Message(content, dst_node_id=node_of[m], message_type=MessageType.TRAIN))
-        return out
-
-    def merge_replies(self, ids: list, replies: Iterable[Message]) -> None:
-        """Merge the replies of the sites ``ids`` (damped, validity-backtracked; failed or silent
-        sites rejected)."""
-        like = jax.tree.map(lambda f: f[0], self.state.factors)
-        n, rec = len(ids), self._round
-        deltas = [jax.tree.map(lambda x: jnp.full(x.shape, jnp.nan, x.dtype), like)] * n
-        # silent: timed out
-        free_energy, failure = np.full(n, np.nan), np.full(n, int(Rejection.TIMEOUT))
-        position = {m: i for i, m in enumerate(ids)}
-        for reply in replies:
-            m = self.nodes[reply.metadata.src_node_id]
-            i = position[m]
-            if reply.has_error():
-                failure[i] = Rejection.RAISED
-                continue
-            metrics = reply.content.metric_records["pvi"]
-            deltas[i] = tree_from_record(
-                reply.content.array_records["delta"], like, f"delta of client {m}"
-            )
-            free_energy[i], failure[i] = metrics["free-energy"], metrics["failure"]
-            rec["clamped"][m] += int(metrics["clamped"])
-            rec["up"] += content_bytes(reply.content)
-        outcome = self._apply(ids, stack(deltas), free_energy, failure)
-        rec["free_energy"][ids] = free_energy
-        for name in ("accepted", "damping", "rejection", "moved"):
-            rec[name][ids] = outcome[name]
-
-    def end_round(self) -> tuple[ArrayRecord, MetricRecord]:
-        """Record the round (:attr:`history`), warn as :meth:`PVI.run <numpyro_pvi.PVI.run>` does,
-        move the key on."""
-        rec, m_total = self._round, self.num_clients
-        attempts = np.zeros(m_total, int)
-        attempts[rec["ids"]] = 1
-        info = RoundInfo(
-            np.nan,
-            rec["free_energy"],
-            attempts,
-            rec["accepted"],
-            rec["damping"],
-            rec["clamped"],
-            time.perf_counter() - rec["start"],
-            rec["rejection"],
-            rec["moved"],
-            q_change(self.family, rec["old_q"], self.state.q),
-        )
-        self.infos.append(info)
-        self.traffic.append((int(rec["down"]), int(rec["up"])))
-        self._monitor.after_round(info, [])
-        self.state = self.state._replace(rng_key=rec["next_key"])
-        metrics = MetricRecord(
-            {
-                "accepted": int(info.accepted.sum()),
-                "change": float(info.change),
-                "bytes-down": int(rec["down"]),
-                "bytes-up": int(rec["up"]),
-            }
-        )
-        return tree_to_record(self.state.q), metrics
-
-    def _apply(
-        self, ids: list, deltas: NatParams, free_energy: np.ndarray, failure: np.ndarray
-    ) -> dict:
-        """Merge ``deltas`` (stacked over ``ids``) into the state; per client: accepted, damping,
-        rejection, moved."""
-        finite, moved = (np.asarray(x) for x in screen(deltas, jnp.asarray(free_energy)))
-        finite = finite & (failure == 0)
-        state = self.state
-        merged = self._merge(state.q, state.factors, jnp.asarray(ids), deltas, jnp.asarray(finite))
-        self.state = state._replace(q=merged.q, factors=merged.factors)
-        accepted = finite & bool(merged.valid)
-        rejection = np.asarray(
-            rejection_codes(jnp.asarray(failure), jnp.asarray(finite), merged.valid)
-        )
-        self._accepted[ids] = accepted
-        return {
-            "accepted": accepted.astype(int),
-            "damping": float(merged.damping) * accepted,
-            "rejection": rejection,
-            "moved": moved & accepted,
-        }
-
-    def _run_sequential(
-        self, grid: Grid, num_rounds: int, timeout: float, config: ConfigRecord
-    ) -> Result:
-        """Sequential rounds: site after site, each against the ``q`` its predecessor left
-        (PVI-seq)."""
-        result = Result()
-        for server_round in range(1, num_rounds + 1):
-            self.begin_round()
-            for m in range(self.num_clients):
-                self.merge_replies(
-                    [m],
-                    grid.send_and_receive(
-                        self.messages([m], server_round, config), timeout=timeout
-                    ),
+        info = {r.metadata.src_node_id: r.content.config_records["pvi"] for r in replies}
+        for c in info.values():
+            if "fitted-prior-sites" in c:
+                raise NotImplementedError(
+                    "PVIStrategy handles global sites whose prior is Gaussian in unconstrained "
+                    f"space; this model's [{c['fitted-prior-sites']}] are not (their prior factor "
+                    "t_0 is refitted from the model every round). Run it in process (pvi.PVI) "
+                    "or on Ray instead."
                 )
-            result.arrays, result.train_metrics_clientapp[server_round] = self.end_round()
-            log(
-                INFO,
-                "[ROUND %s/%s] %s",
-                server_round,
-                num_rounds,
-                result.train_metrics_clientapp[server_round],
-            )
-        return result
+        return (
+            info,
+            {r.metadata.src_node_id: r.content.array_records["q0"] for r in replies},
+            {r.metadata.src_node_id: r.content.array_records["hyper"] for r in replies},
+        )
+
+    def _admit(self, grid: Grid, timeout: float, runner: FlowerRunner) -> None:
+        """Sites that connected since the last round join, in client-index order, as
+        :meth:`PVI.add_client <numpyro_pvi.PVI.add_client>` adds clients."""
+        new = [n for n in grid.get_node_ids() if n not in self.nodes and n not in self._pending]
+        if new:
+            info, _, _ = self._query(grid, new, timeout)
+            if {str(c["layout"]) for c in info.values()} != {self._layout}:
+                raise ValueError(
+                    "A site that joined reports other global sites or another family layout: "
+                    "does it run the same model and family?"
+                )
+            self._pending.update({n: int(info[n]["client"]) for n in info})
+        for node, m in sorted(self._pending.items(), key=lambda item: item[1]):
+            if m != self.num_clients:
+                raise ValueError(
+                    f"A site joined with client index {m}; the next free index is "
+                    f"{self.num_clients}: give the sites consecutive partition-ids."
+                )
+            self._add_site(node, m)
+            runner.node_of[m] = node
+        self._pending = {}
+
+    def _add_site(self, node: int, m: int) -> None:
+        """Client slot ``m`` for the site on ``node``: a flat factor, the server's and the damping's
+        bookkeeping grown as in :meth:`PVI.add_client <numpyro_pvi.PVI.add_client>`."""
+        state, capacity = self.state, m + 1
+        server_state = _grow(state.server_state, self.server.init(state.q, capacity))
+        state = state._replace(
+            factors=_grow(state.factors, _broadcast(self.family.zeros(self._dim), capacity, True)),
+            hyper_grads=_grow(state.hyper_grads, _broadcast(state.hyper, capacity, zero=True)),
+            server_state=self.server.add_client(server_state, state.q, m),
+        )
+        self.state = state._replace(
+            damping=self.server.damping.after_new_client(state.damping, state.q, state.factors)
+        )
+        self.nodes[node], self.num_clients = m, capacity
 
     # ------------------------------------------------------------------ Flower's Strategy interface
 
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
-        """A synchronous round: every site drawn this round (all, without sampling) gets its cavity
-        against the same ``q``; the others get no message."""
-        self.begin_round()
-        return self.messages(self._round["ids"], server_round, config)
+        """Not used: :meth:`start` runs the server's own rounds (a server's schedule may send
+        several messages to a site in one round, or merge replies as they arrive), so Flower's
+        one-exchange-per-round loop never calls this."""
+        raise NotImplementedError(
+            "PVIStrategy runs its rounds in start(): call strategy.start(grid, ...)."
+        )
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord, MetricRecord]:
-        """Merge the round's sites' deltas at once (see :meth:`merge_replies`)."""
-        self.merge_replies(self._round["ids"], replies)
-        return self.end_round()
+        """Not used (see :meth:`configure_train`)."""
+        raise NotImplementedError(
+            "PVIStrategy runs its rounds in start(): call strategy.start(grid, ...)."
+        )
 
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
@@ -438,6 +427,16 @@ class PVIStrategy(Strategy):
             self.num_clients,
             self.server,
         )
+
+
+def _no_elbo(state: PVIState) -> float:
+    """The round's ELBO where the sites report no terms of it: unknown (NaN)."""
+    return float("nan")
+
+
+def _close(a: Any, b: Any) -> bool:
+    """Whether the pytrees ``a`` and ``b`` hold the same values (to float rounding)."""
+    return all(np.allclose(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
 def server_app(

@@ -354,7 +354,11 @@ class RunMonitor:
         """Count each client's timeouts (rounds) and failed attempts (raised or NaN); warn naming
         the clients."""
         timed_out = rejection == Rejection.TIMEOUT
-        self.timeouts = np.where(timed_out, (0 if self.timeouts is None else self.timeouts) + 1, 0)
+        # clients added since (a Flower site that joined mid-run) start with none
+        count = _grown(
+            np.zeros(0, int) if self.timeouts is None else self.timeouts, rejection.size, 0
+        )
+        self.timeouts = np.where(timed_out, count + 1, 0)
         late = np.flatnonzero(self.timeouts >= STALL_ROUNDS)
         if late.size:
             self.warn(

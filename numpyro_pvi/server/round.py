@@ -58,8 +58,10 @@ class Round:
     """What a server calls to run clients in one round, recording what each client did.
 
     :param steps: the problem's compiled steps.
-    :param clients: the problem's client data: its buckets (``problem.buckets``), or one stacked
-        :class:`~numpyro_pvi.local_updates.Client` of every client slot.
+    :param clients: the problem's client data: its buckets (``problem.buckets``), one stacked
+        :class:`~numpyro_pvi.local_updates.Client` of every client slot, or ``None`` where the
+        clients hold their own data and the runner reaches them (Flower:
+        :class:`~numpyro_pvi.flower.round.FlowerRound`).
     :param round_key: the round's random key (client ``m`` of a group gets ``fold_in(key, m)``).
     :param num_clients: the number of (real) clients; ``capacity`` the client slots of the state.
     :param in_flight: the run's background updates (a fresh one if ``None``: nothing carries over).
@@ -69,7 +71,7 @@ class Round:
     def __init__(
         self,
         steps: Steps,
-        clients: Client | tuple,
+        clients: Client | tuple | None,
         round_key: jax.Array,
         num_clients: int,
         capacity: int,
@@ -78,9 +80,10 @@ class Round:
     ) -> None:
         if isinstance(clients, Client):
             clients = (Bucket(clients, np.arange(capacity)),)
-        self.buckets = tuple(clients)
+        # None: the clients hold their own data (Flower sites), the runner reaches them
+        self.buckets = () if clients is None else tuple(clients)
         # all client slots when there is one bucket (concurrent runners)
-        self.clients = self.buckets[0].clients
+        self.clients = self.buckets[0].clients if self.buckets else None
         # the bucket of each client slot, and its row there
         self.bucket_of = np.zeros(capacity, int)
         self.row_of = np.zeros(capacity, int)

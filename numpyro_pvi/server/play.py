@@ -1,0 +1,86 @@
+"""One round from the server's side, whatever runs the clients: the prior factor's step, the
+server's schedule over a :class:`~numpyro_pvi.server.round.Round`, the damping, the
+hyperparameters' step, the round's record and the run's monitor.
+
+:meth:`PVI.run <numpyro_pvi.PVI.run>` (clients in process or on Ray) and
+:class:`~numpyro_pvi.flower.PVIStrategy` (clients at Flower sites) both call :func:`play_round`:
+a server, a damping or a check written once runs on every runtime.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+import jax
+
+from numpyro_pvi.server.monitor import RunMonitor, largest, q_move
+from numpyro_pvi.server.round import Round
+from numpyro_pvi.server.steps import Steps
+from numpyro_pvi.state import PVIState, RoundInfo
+
+
+def play_round(
+    server: Any,
+    family: Any,
+    state: PVIState,
+    steps: Steps,
+    make_round: Callable[[jax.Array, jax.Array], Round],
+    num_clients: int,
+    monitor: RunMonitor,
+    elbo: Callable[[PVIState], float],
+    prior_step: Callable[[PVIState], PVIState] | None = None,
+) -> tuple[PVIState, RoundInfo]:
+    """One round: ``(state, info)`` after the server ran its schedule over ``make_round(round_key,
+    sample_key)``.
+
+    :param steps: the compiled steps (``hyper_step`` is used here, the rest by the round).
+    :param make_round: the round's :class:`~numpyro_pvi.server.round.Round` from its keys (the
+        state's key split as every round splits it).
+    :param monitor: the run's monitor (warnings, convergence).
+    :param elbo: the round's ELBO from the state after the merges (``nan`` where none can be
+        computed).
+    :param prior_step: the prior factor's step before the clients run (``None``: Gaussian prior).
+
+    **Example:** ``state, info = play_round(server, family, state, steps, make_round, M,
+    RunMonitor(server), elbo)``
+    """
+    start, old_q = time.perf_counter(), state.q
+    round_key, sample_key, next_key = jax.random.split(state.rng_key, 3)
+    rho = float(server.damping.rho(state.damping))
+    if prior_step is not None:
+        state = prior_step(state)
+    round = make_round(round_key, sample_key)
+    before = state
+    state = server.run_round(state, round, num_clients)
+    backtracked = round.backtracked(rho)
+    state = server.damping.after_merge(
+        family, before, state, round.every_client_merged() and not backtracked, rho
+    )
+    if steps.hyper_step is not None and round.hyper_grad:
+        grads = state.hyper_grads
+        for m, grad in round.hyper_grad.items():
+            grads = jax.tree.map(lambda stack, g, m=m: stack.at[m].set(g), grads, grad)
+        state = steps.hyper_step(
+            state._replace(hyper_grads=grads), jax.tree.map(lambda g: g.sum(0), grads)
+        )
+    value = float(elbo(state))
+    state = state._replace(damping=server.damping.after_round(state.damping, value, backtracked))
+    move = q_move(family, old_q, state.q)
+    info = RoundInfo(
+        value,
+        *round.record(),
+        time.perf_counter() - start,
+        round.rejection,
+        round.moved,
+        largest(move),
+        round.bytes_received,
+        round.bytes_sent,
+        round.inflation,
+    )
+    monitor.after_round(info, round.staleness, move)
+    # an oscillating or falling run says so
+    note = server.damping.warning(state.damping)
+    if note is not None:
+        monitor.warn(*note)
+    return state._replace(rng_key=next_key), info
