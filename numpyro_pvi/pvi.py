@@ -37,7 +37,7 @@ from numpyro_pvi.server.monitor import RunMonitor
 from numpyro_pvi.server.play import play_round
 from numpyro_pvi.server.round import InFlight, Round, cancel_in_flight
 from numpyro_pvi.server.servers import Server, Synchronous
-from numpyro_pvi.state import MadeFor, PVIState, RoundInfo
+from numpyro_pvi.state import MadeFor, PVIState, RoundInfo, broadcast_slots, grow_slots
 
 MEMO_SIZE = 4  # problems remembered by the identity of their data
 ELBO_KEY = jax.random.PRNGKey(1)  # RoundInfo.elbo's draws, the same every round
@@ -281,7 +281,7 @@ class PVI:
         problem = self._problem(args, kwargs)
         steps, capacity, family = problem.steps, problem.capacity, problem.family
         zeros = family.zeros(problem.sites.dim)
-        factors = _broadcast(zeros, capacity, zero=True)
+        factors = broadcast_slots(zeros, capacity, zero=True)
         t0 = zeros if steps.prior_init is None else steps.prior_init(problem.prior, _data(problem))
         # added in NumPy (the same float sums): an eager add compiles in a fresh process
         q = jax.device_put(
@@ -305,7 +305,9 @@ class PVI:
                 f"the family (sites: {[s.name for s in problem.sites.globals]}); PVI needs proper "
                 "priors."
             )
-        client_states = _broadcast(self.local_update.init_state(problem.client_problem), capacity)
+        client_states = broadcast_slots(
+            self.local_update.init_state(problem.client_problem), capacity
+        )
         hyper = {h.name: jnp.asarray(h.init, jnp.result_type(float)) for h in problem.sites.hyper}
         # not weak-typed: the optimiser's first step must not change types (a recompilation)
         hyper = hyper or ()
@@ -319,7 +321,7 @@ class PVI:
             rng_key,
             hyper,
             hyper_state,
-            _broadcast(hyper, capacity, zero=True),
+            broadcast_slots(hyper, capacity, zero=True),
             self.server.damping.init(q, factors, family),
             MadeFor.of(self.config, problem),
         )
@@ -551,13 +553,15 @@ class PVI:
                 "rows so far, which would change every client's local guide shapes; not supported."
             )
         m, capacity = problem.num_clients, new.capacity
-        server_state = _grow(state.server_state, self.server.init(state.q, capacity))
+        server_state = grow_slots(state.server_state, self.server.init(state.q, capacity))
         state = state._replace(
-            factors=_grow(
-                state.factors, _broadcast(new.family.zeros(new.sites.dim), capacity, zero=True)
+            factors=grow_slots(
+                state.factors, broadcast_slots(new.family.zeros(new.sites.dim), capacity, zero=True)
             ),
-            client_states=_grow(state.client_states, _broadcast(local, capacity)),
-            hyper_grads=_grow(state.hyper_grads, _broadcast(state.hyper, capacity, zero=True)),
+            client_states=grow_slots(state.client_states, broadcast_slots(local, capacity)),
+            hyper_grads=grow_slots(
+                state.hyper_grads, broadcast_slots(state.hyper, capacity, zero=True)
+            ),
             server_state=self.server.add_client(server_state, state.q, m),
         )
         state = state._replace(
@@ -642,24 +646,3 @@ def _same_data(source: tuple, data: tuple) -> bool:
 def _data(problem: Problem) -> tuple:
     """The clients' data as the compiled steps take them: one stacked ``Client`` per bucket."""
     return tuple(bucket.clients for bucket in problem.buckets)
-
-
-def _broadcast(tree: Any, capacity: int, zero: bool = False) -> Any:
-    """``tree`` repeated over ``capacity`` client slots (zeros of its shape if ``zero``), built in
-    NumPy and sent with ``device_put`` (eager JAX operations compile one program each in a fresh
-    process)."""
-    fill = (
-        (lambda x: np.zeros((capacity,) + np.shape(x), jnp.result_type(x)))
-        if zero
-        else (lambda x: np.broadcast_to(np.asarray(x), (capacity,) + np.shape(x)).copy())
-    )
-    return jax.device_put(jax.tree.map(fill, tree))
-
-
-def _grow(old: Any, fresh: Any) -> Any:
-    """``fresh`` (sized for more client slots) holding ``old``'s entries in its first slots."""
-    return jax.tree.map(
-        lambda o, f: o if jnp.shape(o) == jnp.shape(f) else f.at[: jnp.shape(o)[0]].set(o),
-        old,
-        fresh,
-    )

@@ -7,10 +7,11 @@ from enum import IntEnum
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from numpyro_pvi.families import NatParams
-from numpyro_pvi.families.site_families import _name as family_name
+from numpyro_pvi.families.site_families import family_name
 
 
 @dataclass(frozen=True)
@@ -214,3 +215,24 @@ class ClientOutcome(NamedTuple):
     rejection: jax.Array
     moved: jax.Array
     inflation: Any = 1.0
+
+
+def broadcast_slots(tree: Any, capacity: int, zero: bool = False) -> Any:
+    """``tree`` repeated over ``capacity`` client slots (zeros of its shape if ``zero``), built in
+    NumPy and sent with ``device_put`` (eager JAX operations compile one program each in a fresh
+    process)."""
+    fill = (
+        (lambda x: np.zeros((capacity,) + np.shape(x), jnp.result_type(x)))
+        if zero
+        else (lambda x: np.broadcast_to(np.asarray(x), (capacity,) + np.shape(x)).copy())
+    )
+    return jax.device_put(jax.tree.map(fill, tree))
+
+
+def grow_slots(old: Any, fresh: Any) -> Any:
+    """``fresh`` (sized for more client slots) holding ``old``'s entries in its first slots."""
+    return jax.tree.map(
+        lambda o, f: o if jnp.shape(o) == jnp.shape(f) else f.at[: jnp.shape(o)[0]].set(o),
+        old,
+        fresh,
+    )

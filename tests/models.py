@@ -354,6 +354,8 @@ def make_nb_data():
     X = random.normal(k1, (2000, 3))
     y = dist.NegativeBinomial2(jnp.exp(2.0 + X @ jnp.array([0.5, -0.3, 0.2])), NB_PHI).sample(k2)
     return X, y
+
+
 # ---------------------------------------------------------------------- SiteFamilies' models
 UNEVEN_N = 48  # rows of the SiteFamilies tests' regressions
 UNEVEN_PARTS = np.split(np.arange(UNEVEN_N), [5, 14, 30])  # four uneven clients

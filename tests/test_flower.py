@@ -345,7 +345,7 @@ def test_flower_round_merges_good_deltas_and_rejects_the_rest(flower_task):
 
     from numpyro_pvi.flower.round import FlowerRound, FlowerRunner, reply_result, result_like
     from numpyro_pvi.local_updates.base import ClientResult
-    from numpyro_pvi.server.steps import Steps, _apply_fn
+    from numpyro_pvi.server.steps import Steps, make_apply
 
     family, rho, server = pvi.MeanFieldGaussian(), 0.5, pvi.Synchronous(0.5)
     prior = family.from_mean_precision(jnp.zeros(2), jnp.ones(2))
@@ -371,7 +371,7 @@ def test_flower_round_merges_good_deltas_and_rejects_the_rest(flower_task):
     runner = FlowerRunner(
         grid, {m: 100 + m for m in range(4)}, result_like(prior, ()), 0.2, ConfigRecord()
     )
-    steps = Steps(None, jax.jit(_apply_fn(family, server, None)), runner, None, None, None, None)
+    steps = Steps(None, jax.jit(make_apply(family, server, None)), runner, None, None, None, None)
     round = FlowerRound(steps, family, random.PRNGKey(1), 4, 4)
     state = server.run_round(state, round, 4)
     np.testing.assert_array_equal(round.accepted, [1, 0, 0, 0])

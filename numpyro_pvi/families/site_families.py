@@ -90,8 +90,8 @@ class SiteFamilies:
         self.blocks: tuple | None = None  # ((family, start, stop, names), ...) once laid out
 
     def __repr__(self) -> str:
-        inner = ", ".join(f"{k!r}: {_name(f)}" for k, f in self.families.items())
-        return f"SiteFamilies({{{inner}}}, default={_name(self.default)})"
+        inner = ", ".join(f"{k!r}: {family_name(f)}" for k, f in self.families.items())
+        return f"SiteFamilies({{{inner}}}, default={family_name(self.default)})"
 
     # ------------------------------------------------------------------ layout
     def lay_out(self, sites: Any) -> tuple[SiteFamilies, Any]:
@@ -547,7 +547,7 @@ class SiteFamilies:
         return GuideParameters(self, dim)
 
 
-def _name(family: Any) -> str:
+def family_name(family: Any) -> str:
     return (
         repr(family)
         if isinstance(family, SiteFamilies) or type(family).__repr__ is not object.__repr__

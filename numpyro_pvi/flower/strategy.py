@@ -45,15 +45,14 @@ from numpyro_pvi.flower.grid import PollingGrid
 from numpyro_pvi.flower.round import FlowerRound, FlowerRunner, hyper_like, result_like
 from numpyro_pvi.flower.wire import adopt_layout, tree_from_record, tree_to_record
 from numpyro_pvi.hyper_optim import rprop
-from numpyro_pvi.pvi import _broadcast, _grow
 from numpyro_pvi.results.checkpoint import save
 from numpyro_pvi.server.damping import AdaptiveDamping
 from numpyro_pvi.server.monitor import RunMonitor
 from numpyro_pvi.server.play import play_round
 from numpyro_pvi.server.round import InFlight, cancel_in_flight
 from numpyro_pvi.server.servers import Server, Synchronous
-from numpyro_pvi.server.steps import Steps, _apply_fn, _hyper_step
-from numpyro_pvi.state import PVIState, RoundInfo
+from numpyro_pvi.server.steps import Steps, make_apply, make_hyper_step
+from numpyro_pvi.state import PVIState, RoundInfo, broadcast_slots, grow_slots
 
 CONNECT_POLL = 1.0  # seconds between checks for connected sites
 
@@ -196,12 +195,12 @@ class PVIStrategy(Strategy):
         )
         steps = Steps(
             None,
-            jax.jit(_apply_fn(self.family, self.server, None)),
+            jax.jit(make_apply(self.family, self.server, None)),
             runner,
             None,
             None,
             None,
-            _hyper_step(self.hyper_optimizer) if self.state.hyper else None,
+            make_hyper_step(self.hyper_optimizer) if self.state.hyper else None,
         )
         in_flight, monitor, result = InFlight(), RunMonitor(self.server, tol), Result()
 
@@ -303,7 +302,7 @@ class PVIStrategy(Strategy):
             )
         q, hyper = q0s[0], hs[0] or ()
         capacity = self.num_clients
-        factors = _broadcast(like, capacity, zero=True)
+        factors = broadcast_slots(like, capacity, zero=True)
         self.state = PVIState(
             q,
             factors,
@@ -313,7 +312,7 @@ class PVIStrategy(Strategy):
             self.rng_key,
             hyper,
             self.hyper_optimizer.init(hyper) if hyper else (),
-            _broadcast(hyper, capacity, zero=True),
+            broadcast_slots(hyper, capacity, zero=True),
             self.server.damping.init(q, factors, self.family),
         )
         self.infos, self.traffic = [], []
@@ -375,10 +374,14 @@ class PVIStrategy(Strategy):
         """Client slot ``m`` for the site on ``node``: a flat factor, the server's and the damping's
         bookkeeping grown as in :meth:`PVI.add_client <numpyro_pvi.PVI.add_client>`."""
         state, capacity = self.state, m + 1
-        server_state = _grow(state.server_state, self.server.init(state.q, capacity))
+        server_state = grow_slots(state.server_state, self.server.init(state.q, capacity))
         state = state._replace(
-            factors=_grow(state.factors, _broadcast(self.family.zeros(self._dim), capacity, True)),
-            hyper_grads=_grow(state.hyper_grads, _broadcast(state.hyper, capacity, zero=True)),
+            factors=grow_slots(
+                state.factors, broadcast_slots(self.family.zeros(self._dim), capacity, True)
+            ),
+            hyper_grads=grow_slots(
+                state.hyper_grads, broadcast_slots(state.hyper, capacity, zero=True)
+            ),
             server_state=self.server.add_client(server_state, state.q, m),
         )
         self.state = state._replace(

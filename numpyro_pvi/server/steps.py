@@ -95,7 +95,7 @@ def compile_steps(
     runner = config.backend.prepare(config.local_update, problem)
     # the family laid out for these sites (config.family is the user's, unlaid)
     family = problem.family
-    apply = jax.jit(_apply_fn(family, config.server, config.local_update))
+    apply = jax.jit(make_apply(family, config.server, config.local_update))
 
     def run_group(
         state: PVIState, group: Group, key: jax.Array, pulled: NatParams
@@ -168,11 +168,11 @@ def _steps(
         prior_init,
         prior_step,
         elbo,
-        _hyper_step(config.hyper_optimizer) if problem.has_hyper else None,
+        make_hyper_step(config.hyper_optimizer) if problem.has_hyper else None,
     )
 
 
-def _apply_fn(family: Any, server: Any, local_update: Any) -> Callable:
+def make_apply(family: Any, server: Any, local_update: Any) -> Callable:
     def apply(
         state: PVIState,
         ids: jax.Array,
@@ -337,7 +337,7 @@ def _elbo_fn(family: Any, problem: ClientProblem, prior_logdensity: Callable) ->
     return jax.jit(elbo, static_argnums=3)
 
 
-def _hyper_step(optimizer: Any) -> Callable:
+def make_hyper_step(optimizer: Any) -> Callable:
     def hyper_step(state: PVIState, grad: Any) -> PVIState:
         """One step of ``hyper_optimizer`` up the summed clients' gradients (it minimises, so their
         negative)."""
