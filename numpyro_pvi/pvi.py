@@ -34,13 +34,13 @@ from numpyro_pvi.model.problem import Problem, build_problem
 from numpyro_pvi.model.sites import ModelSites
 from numpyro_pvi.model.start import chosen_start
 from numpyro_pvi.results.result import PVIRunResult, average_states
+from numpyro_pvi.server.elbo import ELBO_KEY, round_elbo
 from numpyro_pvi.server.monitor import RunMonitor, largest, q_move
 from numpyro_pvi.server.round import InFlight, Round, cancel_in_flight
 from numpyro_pvi.server.servers import Server, Synchronous
 from numpyro_pvi.state import MadeFor, PVIState, RoundInfo
 
 MEMO_SIZE = 4  # problems remembered by the identity of their data
-ELBO_KEY = jax.random.PRNGKey(1)  # RoundInfo.elbo's draws, the same every round
 
 
 class PVI:
@@ -399,18 +399,7 @@ class PVI:
             state = steps.hyper_step(
                 state._replace(hyper_grads=grads), jax.tree.map(lambda g: g.sum(0), grads)
             )
-        # the same draws every round (common random numbers): rounds' ELBOs compare without sampling
-        # noise
-        elbo = float(
-            steps.elbo(
-                state.q,
-                ELBO_KEY,
-                _data(problem),
-                self.num_elbo_particles,
-                state.client_states,
-                state.hyper,
-            )
-        )
+        elbo = self._start_elbo(round, before, problem)
         state = state._replace(
             damping=self.server.damping.after_round(state.damping, elbo, backtracked)
         )
@@ -432,6 +421,24 @@ class PVI:
         if note is not None:
             monitor.warn(*note)
         return state._replace(rng_key=next_key), info
+
+    def _start_elbo(self, round: Round, start: PVIState, problem: Problem) -> float:
+        """``RoundInfo.elbo``: the ELBO of the ``q`` the round started from (``start``), with the
+        same draws every round (common random numbers: rounds' ELBOs compare without most of the
+        sampling noise). From the clients' reported terms when every client reported one under
+        that ``q`` (:mod:`~numpyro_pvi.server.elbo`); else a pooled pass over their data."""
+        if round.reported_elbo():
+            return round_elbo(round.elbo_terms, round.prior_term)
+        return float(
+            problem.steps.elbo(
+                start.q,
+                ELBO_KEY,
+                _data(problem),
+                self.num_elbo_particles,
+                start.client_states,
+                start.hyper,
+            )
+        )
 
     def run(
         self,
