@@ -387,7 +387,9 @@ class RunMonitor:
         """Whether the ELBO fell in each of the last STALL_ROUNDS rounds, by more than ELBO_FALL of
         its range so far, more than its spread over the TREND_ROUNDS rounds before and more than
         JITTER times the squared moves of q over those rounds (what jittering at a noise floor
-        costs); warn if so."""
+        costs); warn if so. ``elbo`` is that of the ``q`` the round started from
+        (``RoundInfo.elbo``): the falls seen are those of the rounds before this one, one round
+        late."""
         self.elbos.append(elbo)
         if np.isfinite(elbo):
             self.elbo_range = (min(self.elbo_range[0], elbo), max(self.elbo_range[1], elbo))
@@ -398,8 +400,10 @@ class RunMonitor:
         spread = max(before) - min(before) if len(before) >= 2 else 0.0
         span = self.elbo_range[1] - self.elbo_range[0]
         # q jittering by a move m (in sds) about its optimum costs about |m|^2 / 2 nats of ELBO a
-        # round
-        jitter = sum(float(np.sum(np.square(m))) for m in list(self.moves)[-STALL_ROUNDS:])
+        # round; the ELBOs seen are of the q each round started from: the falls are the moves of
+        # the STALL_ROUNDS rounds before this one
+        judged = list(self.moves)[-STALL_ROUNDS - 1 : -1]
+        jitter = sum(float(np.sum(np.square(m))) for m in judged)
         self.falling = bool(falls and self.fallen > max(spread, ELBO_FALL * span, JITTER * jitter))
         if self.falling:
             self.warn(
