@@ -86,7 +86,9 @@ class PVI:
         :class:`~numpyro_pvi.backends.ray.RayBackend` (a
         Ray actor per client), or any :class:`~numpyro_pvi.backends.Backend`. Sites that hold their
         own data run under Flower (:mod:`numpyro_pvi.flower`).
-    :param int num_elbo_particles: samples of the global ELBO estimate recorded every round.
+    :param int num_elbo_particles: samples of the global ELBO estimate recorded every round
+        (``RoundInfo.elbo``, the ELBO of the ``q`` the round started from; in synchronous rounds
+        summed from the clients' reports, :mod:`numpyro_pvi.server.elbo`).
     :param hyper_optimizer: optax optimiser of the model's hyperparameters (``numpyro.param`` sites
         outside the partition plate, in unconstrained space); default :func:`~numpyro_pvi.rprop`
         ``(0.1)``. After every round it takes one step along the sum of the clients' gradients of
@@ -601,7 +603,14 @@ class PVI:
         self, state: PVIState, *args: Any, num_particles: int | None = None, **kwargs: Any
     ) -> jax.Array:
         """Monte Carlo estimate of the global ELBO ``E_q[log p(y, theta)] + H[q]`` (all clients'
-        data)."""
+        data), with the state's key.
+
+        ``RoundInfo.elbo`` is the ELBO of the ``q`` each round started from; the last ``q``'s, on
+        the rounds' draws, is ``evaluate(state._replace(rng_key=pvi.server.elbo.ELBO_KEY), ...)``
+        (the same number, to float rounding, as the clients' reported terms would sum to).
+
+        **Example:** ``inference.evaluate(result.state, X, y=y, num_particles=4000)``.
+        """
         problem = self._problem(args, kwargs)
         return problem.steps.elbo(
             state.q,

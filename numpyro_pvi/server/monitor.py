@@ -224,7 +224,9 @@ class RunMonitor:
         self.elbos: deque = deque(
             [] if history is None else np.ravel(history.elbo)[-window:].tolist(), maxlen=window
         )
-        self.elbo_range = _span(None if history is None else history.elbo)
+        # the range of the ELBOs of q's that rounds reached: not the first round's (the initial q,
+        # often the prior, thousands of nats below: a fall would have to lose 1 % of that)
+        self.elbo_range = _span(None if history is None else np.ravel(history.elbo)[1:])
         # how far the ELBO fell in its last STALL_ROUNDS rounds (0 unless it fell in each)
         self.fallen = 0.0
         self.moves: deque = deque(maxlen=TREND_ROUNDS)  # the last moves of q (q_move)
@@ -391,7 +393,7 @@ class RunMonitor:
         (``RoundInfo.elbo``): the falls seen are those of the rounds before this one, one round
         late."""
         self.elbos.append(elbo)
-        if np.isfinite(elbo):
+        if np.isfinite(elbo) and self.before + self.rounds > 1:
             self.elbo_range = (min(self.elbo_range[0], elbo), max(self.elbo_range[1], elbo))
         seen = list(self.elbos)
         streak, before = seen[-STALL_ROUNDS - 1 :], seen[: -STALL_ROUNDS - 1]
