@@ -221,12 +221,12 @@ class RunMonitor:
         self.merged = merged_clients(history)  # which clients have been merged at least once
         self.before = 0 if history is None else int(np.size(history.elbo))  # rounds before this run
         window = TREND_ROUNDS + STALL_ROUNDS + 1  # the ELBOs a falling streak is judged on
-        self.elbos: deque = deque(
-            [] if history is None else np.ravel(history.elbo)[-window:].tolist(), maxlen=window
-        )
-        # the range of the ELBOs of q's that rounds reached: not the first round's (the initial q,
-        # often the prior, thousands of nats below: a fall would have to lose 1 % of that)
-        self.elbo_range = _span(None if history is None else np.ravel(history.elbo)[1:])
+        # the ELBOs of q's that rounds reached: RoundInfo.elbo is the ELBO of the q a round started
+        # from, so the first round's is the initial q's (often the prior's, thousands of nats below:
+        # no round's result, left out of the spread and the range a fall is measured against)
+        reached = [] if history is None else np.ravel(history.elbo)[1:]
+        self.elbos: deque = deque(np.asarray(reached)[-window:].tolist(), maxlen=window)
+        self.elbo_range = _span(reached)
         # how far the ELBO fell in its last STALL_ROUNDS rounds (0 unless it fell in each)
         self.fallen = 0.0
         self.moves: deque = deque(maxlen=TREND_ROUNDS)  # the last moves of q (q_move)
@@ -392,8 +392,10 @@ class RunMonitor:
         costs); warn if so. ``elbo`` is that of the ``q`` the round started from
         (``RoundInfo.elbo``): the falls seen are those of the rounds before this one, one round
         late."""
+        if self.before + self.rounds == 1:  # the initial q's ELBO: no round reached it
+            return
         self.elbos.append(elbo)
-        if np.isfinite(elbo) and self.before + self.rounds > 1:
+        if np.isfinite(elbo):
             self.elbo_range = (min(self.elbo_range[0], elbo), max(self.elbo_range[1], elbo))
         seen = list(self.elbos)
         streak, before = seen[-STALL_ROUNDS - 1 :], seen[: -STALL_ROUNDS - 1]
