@@ -22,11 +22,13 @@ import numpyro_pvi as pvi
 from numpyro_pvi.pvi import ELBO_KEY
 from numpyro_pvi.server.round import Round
 
+from fakes import ExactLinearUpdate
 from models import (
     CONCENTRATION,
     bernoulli_model,
     categorical_model,
     intercept_model,
+    linear_model,
     logistic_model,
     make_intercept_data,
 )
@@ -456,17 +458,17 @@ def test_a_synchronous_round_sums_its_clients_terms_to_the_elbo_of_the_q_it_star
     ids=["sequential", "sampled"],
 )
 def test_rounds_whose_clients_get_different_q_report_the_pooled_elbo_of_their_starting_q(
-    server, logistic_data
+    server, linear_data
 ):
     """A Sequential round sends each client another q, a sampled one leaves clients without a term:
     their sum is the ELBO of no q. RoundInfo.elbo is then one pooled pass at the round's starting q
     (the same meaning as a synchronous round's), and the clients send no term."""
-    X, y = logistic_data
+    X, y = linear_data
     inference = pvi.PVI(
-        logistic_model,
-        pvi.MeanFieldGaussian(),
+        linear_model,
+        pvi.FullRankGaussian(),
         pvi.split_iid(random.PRNGKey(0), X.shape[0], 3),
-        pvi.GradientUpdate(optax.adam(0.05), num_steps=10),
+        ExactLinearUpdate(),
         server,
         num_elbo_particles=32,
     )
@@ -476,5 +478,5 @@ def test_rounds_whose_clients_get_different_q_report_the_pooled_elbo_of_their_st
     assert calls[0] == 1
     pooled = float(inference.evaluate(start._replace(rng_key=ELBO_KEY), problem))
     assert info.elbo == pytest.approx(pooled, rel=1e-12)
-    # per update: the delta (2 x 4 floats) and the free energy, no ELBO term
-    assert set(info.bytes_sent[info.attempts > 0].tolist()) == {36}
+    # per update: the delta (3 + 3 x 3 floats) and the free energy, no ELBO term
+    assert set(info.bytes_sent[info.attempts > 0].tolist()) == {52}
