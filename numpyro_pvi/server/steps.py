@@ -59,7 +59,10 @@ class Steps(NamedTuple):
     :ivar group_step: ``(state, groups, key, pulled) -> (state, ClientOutcome)``: the clients of
         ``groups`` (one
         :class:`Group` per bucket) update against ``pulled`` (their copy of ``q``) and their deltas
-        merge into ``state.q`` together; the outcome is stacked over the groups' clients in order.
+        merge into ``state.q`` together; the outcome is stacked over the groups' clients in order,
+        with each client's term of the ELBO of ``pulled`` and the prior's
+        (``ClientOutcome.elbo_term``, ``prior_term``) when the server's rounds send every client
+        the same ``q`` (``Server.synchronous_rounds``), else ``None``.
     :ivar apply: ``(state, ids, result, allow) -> (state, ClientOutcome)``: merge the clients'
         results.
     :ivar runner: the backend's ``run(ids, keys, cavities, q, states, clients, hyper) ->
