@@ -33,6 +33,7 @@ from numpyro_pvi.model.problem import Problem, build_problem
 from numpyro_pvi.model.sites import ModelSites
 from numpyro_pvi.model.start import chosen_start
 from numpyro_pvi.results.result import PVIRunResult, average_states
+from numpyro_pvi.server.elbo import ELBO_KEY, round_elbo
 from numpyro_pvi.server.monitor import RunMonitor
 from numpyro_pvi.server.play import play_round
 from numpyro_pvi.server.round import InFlight, Round, cancel_in_flight
@@ -40,7 +41,6 @@ from numpyro_pvi.server.servers import Server, Synchronous
 from numpyro_pvi.state import MadeFor, PVIState, RoundInfo, broadcast_slots, grow_slots
 
 MEMO_SIZE = 4  # problems remembered by the identity of their data
-ELBO_KEY = jax.random.PRNGKey(1)  # RoundInfo.elbo's draws, the same every round
 
 
 class PVI:
@@ -86,7 +86,9 @@ class PVI:
         :class:`~numpyro_pvi.backends.ray.RayBackend` (a
         Ray actor per client), or any :class:`~numpyro_pvi.backends.Backend`. Sites that hold their
         own data run under Flower (:mod:`numpyro_pvi.flower`).
-    :param int num_elbo_particles: samples of the global ELBO estimate recorded every round.
+    :param int num_elbo_particles: samples of the global ELBO estimate recorded every round
+        (``RoundInfo.elbo``, the ELBO of the ``q`` the round started from; in synchronous rounds
+        summed from the clients' reports, :mod:`numpyro_pvi.server.elbo`).
     :param hyper_optimizer: optax optimiser of the model's hyperparameters (``numpyro.param`` sites
         outside the partition plate, in unconstrained space); default :func:`~numpyro_pvi.rprop`
         ``(0.1)``. After every round it takes one step along the sum of the clients' gradients of
@@ -389,12 +391,8 @@ class PVI:
                 sample_key,
             )
 
-        def elbo(state: PVIState) -> float:
-            # the same draws every round (common random numbers): rounds' ELBOs compare without
-            # sampling noise
-            return steps.elbo(
-                state.q, ELBO_KEY, data, self.num_elbo_particles, state.client_states, state.hyper
-            )
+        def elbo(round: Round, start: PVIState) -> float:
+            return self._start_elbo(round, start, problem)
 
         prior_step = (
             None if steps.prior_step is None else lambda state: steps.prior_step(state, data)
@@ -409,6 +407,24 @@ class PVI:
             monitor,
             elbo,
             prior_step,
+        )
+
+    def _start_elbo(self, round: Round, start: PVIState, problem: Problem) -> float:
+        """``RoundInfo.elbo``: the ELBO of the ``q`` the round started from (``start``), with the
+        same draws every round (common random numbers: rounds' ELBOs compare without most of the
+        sampling noise). From the clients' reported terms when every client reported one under
+        that ``q`` (:mod:`~numpyro_pvi.server.elbo`); else a pooled pass over their data."""
+        if round.reported_elbo():
+            return round_elbo(round.elbo_terms, round.prior_term)
+        return float(
+            problem.steps.elbo(
+                start.q,
+                ELBO_KEY,
+                _data(problem),
+                self.num_elbo_particles,
+                start.client_states,
+                start.hyper,
+            )
         )
 
     def run(
@@ -574,7 +590,14 @@ class PVI:
         self, state: PVIState, *args: Any, num_particles: int | None = None, **kwargs: Any
     ) -> jax.Array:
         """Monte Carlo estimate of the global ELBO ``E_q[log p(y, theta)] + H[q]`` (all clients'
-        data)."""
+        data), with the state's key.
+
+        ``RoundInfo.elbo`` is the ELBO of the ``q`` each round started from; the last ``q``'s, on
+        the rounds' draws, is ``evaluate(state._replace(rng_key=pvi.server.elbo.ELBO_KEY), ...)``
+        (the same number, to float rounding, as the clients' reported terms would sum to).
+
+        **Example:** ``inference.evaluate(result.state, X, y=y, num_particles=4000)``.
+        """
         problem = self._problem(args, kwargs)
         return problem.steps.elbo(
             state.q,

@@ -143,7 +143,15 @@ class Rejection(IntEnum):
 class RoundInfo(NamedTuple):
     """What happened in a round (in ``history`` every field gains a leading round axis).
 
-    :ivar elbo: global ELBO estimate of ``q`` after the round.
+    :ivar elbo: the global ELBO of the ``q`` the round *started from* (the ``q`` after the
+        previous round; in round 1 the initial ``q``), ``num_elbo_particles`` draws with the same
+        key every round. In a :class:`~numpyro_pvi.Synchronous` round of every client it is the sum
+        of the clients' terms, each computed with its update under the ``q`` it was sent, and the
+        server's prior terms (:mod:`~numpyro_pvi.server.elbo`): no pass over the data; in other
+        rounds (``Sequential``, ``Asynchronous``, ``Continual``, ``clients_per_round``), whose
+        clients are sent different ``q``, it is a pooled pass over every client's data at the
+        round's start. The last ``q``'s ELBO is :meth:`PVI.evaluate <numpyro_pvi.PVI.evaluate>`
+        ``(state._replace(rng_key=numpyro_pvi.server.elbo.ELBO_KEY), ...)``.
     :ivar free_energy: ``(M,)`` each client's local free energy at the end of its last update (NaN
         if none).
     :ivar attempts: ``(M,)`` updates each client sent (1 per round except under
@@ -162,7 +170,8 @@ class RoundInfo(NamedTuple):
         parameters of ``q`` and of its cavity (and the hyperparameters, if any), counted from the
         arrays sent.
     :ivar bytes_sent: ``(M,)`` bytes each client sent this round: per update, its natural-parameter
-        delta and its free energy (and its hyperparameter gradient, if any).
+        delta and its free energy (and its hyperparameter gradient, if any, and its term of the
+        round's ELBO, if the round records it).
     :ivar inflation: ``(M,)`` the variance inflation each client's last update found in its tilted
         distribution beyond what the family can hold (``ClientResult.inflation``; EP and SNEP
         measure it, 1 otherwise); with a factorised family and several clients a large one ends the
@@ -205,6 +214,12 @@ class ClientOutcome(NamedTuple):
     :ivar moved: whether its delta was non-zero.
     :ivar inflation: the variance inflation of its tilted distribution beyond the family's form (1
         if not measured).
+    :ivar elbo_term: its term of the ELBO of the ``q`` it was sent, ``E_q[log p(y_m, z_m | theta)
+        - log q_m(z_m)]`` (:func:`~numpyro_pvi.server.elbo.client_elbo_term`), or ``None`` when the
+        server's rounds do not record it.
+    :ivar prior_term: the prior's terms of the same ELBO, ``E_q[log p(theta)] + H[q]``
+        (:func:`~numpyro_pvi.server.elbo.prior_elbo_term`, the same for every client sent that
+        ``q``), or ``None``.
     """
 
     free_energy: jax.Array
@@ -215,6 +230,8 @@ class ClientOutcome(NamedTuple):
     rejection: jax.Array
     moved: jax.Array
     inflation: Any = 1.0
+    elbo_term: Any = None
+    prior_term: Any = None
 
 
 def broadcast_slots(tree: Any, capacity: int, zero: bool = False) -> Any:

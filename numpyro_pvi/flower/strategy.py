@@ -49,7 +49,7 @@ from numpyro_pvi.results.checkpoint import save
 from numpyro_pvi.server.damping import AdaptiveDamping
 from numpyro_pvi.server.monitor import RunMonitor
 from numpyro_pvi.server.play import play_round
-from numpyro_pvi.server.round import InFlight, cancel_in_flight
+from numpyro_pvi.server.round import InFlight, Round, cancel_in_flight
 from numpyro_pvi.server.servers import Server, Synchronous
 from numpyro_pvi.server.steps import Steps, make_apply, make_hyper_step
 from numpyro_pvi.state import PVIState, RoundInfo, broadcast_slots, grow_slots
@@ -432,7 +432,7 @@ class PVIStrategy(Strategy):
         )
 
 
-def _no_elbo(state: PVIState) -> float:
+def _no_elbo(round: Round, start: PVIState) -> float:
     """The round's ELBO where the sites report no terms of it: unknown (NaN)."""
     return float("nan")
 

@@ -6,7 +6,10 @@ iteration); a small fixed damping (:class:`Fixed`) cures that but slows every ro
 :class:`AdaptiveDamping` grows the damping while the global ELBO improves and halves it when the
 ELBO falls by more than its tolerance or the merge had to backtrack to stay valid. The ELBO of
 :class:`~numpyro_pvi.RoundInfo` is estimated with the same draws every round (common random
-numbers), so rounds compare without most of the sampling noise. :class:`~numpyro_pvi.HeavyBall`
+numbers), so rounds compare without most of the sampling noise; it is the ELBO of the ``q`` a round
+started from (summed from the clients' reports, :mod:`numpyro_pvi.server.elbo`), so a round's ELBO
+judges the step of the round before: a fall is answered one round late, a backtracked merge at
+once. :class:`~numpyro_pvi.HeavyBall`
 (``Synchronous()``'s default, :mod:`numpyro_pvi.server.heavy_ball`) sets the damping and a momentum
 from the round's estimated spectrum.
 
@@ -55,7 +58,9 @@ class Damping(Protocol):
         client ran and was merged with the full damping ``rho_used``."""
 
     def after_round(self, state: Any, elbo: float, backtracked: bool) -> Any:
-        """The damping's state once the round's ELBO is known."""
+        """The damping's state once the round's ELBO is known: ``elbo`` is that of the ``q`` the
+        round started from (``RoundInfo.elbo``: it judges the previous round's step),
+        ``backtracked`` whether this round's merge backtracked."""
 
     def after_new_client(self, state: Any, q: Any, factors: Any) -> Any:
         """The damping's state after :meth:`PVI.add_client <numpyro_pvi.PVI.add_client>`."""
@@ -231,7 +236,8 @@ class AdaptiveDamping:
         return after
 
     def after_round(self, state: DampingState, elbo: float, backtracked: bool) -> DampingState:
-        """The damping for the next round, after a round that reached ``elbo``."""
+        """The damping for the next round, after a round that started from a ``q`` of ELBO
+        ``elbo`` (the last round's step reached it) and whose merge ``backtracked`` or not."""
         better = elbo >= float(state.elbo) - self.elbo_tolerance and not backtracked
         rho = float(state.rho) * (self.grow if better else self.shrink)
         rho = float(np.clip(rho, self.minimum, self.maximum))

@@ -25,11 +25,16 @@ momentum (a restart).
 The spectrum estimate is only as good as the clients' deltas, which are noisy and, far from the
 optimum, not linear. So the global ELBO (``RoundInfo.elbo``, the same draws every round) guards the
 steps, as in the adaptive restart of momentum methods (O'Donoghue & Candes 2015): after a round
-whose ELBO fell by more than ``elbo_tolerance`` nats the momentum restarts (the velocity is
-dropped), and if that round had no momentum (the damping itself overshot) a ceiling on the damping
-is set to half the damping of that round; every round that does not lower the ELBO raises the
-ceiling by ``grow`` (up to ``maximum``). :meth:`HeavyBall.warning` says when the ELBO keeps falling
-all the same.
+whose step lowered the ELBO by more than ``elbo_tolerance`` nats the momentum restarts (the velocity
+is dropped), and if that step had no momentum (the damping itself overshot) a ceiling on the damping
+is set to half the damping of that step; every step that does not lower the ELBO raises the ceiling
+by ``grow`` (up to ``maximum``). :meth:`HeavyBall.warning` says when the ELBO keeps falling all the
+same.
+
+``RoundInfo.elbo`` is the ELBO of the ``q`` a round *started from*, summed from the clients' reports
+(:mod:`numpyro_pvi.server.elbo`): round ``k``'s ELBO judges the step of round ``k - 1``, one round
+late. The state keeps that step's damping and momentum (``step_rho``, ``step_beta``) for the
+judgement.
 """
 
 from __future__ import annotations
@@ -64,6 +69,8 @@ class HeavyBallState(NamedTuple):
         do not drop).
     :ivar drops: rounds in a row whose ELBO fell by more than ``elbo_tolerance``.
     :ivar restarts: rounds so far whose ELBO fell (each restarted the momentum).
+    :ivar step_rho, step_beta: the damping and momentum of the last round's step, which the next
+        round's ELBO (that of the ``q`` the step reached) judges.
     """
 
     rho: jax.Array
@@ -80,6 +87,8 @@ class HeavyBallState(NamedTuple):
     ceiling: jax.Array
     drops: jax.Array
     restarts: jax.Array
+    step_rho: jax.Array
+    step_beta: jax.Array
 
 
 class HeavyBall:
@@ -157,6 +166,8 @@ class HeavyBall:
             jnp.asarray(self.maximum, dtype),
             jnp.zeros((), jnp.int32),
             jnp.zeros((), jnp.int32),
+            jnp.asarray(self.initial, dtype),
+            jnp.zeros((), dtype),
         )
 
     def rho(self, state: HeavyBallState) -> jax.Array:
@@ -235,10 +246,14 @@ class HeavyBall:
         return min(rho, self.maximum, ceiling), beta
 
     def after_round(self, hb: HeavyBallState, elbo: float, backtracked: bool) -> HeavyBallState:
-        """The state once the round's ELBO is known: an ELBO drop restarts the momentum (the next
-        round adds none) and, after a round without momentum, caps the damping at half this round's;
-        a round without a drop raises the cap by ``grow``."""
+        """The state once the round's ELBO (of the ``q`` the round started from, which the last
+        round's step reached) is known: a drop restarts the momentum (the next round adds none)
+        and, if the step it judges had no momentum, caps the damping at half that step's; a round
+        without a drop raises the cap by ``grow``."""
         dtype = hb.rho.dtype
+        # the step this ELBO judges (the last round's); this round's is judged by the next ELBO
+        judged_rho, judged_beta = float(hb.step_rho), float(hb.step_beta)
+        hb = hb._replace(step_rho=hb.rho, step_beta=hb.beta)
         dropped = (
             bool(np.isfinite(float(hb.elbo))) and not elbo >= float(hb.elbo) - self.elbo_tolerance
         )
@@ -247,9 +262,7 @@ class HeavyBall:
         # a drop with momentum: restart it; a drop without (the damping overshot): halve the damping
         if dropped:
             ceiling = (
-                max(0.5 * float(hb.rho), self.minimum)
-                if float(hb.beta) == 0.0
-                else float(hb.ceiling)
+                max(0.5 * judged_rho, self.minimum) if judged_beta == 0.0 else float(hb.ceiling)
             )
             return hb._replace(
                 rho=jnp.asarray(min(float(hb.rho), ceiling), dtype),

@@ -221,10 +221,12 @@ class RunMonitor:
         self.merged = merged_clients(history)  # which clients have been merged at least once
         self.before = 0 if history is None else int(np.size(history.elbo))  # rounds before this run
         window = TREND_ROUNDS + STALL_ROUNDS + 1  # the ELBOs a falling streak is judged on
-        self.elbos: deque = deque(
-            [] if history is None else np.ravel(history.elbo)[-window:].tolist(), maxlen=window
-        )
-        self.elbo_range = _span(None if history is None else history.elbo)
+        # the ELBOs of q's that rounds reached: RoundInfo.elbo is the ELBO of the q a round started
+        # from, so the first round's is the initial q's (often the prior's, thousands of nats below:
+        # no round's result, left out of the spread and the range a fall is measured against)
+        reached = [] if history is None else np.ravel(history.elbo)[1:]
+        self.elbos: deque = deque(np.asarray(reached)[-window:].tolist(), maxlen=window)
+        self.elbo_range = _span(reached)
         # how far the ELBO fell in its last STALL_ROUNDS rounds (0 unless it fell in each)
         self.fallen = 0.0
         self.moves: deque = deque(maxlen=TREND_ROUNDS)  # the last moves of q (q_move)
@@ -391,7 +393,11 @@ class RunMonitor:
         """Whether the ELBO fell in each of the last STALL_ROUNDS rounds, by more than ELBO_FALL of
         its range so far, more than its spread over the TREND_ROUNDS rounds before and more than
         JITTER times the squared moves of q over those rounds (what jittering at a noise floor
-        costs); warn if so."""
+        costs); warn if so. ``elbo`` is that of the ``q`` the round started from
+        (``RoundInfo.elbo``): the falls seen are those of the rounds before this one, one round
+        late."""
+        if self.before + self.rounds == 1:  # the initial q's ELBO: no round reached it
+            return
         self.elbos.append(elbo)
         if np.isfinite(elbo):
             self.elbo_range = (min(self.elbo_range[0], elbo), max(self.elbo_range[1], elbo))
@@ -402,8 +408,10 @@ class RunMonitor:
         spread = max(before) - min(before) if len(before) >= 2 else 0.0
         span = self.elbo_range[1] - self.elbo_range[0]
         # q jittering by a move m (in sds) about its optimum costs about |m|^2 / 2 nats of ELBO a
-        # round
-        jitter = sum(float(np.sum(np.square(m))) for m in list(self.moves)[-STALL_ROUNDS:])
+        # round; the ELBOs seen are of the q each round started from: the falls are the moves of
+        # the STALL_ROUNDS rounds before this one
+        judged = list(self.moves)[-STALL_ROUNDS - 1 : -1]
+        jitter = sum(float(np.sum(np.square(m))) for m in judged)
         self.falling = bool(falls and self.fallen > max(spread, ELBO_FALL * span, JITTER * jitter))
         if self.falling:
             self.warn(

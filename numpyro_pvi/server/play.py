@@ -28,7 +28,7 @@ def play_round(
     make_round: Callable[[jax.Array, jax.Array], Round],
     num_clients: int,
     monitor: RunMonitor,
-    elbo: Callable[[PVIState], float],
+    elbo: Callable[[Round, PVIState], float],
     prior_step: Callable[[PVIState], PVIState] | None = None,
 ) -> tuple[PVIState, RoundInfo]:
     """One round: ``(state, info)`` after the server ran its schedule over ``make_round(round_key,
@@ -38,8 +38,9 @@ def play_round(
     :param make_round: the round's :class:`~numpyro_pvi.server.round.Round` from its keys (the
         state's key split as every round splits it).
     :param monitor: the run's monitor (warnings, convergence).
-    :param elbo: the round's ELBO from the state after the merges (``nan`` where none can be
-        computed).
+    :param elbo: ``elbo(round, start)``, the round's ELBO: that of the ``q`` the round started from
+        (``start``, after the prior's step), from the clients' reports in ``round`` where they sent
+        them (``nan`` where none can be computed).
     :param prior_step: the prior factor's step before the clients run (``None``: Gaussian prior).
 
     **Example:** ``state, info = play_round(server, family, state, steps, make_round, M,
@@ -64,7 +65,7 @@ def play_round(
         state = steps.hyper_step(
             state._replace(hyper_grads=grads), jax.tree.map(lambda g: g.sum(0), grads)
         )
-    value = float(elbo(state))
+    value = float(elbo(round, before))
     state = state._replace(damping=server.damping.after_round(state.damping, value, backtracked))
     move = q_move(family, old_q, state.q)
     info = RoundInfo(

@@ -108,11 +108,22 @@ class Round:
         # how stale each update the server rejected as stale was (in merges)
         self.staleness: list[int] = []
         self.hyper_grad: dict = {}  # client -> its last accepted hyperparameter gradient this round
+        # each client's term of the ELBO of the q it was sent this round, and the prior's terms
+        # (NaN where not reported: see numpyro_pvi.server.elbo)
+        self.elbo_terms, self.prior_term = np.full(num_clients, np.nan), np.nan
+        self.reported = np.zeros(num_clients, bool)
 
     def record(self) -> tuple:
         """``(free_energy, attempts, accepted, damping, clamped)`` for
         :class:`~numpyro_pvi.RoundInfo`."""
         return self.free_energy, self.attempts, self.accepted, self.damping, self.clamped
+
+    def reported_elbo(self) -> bool:
+        """Whether every client reported its term of the ELBO of the ``q`` the round started from
+        (a round of :class:`~numpyro_pvi.Synchronous` without ``clients_per_round``): the round's
+        ELBO is then their sum and the prior's terms
+        (:func:`~numpyro_pvi.server.elbo.round_elbo`)."""
+        return bool(self.num_clients > 0 and np.all(self.reported))
 
     def backtracked(self, rho: float) -> bool:
         """Whether a merge of this round had to backtrack: an update rejected as ``INVALID``, or one
@@ -141,6 +152,7 @@ class Round:
             nbytes(q) + jnp.dtype(out.free_energy.dtype).itemsize,
         )
         up += nbytes(hyper) if out.hyper_grad else 0
+        up += 0 if out.elbo_term is None else jnp.dtype(out.elbo_term.dtype).itemsize
         self.bytes_received[ids] += down
         self.bytes_sent[ids] += up
 
@@ -159,6 +171,10 @@ class Round:
             np.asarray(out.moved)[:n],
         )
         self.inflation[ids] = np.asarray(out.inflation)[:n]
+        if out.elbo_term is not None:
+            self.elbo_terms[ids] = np.asarray(out.elbo_term)[:n]
+            self.reported[ids] = True
+            self.prior_term = float(np.asarray(out.prior_term)[0])
         if out.hyper_grad:
             for i, m in enumerate(ids):
                 if accepted[i]:

@@ -15,7 +15,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from numpyro.infer import Trace_ELBO, TraceEnum_ELBO
 
 from numpyro_pvi.backtracking import backtrack
 from numpyro_pvi.compilation import unroll_threefry_on_cpu
@@ -28,9 +27,9 @@ from numpyro_pvi.local_updates.base import (
     CountsRejectedUpdates,
 )
 from numpyro_pvi.model.densities import log_prior
-from numpyro_pvi.model.local_latents import expected_local_elbo
 from numpyro_pvi.model.partition import ArgsLayout
 from numpyro_pvi.model.prior import PriorFactor
+from numpyro_pvi.server.elbo import client_elbo_term, prior_elbo_term
 from numpyro_pvi.server.merge import (
     checks_every_cavity,
     is_valid_state,
@@ -60,7 +59,10 @@ class Steps(NamedTuple):
     :ivar group_step: ``(state, groups, key, pulled) -> (state, ClientOutcome)``: the clients of
         ``groups`` (one
         :class:`Group` per bucket) update against ``pulled`` (their copy of ``q``) and their deltas
-        merge into ``state.q`` together; the outcome is stacked over the groups' clients in order.
+        merge into ``state.q`` together; the outcome is stacked over the groups' clients in order,
+        with each client's term of the ELBO of ``pulled`` and the prior's
+        (``ClientOutcome.elbo_term``, ``prior_term``) when the server's rounds send every client
+        the same ``q`` (``Server.synchronous_rounds``), else ``None``.
     :ivar apply: ``(state, ids, result, allow) -> (state, ClientOutcome)``: merge the clients'
         results.
     :ivar runner: the backend's ``run(ids, keys, cavities, q, states, clients, hyper) ->
@@ -69,7 +71,9 @@ class Steps(NamedTuple):
         prior).
     :ivar prior_step: ``(state, clients) -> state``, the damped step of ``t_0``, or ``None``.
     :ivar elbo: ``(q, key, clients, num_particles, client_states, hyper) -> ELBO``
-        (``num_particles`` static).
+        (``num_particles`` static): the pooled pass over every client's data, the sum of the
+        terms :mod:`~numpyro_pvi.server.elbo` computes (:meth:`PVI.evaluate
+        <numpyro_pvi.PVI.evaluate>`, and rounds whose clients were not all sent the same ``q``).
     :ivar hyper_step: ``(state, grad) -> state``, one step of the hyperparameters, or ``None``.
     """
 
@@ -96,11 +100,12 @@ def compile_steps(
     # the family laid out for these sites (config.family is the user's, unlaid)
     family = problem.family
     apply = jax.jit(make_apply(family, config.server, config.local_update))
+    prior_logdensity = _prior_logdensity(config.model, problem.sites, layout)
+    elbo_terms = _elbo_terms_fn(config, problem, prior_logdensity)
 
-    def run_group(
-        state: PVIState, group: Group, key: jax.Array, pulled: NatParams
-    ) -> tuple[ClientResult, jax.Array]:
-        """One bucket's clients in one vmapped call, and whether each one's cavity was valid."""
+    def run_group(state: PVIState, group: Group, key: jax.Array, pulled: NatParams) -> tuple:
+        """One bucket's clients in one vmapped call, whether each one's cavity was valid, and
+        their terms of the ELBO of ``pulled`` with the prior's (``None`` if not recorded)."""
         ids = group.ids
         keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(ids)
         cavities = jax.tree.map(lambda a, f: a[None] - f[ids], pulled, state.factors)
@@ -113,15 +118,21 @@ def compile_steps(
             if checks_every_cavity(state.factors)
             else jax.vmap(family.is_valid)(cavities)
         )
-        return result, cavity_ok
+        if elbo_terms is None:
+            return result, cavity_ok, None
+        return result, cavity_ok, elbo_terms(pulled, group, local, state.hyper)
 
     def merge_groups(state: PVIState, groups: tuple, outs: list) -> tuple[PVIState, ClientOutcome]:
         joined = lambda *xs: jnp.concatenate(xs) if len(xs) > 1 else xs[0]  # noqa: E731
         ids, allow, real = (
             joined(*(getattr(g, name) for g in groups)) for name in ("ids", "allow", "real")
         )
-        results, cavity_ok = zip(*outs)
-        return apply(state, ids, jax.tree.map(joined, *results), allow, joined(*cavity_ok), real)
+        results, cavity_ok, elbos = zip(*outs)
+        # every group was sent the same q: the prior's term is the first group's
+        elbo = None if elbos[0] is None else (joined(*(e[0] for e in elbos)), elbos[0][1])
+        return apply(
+            state, ids, jax.tree.map(joined, *results), allow, joined(*cavity_ok), real, elbo
+        )
 
     def group_step(
         state: PVIState, groups: tuple, key: jax.Array, pulled: NatParams
@@ -129,7 +140,7 @@ def compile_steps(
         return merge_groups(state, groups, [run_group(state, g, key, pulled) for g in groups])
 
     if not config.backend.jit_group:
-        return _steps(config, problem, layout, rest, group_step, apply, runner)
+        return _steps(config, problem, prior_logdensity, rest, group_step, apply, runner)
     # the merge of several buckets' results, concatenations included, in one compiled call (eager
     # concatenations compile one small executable per leaf shape)
     fused, run_one, merge_all = jax.jit(group_step), jax.jit(run_group), jax.jit(merge_groups)
@@ -144,13 +155,13 @@ def compile_steps(
             return fused(state, groups, key, pulled)
         return merge_all(state, groups, [run_one(state, g, key, pulled) for g in groups])
 
-    return _steps(config, problem, layout, rest, jitted_group_step, apply, runner)
+    return _steps(config, problem, prior_logdensity, rest, jitted_group_step, apply, runner)
 
 
 def _steps(
     config: PVIConfig,
     problem: ClientProblem,
-    layout: ArgsLayout,
+    prior_logdensity: Callable,
     rest: tuple,
     group_step: Callable,
     apply: Callable,
@@ -158,7 +169,6 @@ def _steps(
 ) -> Steps:
     """The :class:`Steps` around ``group_step``: the prior factor's steps, the ELBO and the
     hyperparameters' step."""
-    prior_logdensity = _prior_logdensity(config.model, problem.sites, layout)
     prior_init, prior_step = _prior_steps(config, problem, prior_logdensity, rest)
     elbo = _elbo_fn(problem.family, problem, prior_logdensity)
     return Steps(
@@ -180,11 +190,13 @@ def make_apply(family: Any, server: Any, local_update: Any) -> Callable:
         allow: jax.Array,
         cavity_ok: jax.Array | None = None,
         real: jax.Array | None = None,
+        elbo: tuple | None = None,
     ) -> tuple:
         """Merge the clients' ``result`` (stacked over ``ids``) into the state; ``cavity_ok`` says
         whose cavity was valid when they started (default: all), the others' updates are rejected as
         ``INVALID``; ``real`` which entries ran for this round (default: all; the others pad the
-        group and never write)."""
+        group and never write); ``elbo`` the clients' terms of the ELBO of the ``q`` they were sent
+        and the prior's (default ``None``: not recorded)."""
         cavity_ok = jnp.ones(ids.shape, bool) if cavity_ok is None else cavity_ok
         real = jnp.ones(ids.shape, bool) if real is None else real
         finite, moved = screen(result.delta, result.free_energy)
@@ -228,6 +240,8 @@ def make_apply(family: Any, server: Any, local_update: Any) -> Callable:
             rejection,
             moved & accepted,
             inflation,
+            None if elbo is None else elbo[0],
+            None if elbo is None else jnp.broadcast_to(elbo[1], ids.shape),
         )
 
     return apply
@@ -297,9 +311,26 @@ def _prior_steps(
     return jax.jit(prior_init), jax.jit(prior_step)
 
 
-def _elbo_fn(family: Any, problem: ClientProblem, prior_logdensity: Callable) -> Callable:
-    sites = problem.sites
+def _elbo_terms_fn(config: PVIConfig, problem: ClientProblem, prior_logdensity: Callable) -> Any:
+    """``(pulled, group, states, hyper) -> (terms, prior_term)``: the ELBO terms of a group's
+    clients under the ``q`` they were sent (:mod:`~numpyro_pvi.server.elbo`), computed with their
+    update; ``None`` when the server's rounds do not send every client the same ``q`` (the round's
+    ELBO is then a pooled pass, and nothing is compiled for it here)."""
+    if not config.server.synchronous_rounds:
+        return None
+    family, num_particles = problem.family, config.num_elbo_particles
+    term = client_elbo_term(problem, num_particles)
 
+    def elbo_terms(pulled: NatParams, group: Group, states: Any, hyper: Any) -> tuple:
+        rows = jax.tree.map(lambda a: a[group.local], group.clients)
+        terms = jax.vmap(lambda i, c, s: term(pulled, i, c, s, hyper))(group.ids, rows, states)
+        prior = lambda z: prior_logdensity(z, group.clients)  # noqa: E731
+        return terms, prior_elbo_term(family, pulled, prior, num_particles)
+
+    return jax.jit(elbo_terms)
+
+
+def _elbo_fn(family: Any, problem: ClientProblem, prior_logdensity: Callable) -> Callable:
     def elbo(
         q: NatParams,
         rng_key: jax.Array,
@@ -308,31 +339,25 @@ def _elbo_fn(family: Any, problem: ClientProblem, prior_logdensity: Callable) ->
         client_states: Any = (),
         hyper: Any = (),
     ) -> jax.Array:
-        """``E_q[log p(y, theta)] + H[q]`` over every client's data (empty client slots count 0);
+        """``E_q[log p(y, theta)] + H[q]`` over every client's data (empty client slots count 0):
+        the clients' terms and the prior's of :mod:`~numpyro_pvi.server.elbo`, summed;
         ``clients`` is a stacked :class:`Client` or a tuple of them (one per bucket; local latent
-        sites need a single one)."""
+        sites need a single one, whose rows are the client slots)."""
         buckets = (clients,) if isinstance(clients, Client) else tuple(clients)
-        q_dist = family.to_dist(q)
-        zeta_key, local_key = jax.random.split(rng_key)
-        zeta = q_dist.sample(zeta_key, (num_particles,))
-        logprior = jax.vmap(lambda z: prior_logdensity(z, clients))(zeta)
-        # E_q[log p(y_m, z_m | theta) - log q_m(z_m)] with each client's local guides
+        term = client_elbo_term(problem, num_particles)
         if problem.has_local:
-            ensemble = (
-                TraceEnum_ELBO(num_particles) if sites.enumerated else Trace_ELBO(num_particles)
+            ids = jnp.arange(buckets[0].mask.shape[0])
+            terms = jax.vmap(lambda i, c, s: term(q, i, c, s, hyper, rng_key))(
+                ids, buckets[0], client_states
             )
-            expected = expected_local_elbo(ensemble, family, problem.local_model, sites)
-            keys = jax.random.split(local_key, buckets[0].mask.shape[0])
-            terms = jax.vmap(lambda k, c, st: expected(k, c, q, st, hyper))(
-                keys, buckets[0], client_states
+            total = jnp.sum(terms)
+        else:
+            total = sum(
+                jnp.sum(jax.vmap(lambda c: term(q, 0, c, (), hyper, rng_key))(bucket))
+                for bucket in buckets
             )
-            return jnp.sum(terms) + jnp.mean(logprior) + q_dist.entropy()
-
-        def client_loglik(client: Client) -> jax.Array:
-            return jax.vmap(lambda z: problem.log_likelihood(z, client, hyper))(zeta)
-
-        loglik = sum(jnp.sum(jax.vmap(client_loglik)(bucket), axis=0) for bucket in buckets)
-        return jnp.mean(loglik + logprior) + q_dist.entropy()
+        prior = lambda z: prior_logdensity(z, clients)  # noqa: E731
+        return total + prior_elbo_term(family, q, prior, num_particles, rng_key)
 
     return jax.jit(elbo, static_argnums=3)
 
