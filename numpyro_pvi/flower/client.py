@@ -34,6 +34,7 @@ from numpyro_pvi.flower.wire import (
 from numpyro_pvi.local_updates.base import Client, LocalUpdate
 from numpyro_pvi.model.problem import Problem
 from numpyro_pvi.pvi import PVI
+from numpyro_pvi.server.elbo import client_elbo_term
 from numpyro_pvi.server.servers import Synchronous
 
 # keys of the site's local state in Flower's context.state
@@ -182,9 +183,12 @@ class Site:
         except Exception:  # noqa: BLE001 - a failing update is reported (non-finite delta, RAISED), not fatal
             result = failed_result(cavity, state, hyper)
         context.state[PENDING] = tree_to_record(result.state)
-        metrics = MetricRecord(
-            {"free-energy": float(result.free_energy), "failure": int(result.failure)}
-        )
+        reported = {"free-energy": float(result.free_energy), "failure": int(result.failure)}
+        num_particles = int(config.get("elbo-particles", 0))
+        if num_particles > 0:  # the site's term of the ELBO of q (the same draws as in process)
+            term = _elbo_term(prep.problem, num_particles)
+            reported["elbo-term"] = float(term(q, prep.client_id, prep.client, state, hyper))
+        metrics = MetricRecord(reported)
         # everything the server's merge reads (ClientResult), but the local state, which stays here
         return Message(
             RecordDict({"result": tree_to_record(reply_result(result)), "pvi": metrics}),
@@ -210,6 +214,19 @@ _PREPARED: dict[tuple, Prepared] = {}
 # run -> a PVI whose cache lets sites of the same shapes share compiled steps
 _INFERENCES: dict[int, PVI] = {}
 _UPDATES: dict[int, tuple] = {}  # id(client problem) -> (client problem, jitted client_update)
+_ELBO_TERMS: dict[tuple, tuple] = {}  # (id(client problem), draws) -> (client problem, jitted term)
+
+
+def _elbo_term(problem: Problem, num_particles: int) -> Callable:
+    """The jitted :func:`~numpyro_pvi.server.elbo.client_elbo_term` of a site's problem, built
+    once per process."""
+    key = (id(problem.client_problem), num_particles)
+    cached = _ELBO_TERMS.get(key)
+    if cached is None or cached[0] is not problem.client_problem:
+        term = client_elbo_term(problem.client_problem, num_particles)
+        cached = (problem.client_problem, jax.jit(term))
+        _ELBO_TERMS[key] = cached
+    return cached[1]
 
 
 def client_app(

@@ -15,7 +15,7 @@ server's own code whichever runtime the sites live on.
 from __future__ import annotations
 
 import time
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -101,6 +101,11 @@ class FlowerRunner:
         self.grid, self.node_of, self.like = grid, node_of, like
         self.timeout, self.config = timeout, config
         self.accepted: dict[int, bool] = {}
+        # site m's term of the ELBO of the q it was sent, from its last reply (when it reported one)
+        self.elbo_terms: dict[int, float] = {}
+        # q -> the server's terms of the ELBO (prior and entropy), set by the strategy; None: not
+        # recorded
+        self.prior_term: Callable | None = None
         self.replies: dict[str, Message] = {}  # message id -> the site's reply
         self.down, self.up, self.sent = 0, 0, 0
 
@@ -170,6 +175,9 @@ class FlowerRunner:
         if reply.has_error():
             return failed_result(cavity, state, hyper, Rejection.RAISED)
         self.up += content_bytes(reply.content)
+        metrics = reply.content.metric_records.get("pvi")
+        if metrics is not None and "elbo-term" in metrics:
+            self.elbo_terms[int(m)] = float(metrics["elbo-term"])
         like = self.like._replace(delta=jax.tree.map(jnp.zeros_like, cavity))
         return tree_from_record(reply.content.array_records["result"], like, f"reply of site {m}")
 
@@ -254,11 +262,28 @@ class FlowerRound(Round):
             if checks_every_cavity(state.factors)
             else jax.vmap(self.family.is_valid)(cavities)
         )
-        state, out = self.steps.apply(state, index, result, jnp.full(index.shape, allow), cavity_ok)
+        state, out = self.steps.apply(
+            state,
+            index,
+            result,
+            jnp.full(index.shape, allow),
+            cavity_ok,
+            None,
+            self._elbo(ids, pulled),
+        )
         out = jax.tree.map(np.asarray, out)
         accepted = self._note(ids, out)
         self._count(ids, pulled, state.hyper, out)
         return state, accepted
+
+    def _elbo(self, ids: list, pulled: NatParams) -> tuple | None:
+        """The sites' reported terms of the ELBO of ``pulled`` and the server's, as
+        ``steps.apply`` records them; ``None`` unless every site of the group reported one."""
+        runner = self.steps.runner
+        terms = [runner.elbo_terms.pop(m, None) for m in ids]
+        if runner.prior_term is None or any(t is None for t in terms):
+            return None
+        return jnp.asarray(terms), runner.prior_term(pulled)
 
     def _note(self, ids: list, out: ClientOutcome) -> np.ndarray:
         accepted = super()._note(ids, out)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from logging import INFO
 from typing import Any
 
@@ -47,6 +47,7 @@ from numpyro_pvi.flower.wire import adopt_layout, tree_from_record, tree_to_reco
 from numpyro_pvi.hyper_optim import rprop
 from numpyro_pvi.results.checkpoint import save
 from numpyro_pvi.server.damping import AdaptiveDamping
+from numpyro_pvi.server.elbo import prior_elbo_term, round_elbo
 from numpyro_pvi.server.monitor import RunMonitor
 from numpyro_pvi.server.play import play_round
 from numpyro_pvi.server.round import InFlight, Round, cancel_in_flight
@@ -74,15 +75,20 @@ class PVIStrategy(Strategy):
         soon as its reply is merged, and a round is ``num_clients`` merges.
     :param hyper_optimizer: the hyperparameters' optax optimiser, as :class:`~numpyro_pvi.PVI`'s
         (default :func:`~numpyro_pvi.rprop` ``(0.1)``), stepped from the sites' gradients.
+    :param int num_elbo_particles: draws of the round's ELBO, as :class:`~numpyro_pvi.PVI`'s.
 
     After (or during) a run, ``strategy.state`` is a :class:`~numpyro_pvi.PVIState` (``q``, the
     factors, the hyperparameters; the sites' local states stay at the sites), ``strategy.history``
     the rounds' :class:`~numpyro_pvi.RoundInfo`, ``strategy.converged`` /
     ``strategy.stopped_because`` what :class:`~numpyro_pvi.PVIRunResult` says of an in-process run,
     and ``strategy.traffic`` each round's ``(bytes sent to the sites, bytes received)`` as Flower
-    counts its records. ``RoundInfo.elbo`` is NaN while the sites report no ELBO terms (the server
-    cannot evaluate it without data); :class:`~numpyro_pvi.AdaptiveDamping`, which follows it,
-    then warns.
+    counts its records. ``RoundInfo.elbo`` is, as in process, the ELBO of the ``q`` a round
+    started from, summed from the sites' reported terms under that ``q`` and the server's prior
+    terms (:mod:`~numpyro_pvi.server.elbo`, the same draws as in process): with the same seeds it
+    equals the in-process run's. Rounds whose sites are sent different ``q`` (sequential,
+    asynchronous, continual, sampled) have no such sum, and there it is NaN (in process a pooled
+    pass over the data, which the server does not have); :class:`~numpyro_pvi.AdaptiveDamping`,
+    which follows it, then warns.
 
     **Example:** ``strategy = PVIStrategy(pvi.MeanFieldGaussian(), 4, random.PRNGKey(0),
     pvi.Synchronous())``; ``ServerApp`` from :func:`server_app`.
@@ -96,8 +102,17 @@ class PVIStrategy(Strategy):
         server: Server | None = None,
         *,
         hyper_optimizer: optax.GradientTransformation | None = None,
+        num_elbo_particles: int = 64,
     ) -> None:
         server = Synchronous() if server is None else server
+        if (
+            not isinstance(num_elbo_particles, int)
+            or isinstance(num_elbo_particles, bool)
+            or num_elbo_particles < 1
+        ):
+            raise ValueError(
+                f"num_elbo_particles must be a positive integer, got {num_elbo_particles!r}."
+            )
         if not isinstance(family, FactorFamily):
             raise TypeError(
                 "family must be a pvi family such as pvi.MeanFieldGaussian(), "
@@ -123,6 +138,7 @@ class PVIStrategy(Strategy):
             server,
         )
         self.hyper_optimizer = rprop(0.1) if hyper_optimizer is None else hyper_optimizer
+        self.num_elbo_particles = num_elbo_particles
         self.state: PVIState | None = None
         self.nodes: dict[int, int] = {}  # Flower node id -> client index
         self.infos: list[RoundInfo] = []
@@ -191,8 +207,9 @@ class PVIStrategy(Strategy):
             {m: node for node, m in self.nodes.items()},
             like,
             timeout,
-            ConfigRecord() if train_config is None else train_config,
+            ConfigRecord({**dict(train_config or {}), "elbo-particles": self._elbo_particles()}),
         )
+        runner.prior_term = self._prior_term()
         steps = Steps(
             None,
             jax.jit(make_apply(self.family, self.server, None)),
@@ -227,7 +244,7 @@ class PVIStrategy(Strategy):
                     make_round,
                     self.num_clients,
                     monitor,
-                    _no_elbo,
+                    _reported_elbo,
                 )
                 if not np.isfinite(info.elbo) and isinstance(self.server.damping, AdaptiveDamping):
                     monitor.warn(
@@ -301,6 +318,7 @@ class PVIStrategy(Strategy):
                 "and family?"
             )
         q, hyper = q0s[0], hs[0] or ()
+        self._prior = q  # q starts at the prior (the sites' fitted-prior sites are refused)
         capacity = self.num_clients
         factors = broadcast_slots(like, capacity, zero=True)
         self.state = PVIState(
@@ -431,9 +449,27 @@ class PVIStrategy(Strategy):
             self.server,
         )
 
+    def _elbo_particles(self) -> int:
+        """The draws each site's ELBO term takes; 0 (no term) where the sites of a round are not
+        all sent the same ``q``."""
+        return self.num_elbo_particles if self.server.synchronous_rounds else 0
 
-def _no_elbo(round: Round, start: PVIState) -> float:
-    """The round's ELBO where the sites report no terms of it: unknown (NaN)."""
+    def _prior_term(self) -> Callable | None:
+        """``q -> E_q[log p(theta)] + H[q]``, the server's part of the ELBO, from the prior the
+        sites reported (exact in the family: the strategy refuses fitted priors)."""
+        if not self.server.synchronous_rounds:
+            return None
+        family, prior = self.family, self._prior
+        prior_density = family.to_dist(prior).log_prob
+        return jax.jit(lambda q: prior_elbo_term(family, q, prior_density, self.num_elbo_particles))
+
+
+def _reported_elbo(round: Round, start: PVIState) -> float:
+    """The round's ELBO: the sum of the sites' reported terms and the server's
+    (:func:`~numpyro_pvi.server.elbo.round_elbo`) where every site sent one under the ``q`` the
+    round started from; else unknown (NaN): the server has no data for a pooled pass."""
+    if round.reported_elbo():
+        return round_elbo(round.elbo_terms, round.prior_term)
     return float("nan")
 
 
