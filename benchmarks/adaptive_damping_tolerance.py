@@ -1,5 +1,6 @@
 """AdaptiveDamping's ``elbo_tolerance``: the asynchronous SiteFamilies run of
-tests/test_site_families.py under each tolerance given, and the ELBO estimate's Monte Carlo spread.
+tests/families/test_site_families.py under each tolerance given, and the ELBO estimate's Monte
+Carlo spread.
 
     python benchmarks/adaptive_damping_tolerance.py 0 1.0
 

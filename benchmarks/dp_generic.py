@@ -1,14 +1,16 @@
 """DP-SGD on a non-Gaussian family (the generic path): its Monte Carlo spread and the cost of a
 step.
 
-``spread`` (default): the Normal-Gamma regression of ``tests/test_site_families.py`` (48 rows, one
+``spread`` (default): the Normal-Gamma regression of ``tests/families/test_site_families.py`` (48
+rows, one
 client), ``SiteFamilies({"w": FullRankGaussian(), "tau": Gamma()})``, ``DPGradientUpdate`` without
 noise and with a clip norm no row reaches (batch = every row), Adam(0.05, b2=0.99), 4000 steps, 4
 particles: one visit from the prior (what one round of PVI with one client runs), over seeds
 (``jax.vmap`` over keys); prints each run's errors against the closed-form mean-field VB fixed point
-(coordinate ascent): the tolerances of ``tests/test_dp_gradient.py``.
+(coordinate ascent): the tolerances of ``tests/privacy/test_dp_gradient.py``.
 
-``--conjugate``: the spread of the Beta and Dirichlet tests of ``tests/test_dp_gradient.py`` (one
+``--conjugate``: the spread of the Beta and Dirichlet tests of
+``tests/privacy/test_dp_gradient.py`` (one
 visit of 30 rows, no noise, Adam(0.05, b2=0.99), 3000 steps) against the exact posterior.
 
 ``--cost``: seconds per DP-SGD step (batch = every row, 1 particle) of a client of ``n`` rows of the
@@ -48,7 +50,8 @@ STEPS, PARTICLES, LR = 4000, 4, 0.05
 
 
 def data(n: int) -> tuple:
-    """The test's data for 48 rows (``tests/test_dp_gradient.py``), the same construction for
+    """The test's data for 48 rows (``tests/privacy/test_dp_gradient.py``), the same construction
+    for
     others."""
     X = random.normal(random.PRNGKey(4), (n, 2))
     return X, X @ jnp.array([1.0, -0.5]) + 0.7 * random.normal(random.PRNGKey(5), (n,))
@@ -101,7 +104,8 @@ def spread(num_seeds: int = 32) -> None:
 
 
 def conjugate(num_seeds: int = 16) -> None:
-    """Beta-Bernoulli and Dirichlet-categorical (the data of tests/test_dp_gradient.py): relative
+    """Beta-Bernoulli and Dirichlet-categorical (the data of tests/privacy/test_dp_gradient.py):
+    relative
     errors of the parameters against the exact posterior, over seeds."""
     yb = random.bernoulli(random.PRNGKey(0), 0.3, (30,)).astype(jnp.float32)
     yc = random.categorical(random.PRNGKey(1), jnp.log(jnp.arange(1.0, 5.0)), shape=(30,))

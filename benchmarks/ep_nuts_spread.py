@@ -3,7 +3,8 @@ beyond one Gaussian.
 
 EP is exact for the conjugate models (the tilted distribution is in the family), and with one client
 its fixed point is the exact posterior moment-matched block by block, so every error below is the
-NUTS estimate's. Prints, over seeds, the worst errors that ``tests/test_moment_matching.py``'s
+NUTS estimate's. Prints, over seeds, the worst errors that
+``tests/local_updates/test_moment_matching.py``'s
 tilted-NUTS tests bound (at about 3x).
 
     python benchmarks/ep_nuts_spread.py [num_seeds]

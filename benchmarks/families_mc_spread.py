@@ -1,5 +1,5 @@
 """Monte Carlo spread of the Normal-Gamma SiteFamilies fixed point (the tolerances of
-tests/test_site_families.py).
+tests/families/test_site_families.py).
 
 Linear regression with unknown noise precision, ``SiteFamilies({"w": FullRankGaussian(), "tau":
 Gamma()})`` and CVI with 512 particles, over seeds and servers; prints each run's relative errors

@@ -1,6 +1,7 @@
 """PVI over Flower's simulation engine vs in process: seconds per round and bytes on the wire.
 
-The set-up of ``tests/test_flower.py`` (its model and data from ``tests/models.py``: 4 sites, a
+The set-up of ``tests/flower/test_flower.py`` (its model and data from ``tests/models.py``: 4
+sites, a
 regression with a local intercept per group, mean-field, ``GradientUpdate`` with 30 Adam steps),
 run for ``--rounds`` synchronous and then sequential rounds in one Flower simulation (one Ray actor
 holds the 4 virtual sites), and the same rounds in process with the ``vmap`` backend. Prints each

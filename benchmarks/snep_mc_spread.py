@@ -1,5 +1,5 @@
 """Monte Carlo spread of ``SNEPUpdate`` in mean parameters (the tolerances of
-tests/test_snep_blocks.py).
+tests/local_updates/test_snep_blocks.py).
 
 Runs each test's configuration over seeds and prints its errors against the exact references: the
 exact conjugate posteriors (Poisson-Gamma, Dirichlet-categorical; 5 uneven clients, 3 rounds) and

@@ -13,10 +13,12 @@ seconds compare, the wall-clock ones do not):
 * ``dirichlet-1000``: the same data split over 1,000 clients by ``split_by_label`` (alpha 0.3), so
   the clients' sizes are skewed (several size buckets); compare with ``logistic-1000``.
 * ``fullrank-50``: logistic regression with d = 50, ``FullRankGaussian``, 10 clients.
-* ``snep-poisson``: ``SNEPUpdate`` on the Poisson-Gamma model of ``tests/test_snep_blocks.py``
+* ``snep-poisson``: ``SNEPUpdate`` on the Poisson-Gamma model of
+``tests/local_updates/test_snep_blocks.py``
   (five uneven clients, ``Sequential``).
 * ``ep-linear``: ``MomentMatchingUpdate`` (EP, Laplace proposal) on the conjugate linear model of
-  ``tests/test_moment_matching.py`` (``FullRankGaussian``, 4 clients, ``Synchronous(1.0)``).
+  ``tests/local_updates/test_moment_matching.py`` (``FullRankGaussian``, 4 clients,
+  ``Synchronous(1.0)``).
 * ``bnn``: a 64-32-32-10 Bayesian neural network on scikit-learn's ``load_digits`` with 10
   label-skewed clients, ``Sequential``, 100 steps of batches of 64 per visit.
 

@@ -363,7 +363,7 @@ UNEVEN_PARTS = np.split(np.arange(UNEVEN_N), [5, 14, 30])  # four uneven clients
 
 def intercept_regression_model(X, y=None):
     """Linear regression with weights ``w`` (2,), an intercept ``b`` and known noise ``NOISE``
-    (tests/test_site_families.py; benchmarks/adaptive_damping_tolerance.py)."""
+    (tests/families/test_site_families.py; benchmarks/adaptive_damping_tolerance.py)."""
     w = numpyro.sample("w", dist.Normal(0.0, 1.0).expand([2]).to_event(1))
     b = numpyro.sample("b", dist.Normal(0.0, 2.0))
     with pvi.partition_plate("data", X.shape[0]):
@@ -437,7 +437,7 @@ FLOWER_SITES, FLOWER_GROUPS = 4, 3  # Flower sites, intercept_model's groups per
 def make_flower_data():
     """``(x, y, parts)``: ``FLOWER_SITES * FLOWER_GROUPS`` groups of 4 rows for
     ``intercept_model`` (``y = 0.5 + u[g] + 1.2 x + N(0, 1)``) and their iid split over the
-    ``FLOWER_SITES`` sites (tests/test_flower.py, benchmarks/flower.py)."""
+    ``FLOWER_SITES`` sites (tests/flower/test_flower.py, benchmarks/flower.py)."""
     groups = FLOWER_SITES * FLOWER_GROUPS
     kx, ku, ky = random.split(random.PRNGKey(0), 3)
     x = random.normal(kx, (groups, 4))

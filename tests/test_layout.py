@@ -25,6 +25,6 @@ def test_no_test_imports_conftest_or_another_test_module():
             for name in imported_modules(path)
             if name == "conftest" or name.startswith("test_")
         )
-        for path in sorted(TESTS.glob("*.py"))
+        for path in sorted(TESTS.rglob("*.py"))
     }
     assert not {name: bad for name, bad in offenders.items() if bad}

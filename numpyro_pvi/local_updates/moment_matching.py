@@ -185,7 +185,8 @@ class Importance:
             # the first proposal unless its weights are poor or another's are uniform (that one is
             # the tilted distribution: a conjugate likelihood); picking the largest noisy ESS
             # otherwise favours proposals whose weights miss the tails (on the skewed logistic
-            # model of tests/test_moment_matching.py EP's covariance error went from 3.5-3.8 % to
+            # model of tests/local_updates/test_moment_matching.py EP's covariance error went from
+            # 3.5-3.8 % to
             # 5.3-6.0 %, seeds 0-1)
             better = (other_ess > ess) & ((ess < self.min_ess) | (other_ess > UNIFORM_ESS))
             target, ess = where_tree(better, other, target), jnp.where(better, other_ess, ess)

@@ -105,7 +105,8 @@ class SNEPUpdate(LocalUpdate):
 
     Converges to EP's (``alpha = 1``) or power EP's fixed point: on the tests' logistic regression
     (4 clients, 3 rounds) within 0.005 posterior sd in the means and 0.4 % in the sds of a precise
-    EP run, about EP's own Monte Carlo error (``tests/test_snep.py``). ``RoundInfo.clamped`` counts
+    EP run, about EP's own Monte Carlo error (``tests/local_updates/test_snep.py``).
+    ``RoundInfo.clamped`` counts
     the steps that fell back on plain moments and the site clamps.
 
     :param float step_size: ``eps`` in ``(0, 1)``, the step in ``q``'s mean parameters: ``E_q[s] <-
@@ -141,7 +142,8 @@ class SNEPUpdate(LocalUpdate):
     models 3 rounds end within 0.005 posterior sd and 0.4 % in the sds of the exact posterior
     (Poisson-Gamma, Dirichlet-categorical) and, with ``SiteFamilies({"w": FullRankGaussian(), "tau":
     Gamma()})`` and one client, within 0.013 sd and 1 % of EP's fixed point
-    (``tests/test_snep_blocks.py``). ``site_variance`` (a Gaussian site's clamp) is a ``ValueError``
+    (``tests/local_updates/test_snep_blocks.py``). ``site_variance`` (a Gaussian site's clamp) is a
+    ``ValueError``
     there.
 
     **Example:**

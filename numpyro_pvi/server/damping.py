@@ -184,7 +184,8 @@ class AdaptiveDamping:
         stale asynchronous update moves it by a little either way; halving on every tiny fall
         drives the damping to its floor. The default, 1 nat, is well above the estimate's Monte
         Carlo spread on the tests' models (sd 0.145 nats over keys with 64 draws on the asynchronous
-        SiteFamilies run of ``tests/test_site_families.py``, whose stale updates lower it by up to
+        SiteFamilies run of ``tests/families/test_site_families.py``, whose stale updates lower it
+        by up to
         0.6 nats: with 0 the damping fell to 1/64 and the means stayed 0.165 posterior sds off
         after 48 rounds, with 1 they are 1.4e-5 sds off).
 

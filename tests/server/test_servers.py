@@ -146,7 +146,8 @@ def test_asynchronous_arguments_are_checked(bad):
 
 
 def test_a_full_rank_client_whose_cavity_is_improper_is_rejected_when_visited(linear_data):
-    # full-rank merges check q and the merging clients' cavities only (tests/test_merge.py); a
+    # full-rank merges check q and the merging clients' cavities only (tests/server/test_merge.py);
+    # a
     # cavity made improper otherwise is caught on the client's next visit: its update is rejected as
     # INVALID, not merged
     X, y = linear_data

@@ -311,7 +311,8 @@ def test_bad_heavy_ball_arguments_are_named(make, match):
 def test_adaptive_damping_ignores_falls_within_its_tolerance():
     """An ELBO fall up to ``elbo_tolerance`` nats grows the damping like a rise; a larger fall, or a
     backtracked merge, halves it. Before (16f0d19) every fall halved it: the asynchronous
-    SiteFamilies run of tests/test_site_families.py, whose ELBO falls by 0.003-0.9 nats while the
+    SiteFamilies run of tests/families/test_site_families.py, whose ELBO falls by 0.003-0.9 nats
+    while the
     slow client's update is in flight, drove it to its floor 1/64 by round 12. The default 1 nat:
     see ``AdaptiveDamping``'s docstring for the measured spread."""
     adaptive = pvi.AdaptiveDamping(initial=0.5, elbo_tolerance=1.0)

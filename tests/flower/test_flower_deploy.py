@@ -59,7 +59,8 @@ def test_a_deployment_on_localhost_gives_the_in_process_q(tmp_path, logistic_dat
     installed the app's dependencies at run time), and each site started a process per message.
 
     The sites run ``client_update`` unbatched on their own rows, the vmap backend batched, so XLA
-    may round differently (tests/test_flower.py measured the Flower simulation bitwise equal to the
+    may round differently (tests/flower/test_flower.py measured the Flower simulation bitwise equal
+    to the
     vmap run); a run with another seed differs by more than 1e-2 (asserted below), so 1e-4
     separates "the same computation" from a different one.
     """

@@ -95,7 +95,7 @@ def test_collapsed_gamma_block_site_returns():
     site is computed in a child process stopped after 120 s (a compiled loop cannot be interrupted);
     it returns in a few seconds (its value may be infinite: a singular float32 Fisher matrix, which
     EP's proposal then replaces by ``q``)."""
-    root = str(Path(__file__).resolve().parents[1])
+    root = str(Path(__file__).resolve().parents[2])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
     try:
         out = subprocess.run(

@@ -162,7 +162,8 @@ def test_prior_of_another_family_and_wrong_support_are_refused():
     )
     with pytest.raises(ValueError, match="has a prior on another support"):
         inference.build(y=y)
-    # SNEP runs with Gamma (tests/test_snep_blocks.py), but not with its Gaussian site clamp
+    # SNEP runs with Gamma (tests/local_updates/test_snep_blocks.py), but not with its Gaussian
+    # site clamp
     inference = pvi.PVI(
         poisson_model,
         pvi.Gamma(),
