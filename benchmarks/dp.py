@@ -15,9 +15,9 @@ priors, mean-field q) on scikit-learn's ``load_breast_cancer`` (455 training row
 * the cost of a DP-SGD local step against a ``GradientUpdate`` step at the same batch size (target
   <= 3x), on a breast-cancer client (46 rows) and on a synthetic client of 1000 rows.
 
-    python benchmarks/dp.py            # the full experiment (a few minutes on 2 cores) python
-    benchmarks/dp.py --quick    # epsilon in {1, 8}, iid only: a smoke run python benchmarks/dp.py
-    --cost     # only the cost of a local step (--particles 2: with 2 particles each)
+    python benchmarks/dp.py             # the full experiment (a few minutes on 2 cores)
+    python benchmarks/dp.py --quick     # epsilon in {1, 8}, iid only: a smoke run
+    python benchmarks/dp.py --cost      # only the cost of a local step (--particles 2: 2 particles)
 """
 
 import argparse

@@ -8,8 +8,8 @@ of each family, run long with NumPyro ``SVI`` from the NUTS means: ``AutoNormal`
 positive site beside ``AutoNormal`` (mean field) on the rest. Each entry is site -> [means, sds] of
 the constrained draws, flattened.
 
-    python benchmarks/make_references.py                 # all (about 40 min on the shared 2-core
-    machine) python benchmarks/make_references.py negbin          # one model, both priors
+    python benchmarks/make_references.py          # all (about 40 min on the shared 2-core machine)
+    python benchmarks/make_references.py negbin   # one model, both priors
 """
 
 from __future__ import annotations

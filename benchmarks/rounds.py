@@ -7,9 +7,9 @@ which the PyTorch reference library of Ashman et al. (2022) takes about 1.7 s (M
 = 100) per round on a 2-core machine. Also: the final global ELBO of the synchronous runs against
 the global mean-field optimum (a long full-batch SVI run), both estimated with the same draws.
 
-    python benchmarks/rounds.py            # the full configuration (a few minutes), clients over 2
-    CPU devices python benchmarks/rounds.py --quick    # a small smoke run python
-    benchmarks/rounds.py --devices 1
+    python benchmarks/rounds.py              # the full configuration (a few minutes), 2 CPU devices
+    python benchmarks/rounds.py --quick      # a small smoke run
+    python benchmarks/rounds.py --devices 1
 """
 
 import argparse
