@@ -27,7 +27,7 @@ from numpyro_pvi.backends.base import failed_result, stack, take
 from numpyro_pvi.families import NatParams
 from numpyro_pvi.flower.wire import content_bytes, key_to_record, tree_from_record, tree_to_record
 from numpyro_pvi.local_updates.base import ClientResult
-from numpyro_pvi.server.merge import checks_every_cavity
+from numpyro_pvi.server.merge import cavities
 from numpyro_pvi.server.round import Round
 from numpyro_pvi.state import ClientOutcome, PVIState, Rejection
 
@@ -255,13 +255,8 @@ class FlowerRound(Round):
         ids = [int(m) for m in ids]
         key, index = self.key(salt), jnp.asarray(ids)
         keys = [jax.random.fold_in(key, m) for m in ids]
-        cavities = jax.tree.map(lambda a, f: a[None] - f[index], pulled, state.factors)
-        result = self.steps.runner(ids, keys, cavities, pulled, (), None, state.hyper)
-        cavity_ok = (
-            jnp.ones(index.shape, bool)
-            if checks_every_cavity(state.factors)
-            else jax.vmap(self.family.is_valid)(cavities)
-        )
+        cavity, cavity_ok = cavities(self.family, pulled, state.factors, index)
+        result = self.steps.runner(ids, keys, cavity, pulled, (), None, state.hyper)
         state, out = self.steps.apply(
             state,
             index,

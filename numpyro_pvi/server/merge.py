@@ -97,6 +97,22 @@ def checks_every_cavity(factors: NatParams) -> bool:
     return all(leaf.ndim == factors.eta1.ndim for leaf in jax.tree.leaves(factors.eta2))
 
 
+def cavities(
+    family: Family, pulled: NatParams, factors: NatParams, ids: jax.Array
+) -> tuple[NatParams, jax.Array]:
+    """Clients ``ids``' cavities ``pulled - t_m`` (stacked over ``ids``) and whether each is valid
+    when they start (all, where the merges check every cavity: :func:`checks_every_cavity`; a
+    dense family's merges check only the merging clients', so the others' are checked here, on
+    their visit).
+
+    **Example:** ``cavity, cavity_ok = cavities(family, state.q, state.factors, ids)``
+    """
+    stacked = jax.tree.map(lambda a, f: a[None] - f[ids], pulled, factors)
+    if checks_every_cavity(factors):
+        return stacked, jnp.ones(jnp.shape(ids), bool)
+    return stacked, jax.vmap(family.is_valid)(stacked)
+
+
 def merge(
     family: Family,
     q: NatParams,

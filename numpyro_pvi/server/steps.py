@@ -31,7 +31,7 @@ from numpyro_pvi.model.partition import ArgsLayout
 from numpyro_pvi.model.prior import PriorFactor
 from numpyro_pvi.server.elbo import client_elbo_term, prior_elbo_term
 from numpyro_pvi.server.merge import (
-    checks_every_cavity,
+    cavities,
     is_valid_state,
     merge,
     rejection_codes,
@@ -108,16 +108,9 @@ def compile_steps(
         their terms of the ELBO of ``pulled`` with the prior's (``None`` if not recorded)."""
         ids = group.ids
         keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(ids)
-        cavities = jax.tree.map(lambda a, f: a[None] - f[ids], pulled, state.factors)
+        cavity, cavity_ok = cavities(family, pulled, state.factors, ids)
         local = jax.tree.map(lambda s: s[ids], state.client_states)
-        result = runner(group.local, keys, cavities, pulled, local, group.clients, state.hyper)
-        # a dense family's merges check only the merging clients' cavities: check the others' on
-        # their visit
-        cavity_ok = (
-            jnp.ones(ids.shape, bool)
-            if checks_every_cavity(state.factors)
-            else jax.vmap(family.is_valid)(cavities)
-        )
+        result = runner(group.local, keys, cavity, pulled, local, group.clients, state.hyper)
         if elbo_terms is None:
             return result, cavity_ok, None
         return result, cavity_ok, elbo_terms(pulled, group, local, state.hyper)
