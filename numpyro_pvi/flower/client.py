@@ -115,17 +115,15 @@ class Site:
             )
             args, kwargs = self.load_data(context)
             problem = inference.build(*args, **kwargs)  # one partition: this site's rows only
-            cached = _UPDATES.get(id(problem.client_problem))
-            if cached is None or cached[0] is not problem.client_problem:
-                cached = (
-                    problem.client_problem,
-                    jax.jit(self.local_update.bind(problem.client_problem)),
-                )
-                _UPDATES[id(problem.client_problem)] = cached
+            update = _jitted_once(
+                problem.client_problem,
+                "update",
+                lambda: self.local_update.bind(problem.client_problem),
+            )
             # the hyperparameters' structure (their initial values: no randomness)
             hyper = inference.init(jax.random.PRNGKey(0), problem).hyper
             _PREPARED[key] = Prepared(
-                self.client_id(context), problem, take(problem.clients, 0), cached[1], hyper
+                self.client_id(context), problem, take(problem.clients, 0), update, hyper
             )
         return _PREPARED[key]
 
@@ -213,19 +211,29 @@ class Site:
 _PREPARED: dict[tuple, Prepared] = {}
 # run -> a PVI whose cache lets sites of the same shapes share compiled steps
 _INFERENCES: dict[int, PVI] = {}
-_UPDATES: dict[int, tuple] = {}  # id(client problem) -> (client problem, jitted client_update)
-_ELBO_TERMS: dict[tuple, tuple] = {}  # (id(client problem), draws) -> (client problem, jitted term)
+# (id(client problem), what) -> (client problem, jitted function): the update, the ELBO term
+_JITTED: dict[tuple, tuple] = {}
 
 
 def _elbo_term(problem: Problem, num_particles: int) -> Callable:
     """The jitted :func:`~numpyro_pvi.server.elbo.client_elbo_term` of a site's problem, built
     once per process."""
-    key = (id(problem.client_problem), num_particles)
-    cached = _ELBO_TERMS.get(key)
-    if cached is None or cached[0] is not problem.client_problem:
-        term = client_elbo_term(problem.client_problem, num_particles)
-        cached = (problem.client_problem, jax.jit(term))
-        _ELBO_TERMS[key] = cached
+    return _jitted_once(
+        problem.client_problem,
+        ("elbo term", num_particles),
+        lambda: client_elbo_term(problem.client_problem, num_particles),
+    )
+
+
+def _jitted_once(client_problem: Any, what: Any, build: Callable[[], Callable]) -> Callable:
+    """``jax.jit(build())`` for this client problem, built once per process (sites of the same
+    shapes share it; the entry is checked to be for this very problem, not one whose id was
+    reused)."""
+    key = (id(client_problem), what)
+    cached = _JITTED.get(key)
+    if cached is None or cached[0] is not client_problem:
+        cached = (client_problem, jax.jit(build()))
+        _JITTED[key] = cached
     return cached[1]
 
 
