@@ -33,7 +33,7 @@ from numpyro_pvi.model.problem import Problem, build_problem
 from numpyro_pvi.model.sites import ModelSites
 from numpyro_pvi.model.start import chosen_start
 from numpyro_pvi.results.result import PVIRunResult, average_states
-from numpyro_pvi.server.elbo import ELBO_KEY, round_elbo
+from numpyro_pvi.server.elbo import ELBO_KEY
 from numpyro_pvi.server.monitor import RunMonitor
 from numpyro_pvi.server.play import play_round
 from numpyro_pvi.server.round import InFlight, Round, cancel_in_flight
@@ -391,8 +391,8 @@ class PVI:
                 sample_key,
             )
 
-        def elbo(round: Round, start: PVIState) -> float:
-            return self._start_elbo(round, start, problem)
+        def pooled_elbo(start: PVIState) -> float:
+            return self._pooled_elbo(start, problem)
 
         prior_step = (
             None if steps.prior_step is None else lambda state: steps.prior_step(state, data)
@@ -405,17 +405,15 @@ class PVI:
             make_round,
             problem.num_clients,
             monitor,
-            elbo,
+            pooled_elbo,
             prior_step,
         )
 
-    def _start_elbo(self, round: Round, start: PVIState, problem: Problem) -> float:
-        """``RoundInfo.elbo``: the ELBO of the ``q`` the round started from (``start``), with the
-        same draws every round (common random numbers: rounds' ELBOs compare without most of the
-        sampling noise). From the clients' reported terms when every client reported one under
-        that ``q`` (:mod:`~numpyro_pvi.server.elbo`); else a pooled pass over their data."""
-        if round.reported_elbo():
-            return round_elbo(round.elbo_terms, round.prior_term)
+    def _pooled_elbo(self, start: PVIState, problem: Problem) -> float:
+        """The ELBO of the ``q`` a round started from (``start``) by a pass over every client's
+        data, with the same draws every round (common random numbers: rounds' ELBOs compare
+        without most of the sampling noise): for rounds whose clients were sent different ``q`` and
+        so reported no terms of it (:func:`~numpyro_pvi.server.play.play_round`)."""
         return float(
             problem.steps.elbo(
                 start.q,

@@ -47,10 +47,10 @@ from numpyro_pvi.flower.wire import adopt_layout, tree_from_record, tree_to_reco
 from numpyro_pvi.hyper_optim import rprop
 from numpyro_pvi.results.checkpoint import save
 from numpyro_pvi.server.damping import AdaptiveDamping
-from numpyro_pvi.server.elbo import prior_elbo_term, round_elbo
+from numpyro_pvi.server.elbo import prior_elbo_term
 from numpyro_pvi.server.monitor import RunMonitor
 from numpyro_pvi.server.play import play_round
-from numpyro_pvi.server.round import InFlight, Round, cancel_in_flight
+from numpyro_pvi.server.round import InFlight, cancel_in_flight
 from numpyro_pvi.server.servers import Server, Synchronous
 from numpyro_pvi.server.steps import Steps, make_apply, make_hyper_step
 from numpyro_pvi.state import PVIState, RoundInfo, broadcast_slots, grow_slots
@@ -244,7 +244,7 @@ class PVIStrategy(Strategy):
                     make_round,
                     self.num_clients,
                     monitor,
-                    _reported_elbo,
+                    _no_pooled_elbo,
                 )
                 if not np.isfinite(info.elbo) and isinstance(self.server.damping, AdaptiveDamping):
                     monitor.warn(
@@ -464,12 +464,9 @@ class PVIStrategy(Strategy):
         return jax.jit(lambda q: prior_elbo_term(family, q, prior_density, self.num_elbo_particles))
 
 
-def _reported_elbo(round: Round, start: PVIState) -> float:
-    """The round's ELBO: the sum of the sites' reported terms and the server's
-    (:func:`~numpyro_pvi.server.elbo.round_elbo`) where every site sent one under the ``q`` the
-    round started from; else unknown (NaN): the server has no data for a pooled pass."""
-    if round.reported_elbo():
-        return round_elbo(round.elbo_terms, round.prior_term)
+def _no_pooled_elbo(start: PVIState) -> float:
+    """The round's ELBO where the sites did not all report their terms of it: unknown (NaN), the
+    server has no data for a pooled pass."""
     return float("nan")
 
 

@@ -14,6 +14,7 @@ from typing import Any, Callable
 
 import jax
 
+from numpyro_pvi.server.elbo import round_elbo
 from numpyro_pvi.server.monitor import RunMonitor, largest, q_move
 from numpyro_pvi.server.round import Round
 from numpyro_pvi.server.steps import Steps
@@ -28,7 +29,7 @@ def play_round(
     make_round: Callable[[jax.Array, jax.Array], Round],
     num_clients: int,
     monitor: RunMonitor,
-    elbo: Callable[[Round, PVIState], float],
+    pooled_elbo: Callable[[PVIState], float],
     prior_step: Callable[[PVIState], PVIState] | None = None,
 ) -> tuple[PVIState, RoundInfo]:
     """One round: ``(state, info)`` after the server ran its schedule over ``make_round(round_key,
@@ -38,13 +39,15 @@ def play_round(
     :param make_round: the round's :class:`~numpyro_pvi.server.round.Round` from its keys (the
         state's key split as every round splits it).
     :param monitor: the run's monitor (warnings, convergence).
-    :param elbo: ``elbo(round, start)``, the round's ELBO: that of the ``q`` the round started from
-        (``start``, after the prior's step), from the clients' reports in ``round`` where they sent
-        them (``nan`` where none can be computed).
+    :param pooled_elbo: ``pooled_elbo(start)``, the ELBO of the ``q`` the round started from
+        (``start``, after the prior's step) where the clients did not all report their terms of it
+        (they were sent different ``q``): a pass over the data in process, ``nan`` where the
+        server has none. Where they did, the round's ELBO is the sum of their terms and the prior's
+        (:func:`~numpyro_pvi.server.elbo.round_elbo`).
     :param prior_step: the prior factor's step before the clients run (``None``: Gaussian prior).
 
     **Example:** ``state, info = play_round(server, family, state, steps, make_round, M,
-    RunMonitor(server), elbo)``
+    RunMonitor(server), pooled_elbo)``
     """
     start, old_q = time.perf_counter(), state.q
     round_key, sample_key, next_key = jax.random.split(state.rng_key, 3)
@@ -65,7 +68,10 @@ def play_round(
         state = steps.hyper_step(
             state._replace(hyper_grads=grads), jax.tree.map(lambda g: g.sum(0), grads)
         )
-    value = float(elbo(round, before))
+    if round.reported_elbo():
+        value = round_elbo(round.elbo_terms, round.prior_term)
+    else:
+        value = float(pooled_elbo(before))
     state = state._replace(damping=server.damping.after_round(state.damping, value, backtracked))
     move = q_move(family, old_q, state.q)
     info = RoundInfo(
