@@ -254,6 +254,9 @@ def test_strategy_takes_every_server_and_refuses_bad_input():
         PVIStrategy(pvi.MeanFieldGaussian(), 4, random.PRNGKey(0), hyper_optimizer="adam")
     with pytest.raises(ValueError, match="num_clients"):
         PVIStrategy(pvi.MeanFieldGaussian(), 0, random.PRNGKey(0), pvi.Synchronous(0.5))
+    for bad in (0, 2.5, True):
+        with pytest.raises(ValueError, match="num_elbo_particles"):
+            PVIStrategy(pvi.MeanFieldGaussian(), 4, random.PRNGKey(0), num_elbo_particles=bad)
     with pytest.raises(ValueError, match="only 4 clients"):
         PVIStrategy(
             pvi.MeanFieldGaussian(), 4, random.PRNGKey(0), pvi.Synchronous(0.5, clients_per_round=5)
