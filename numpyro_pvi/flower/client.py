@@ -31,8 +31,9 @@ from numpyro_pvi.flower.wire import (
     tree_from_record,
     tree_to_record,
 )
-from numpyro_pvi.local_updates.base import Client, LocalUpdate
+from numpyro_pvi.local_updates.base import Client, CountsRejectedUpdates, LocalUpdate
 from numpyro_pvi.model.problem import Problem
+from numpyro_pvi.privacy.accounting import PrivateUpdate
 from numpyro_pvi.pvi import PVI
 from numpyro_pvi.server.elbo import client_elbo_term
 from numpyro_pvi.server.servers import Synchronous
@@ -182,6 +183,7 @@ class Site:
             result = failed_result(cavity, state, hyper)
         context.state[PENDING] = tree_to_record(result.state)
         reported = {"free-energy": float(result.free_energy), "failure": int(result.failure)}
+        reported.update(release_report(self.local_update, result.state, prep.client))
         num_particles = int(config.get("elbo-particles", 0))
         if num_particles > 0:  # the site's term of the ELBO of q (the same draws as in process)
             term = _elbo_term(prep.problem, num_particles)
@@ -199,12 +201,45 @@ class Site:
         if accepted and PENDING in context.state:
             context.state[STATE] = context.state[PENDING]
         like = self.local_update.init_state(prep.problem.client_problem)
+        if not accepted and PENDING in context.state:
+            self._keep_rejected(context, like)
         # through a record even at first, so that every round passes the same (non-weak) types: no
         # recompilation
         record = (
             context.state.array_records[STATE] if STATE in context.state else tree_to_record(like)
         )
         return tree_from_record(record, like, "site's local state")
+
+    def _keep_rejected(self, context: Context, like: Any) -> None:
+        """The site's last update was not merged: keep ``rejected_state(old, new)``, as the
+        in-process server keeps it for an update that counts rejected updates
+        (:class:`~numpyro_pvi.local_updates.CountsRejectedUpdates`: a DP site's release still counts
+        towards its budget); other updates keep their old state."""
+        if not isinstance(self.local_update, CountsRejectedUpdates):
+            return
+        old = (
+            tree_from_record(context.state.array_records[STATE], like, "site's local state")
+            if STATE in context.state
+            else like
+        )
+        new = tree_from_record(context.state.array_records[PENDING], like, "site's local state")
+        context.state[STATE] = tree_to_record(self.local_update.rejected_state(old, new))
+
+
+def release_report(local_update: LocalUpdate, state: Any, client: Client) -> dict:
+    """What a DP site reports with each reply for the server's privacy accounting
+    (:meth:`PVIStrategy.privacy_spent <numpyro_pvi.flower.PVIStrategy.privacy_spent>`): its releases
+    so far, the count its budget gate reads (``num_releases`` of its state after this update), and
+    its number of rows (the accountant's ``n_m``); nothing for an update that is not
+    differentially private.
+
+    **Example:** ``release_report(pvi.DPLocalAveraging(...), state, client)`` is e.g.
+    ``{"releases": 3, "rows": 40}``.
+    """
+    if not isinstance(local_update, PrivateUpdate):
+        return {}
+    released = np.asarray(local_update.num_releases(state))
+    return {"releases": int(released), "rows": int(np.asarray(client.size))}
 
 
 # (run, node) -> the site's problem: one build per site and process

@@ -107,6 +107,8 @@ class FlowerRunner:
         # recorded
         self.prior_term: Callable | None = None
         self.replies: dict[str, Message] = {}  # message id -> the site's reply
+        # site m's (releases so far, rows), reported by a DP site with each reply
+        self.releases: dict[int, tuple[int, int]] = {}
         self.down, self.up, self.sent = 0, 0, 0
 
     # -------------------------------------------------------------- ConcurrentRunner
@@ -178,6 +180,9 @@ class FlowerRunner:
         metrics = reply.content.metric_records.get("pvi")
         if metrics is not None and "elbo-term" in metrics:
             self.elbo_terms[int(m)] = float(metrics["elbo-term"])
+        if metrics is not None and "releases" in metrics:
+            released = max(int(metrics["releases"]), self.releases.get(int(m), (0, 0))[0])
+            self.releases[int(m)] = (released, int(metrics["rows"]))
         like = self.like._replace(delta=jax.tree.map(jnp.zeros_like, cavity))
         return tree_from_record(reply.content.array_records["result"], like, f"reply of site {m}")
 

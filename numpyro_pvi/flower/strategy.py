@@ -43,8 +43,12 @@ from flwr.supercore import log
 from numpyro_pvi.families import FactorFamily
 from numpyro_pvi.flower.grid import PollingGrid
 from numpyro_pvi.flower.round import FlowerRound, FlowerRunner, hyper_like, result_like
-from numpyro_pvi.flower.wire import adopt_layout, tree_from_record, tree_to_record
+from numpyro_pvi.flower.wire import adopt_layout, layout_to_text, tree_from_record, tree_to_record
 from numpyro_pvi.hyper_optim import rprop
+from numpyro_pvi.local_updates.gradient import GradientUpdate
+from numpyro_pvi.model.problem import Problem
+from numpyro_pvi.privacy.accounting import privacy_spent
+from numpyro_pvi.pvi import PVI
 from numpyro_pvi.results.checkpoint import save
 from numpyro_pvi.server.damping import AdaptiveDamping
 from numpyro_pvi.server.elbo import prior_elbo_term
@@ -52,7 +56,7 @@ from numpyro_pvi.server.monitor import RunMonitor
 from numpyro_pvi.server.play import play_round
 from numpyro_pvi.server.round import InFlight, cancel_in_flight
 from numpyro_pvi.server.servers import Server, Synchronous
-from numpyro_pvi.server.steps import Steps, make_apply, make_hyper_step
+from numpyro_pvi.server.steps import Steps, make_apply, make_hyper_step, make_prior_logdensity
 from numpyro_pvi.state import PVIState, RoundInfo, broadcast_slots, grow_slots
 
 CONNECT_POLL = 1.0  # seconds between checks for connected sites
@@ -103,6 +107,9 @@ class PVIStrategy(Strategy):
         *,
         hyper_optimizer: optax.GradientTransformation | None = None,
         num_elbo_particles: int = 64,
+        model: Callable | None = None,
+        model_args: tuple = (),
+        model_kwargs: dict | None = None,
     ) -> None:
         server = Synchronous() if server is None else server
         if (
@@ -147,6 +154,12 @@ class PVIStrategy(Strategy):
         self.converged: bool | None = None
         self.stopped_because = ""
         self._hyper_shapes: dict = {}
+        # the model's prior at the server (t_0's steps), built from model_args / model_kwargs
+        self._prior_problem = prior_problem(
+            model, family, server, model_args, model_kwargs, num_elbo_particles
+        )
+        # client index -> (releases, rows) a DP site reported with its last reply
+        self.releases: dict[int, tuple[int, int]] = {}
 
     @property
     def history(self) -> RoundInfo:
@@ -210,6 +223,7 @@ class PVIStrategy(Strategy):
             ConfigRecord({**dict(train_config or {}), "elbo-particles": self._elbo_particles()}),
         )
         runner.prior_term = self._prior_term()
+        self.releases = runner.releases
         steps = Steps(
             None,
             jax.jit(make_apply(self.family, self.server, None)),
@@ -245,6 +259,7 @@ class PVIStrategy(Strategy):
                     self.num_clients,
                     monitor,
                     _no_pooled_elbo,
+                    self._prior_round(),
                 )
                 if not np.isfinite(info.elbo) and isinstance(self.server.damping, AdaptiveDamping):
                     monitor.warn(
@@ -335,6 +350,7 @@ class PVIStrategy(Strategy):
         )
         self.infos, self.traffic = [], []
         self._pending = {n: int(info[n]["client"]) for n in info if n not in self.nodes}
+        self._start_prior_factor(str(c.get("fitted-prior-sites", "")))
 
     def _query(self, grid: Grid, node_ids: list, timeout: float) -> tuple[dict, dict, dict]:
         """Ask the sites ``node_ids`` who they are: ``(config, prior record, hyperparameters
@@ -353,12 +369,14 @@ class PVIStrategy(Strategy):
             )
         info = {r.metadata.src_node_id: r.content.config_records["pvi"] for r in replies}
         for c in info.values():
-            if "fitted-prior-sites" in c:
-                raise NotImplementedError(
-                    "PVIStrategy handles global sites whose prior is Gaussian in unconstrained "
-                    f"space; this model's [{c['fitted-prior-sites']}] are not (their prior factor "
-                    "t_0 is refitted from the model every round). Run it in process (pvi.PVI) "
-                    "or on Ray instead."
+            if "fitted-prior-sites" in c and self._prior_problem is None:
+                raise ValueError(
+                    f"This model's global sites [{c['fitted-prior-sites']}] have priors that are "
+                    "not Gaussian in unconstrained space: the server refits their prior factor t_0 "
+                    "from the model every round, and the sites do not send it. Pass the model: "
+                    "PVIStrategy(..., model=model, model_args=..., model_kwargs=...), called on a "
+                    "stand-in for one site's data (e.g. a row of zeros with the sites' shapes and "
+                    "dtypes, observations included)."
                 )
         return (
             info,
@@ -455,13 +473,138 @@ class PVIStrategy(Strategy):
         return self.num_elbo_particles if self.server.synchronous_rounds else 0
 
     def _prior_term(self) -> Callable | None:
-        """``q -> E_q[log p(theta)] + H[q]``, the server's part of the ELBO, from the prior the
-        sites reported (exact in the family: the strategy refuses fitted priors)."""
+        """``q -> E_q[log p(theta)] + H[q]``, the server's part of the ELBO: from the model's prior
+        when the strategy has the model (as in process), else from the prior the sites reported
+        (exact in the family: without the model, fitted priors are refused)."""
         if not self.server.synchronous_rounds:
             return None
-        family, prior = self.family, self._prior
+        family, prior, problem = self.family, self._prior, self._prior_problem
         prior_density = family.to_dist(prior).log_prob
+        if problem is not None:
+            logdensity = make_prior_logdensity(
+                problem.config.model, problem.sites, problem.split.layout
+            )
+            clients = _clients(problem)
+            prior_density = lambda z: logdensity(z, clients)  # noqa: E731
         return jax.jit(lambda q: prior_elbo_term(family, q, prior_density, self.num_elbo_particles))
+
+    def _start_prior_factor(self, fitted: str) -> None:
+        """With the model: check that it is the sites' (global sites, family layout, the sites whose
+        prior ``t_0`` fits, the prior), and start ``t_0`` as :meth:`PVI.init
+        <numpyro_pvi.PVI.init>` does (the sites' ``q`` is the prior with it)."""
+        problem = self._prior_problem
+        if problem is None:
+            return
+        if (
+            layout_to_text(problem.family, problem.sites) != self._layout
+            or ",".join(problem.rest) != fitted
+        ):
+            raise ValueError(
+                "The strategy's model (on model_args / model_kwargs) has other global sites, "
+                f"another family layout or other non-Gaussian priors ([{','.join(problem.rest)}]) "
+                f"than the sites report ([{fitted}]): pass the sites' model, called on a stand-in "
+                "for one site's data of the same shapes."
+            )
+        steps, zeros = problem.steps, problem.family.zeros(problem.sites.dim)
+        t0 = (
+            zeros
+            if steps.prior_init is None
+            else steps.prior_init(problem.prior, _clients(problem))
+        )
+        q = jax.tree.map(lambda a, b: np.asarray(a) + np.asarray(b), problem.prior, t0)
+        if not _close(q, self.state.q):
+            raise ValueError(
+                "The strategy's model gives another prior than the sites report: do they run the "
+                "same model, and does its prior depend on the data's values (model_args)?"
+            )
+        self.state = self.state._replace(prior_factor=t0)
+
+    def _prior_round(self) -> Callable | None:
+        """``state -> state``: the prior factor's step that begins each round in process
+        (``Steps.prior_step``, the same compiled function), or ``None`` (the prior is exact in the
+        family)."""
+        problem = self._prior_problem
+        if problem is None or problem.steps.prior_step is None:
+            return None
+        step, clients = problem.steps.prior_step, _clients(problem)
+        return lambda state: step(state, clients)
+
+    def privacy_spent(
+        self,
+        local_update: Any,
+        delta: float,
+        client_sampling: str = "known",
+        client_rates: Any = None,
+    ) -> np.ndarray:
+        """``(M,)`` each site's ``epsilon`` at ``delta`` over the updates it released in the run,
+        as :meth:`PVIRunResult.privacy_spent <numpyro_pvi.PVIRunResult.privacy_spent>` says in
+        process (:func:`~numpyro_pvi.privacy.accounting.privacy_spent`, the same numbers for the
+        same run): from the release and row counts each DP site reports with its replies (the
+        count its budget gate reads, rejected updates included) and the strategy's history.
+
+        :param local_update: the sites' DP local update (e.g. the ``pvi.DPGradientUpdate`` of the
+            app's shared code): the strategy does not otherwise know its noise.
+
+        **Example:** ``strategy.privacy_spent(update, 1e-5)`` is e.g. ``array([0.98, 0.98])``.
+        """
+        sites = range(self.num_clients)
+        history = self.history if self.infos else None
+        tried = np.zeros(self.num_clients) if history is None else np.sum(history.attempts, 0)
+        unknown = [m for m in sites if tried[m] > 0 and m not in self.releases]
+        if unknown:
+            raise ValueError(
+                f"Sites {unknown} were sent updates but reported no release counts: do they run a "
+                "DP local update (pvi.DPGradientUpdate, pvi.DPLocalAveraging)? (A site none of "
+                "whose replies arrived cannot be accounted for here.)"
+            )
+        counts = [self.releases.get(m, (0, 1)) for m in sites]
+        return privacy_spent(
+            local_update,
+            self.server,
+            self.state,
+            history,
+            [rows for _, rows in counts],
+            delta,
+            client_sampling=client_sampling,
+            client_rates=client_rates,
+            released=[released for released, _ in counts],
+        )
+
+
+def prior_problem(
+    model: Callable | None,
+    family: FactorFamily,
+    server: Server,
+    model_args: tuple,
+    model_kwargs: dict | None,
+    num_elbo_particles: int,
+) -> Problem | None:
+    """The model's :class:`~numpyro_pvi.model.problem.Problem` on a stand-in for one site's data
+    (``model(*model_args, **model_kwargs)``), whose prior steps the strategy runs; ``None`` without
+    a model. The prior must not depend on the data's values: only its shapes reach the server.
+
+    **Example:** ``prior_problem(model, pvi.MeanFieldGaussian(), pvi.Synchronous(), (np.zeros((1,
+    2)),), {"y": np.zeros(1)}, 64)``
+    """
+    if model is None:
+        if model_args != () or model_kwargs is not None:
+            raise ValueError("model_args and model_kwargs are the model's: pass model= too.")
+        return None
+    if not callable(model):
+        raise TypeError(f"model must be a NumPyro model (a callable), got {model!r}.")
+    if not isinstance(model_args, tuple):
+        raise TypeError(f"model_args must be a tuple, got {type(model_args).__name__}.")
+    if model_kwargs is not None and not isinstance(model_kwargs, dict):
+        raise TypeError(f"model_kwargs must be a dict or None, got {type(model_kwargs).__name__}.")
+    # the prior's steps use no local update (PVI needs one); the strategy's server damps t_0
+    stand_in = GradientUpdate(optax.sgd(0.0), num_steps=1)
+    inference = PVI(model, family, None, stand_in, server, num_elbo_particles=num_elbo_particles)
+    return inference.build(*model_args, **(model_kwargs or {}))
+
+
+def _clients(problem: Problem) -> tuple:
+    """The problem's data as its compiled steps take them (one stacked client per bucket)."""
+    return tuple(bucket.clients for bucket in problem.buckets)
 
 
 def _no_pooled_elbo(start: PVIState) -> float:

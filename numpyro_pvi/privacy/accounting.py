@@ -257,10 +257,16 @@ def privacy_spent(
     *,
     client_sampling: str = "known",
     client_rates: Any = None,
+    released: Any = None,
 ) -> np.ndarray:
     """``(M,)`` each client's ``epsilon`` at ``delta`` (0 if it released nothing), from a run's
     values: its DP ``local_update`` and ``server``, its final ``state``, its ``history`` and the
     clients' ``sizes`` (rows).
+
+    ``released``: each client's releases, where ``state`` does not hold the clients' states (over
+    Flower they stay at the sites, which report their counts:
+    :meth:`PVIStrategy.privacy_spent <numpyro_pvi.flower.PVIStrategy.privacy_spent>`); default: read
+    from ``state``.
 
     ``client_sampling="known"`` (the default, conservative): every release the client made in the
     run, composed; valid however the clients were chosen. ``client_sampling="secret"``: every round
@@ -277,7 +283,9 @@ def privacy_spent(
     if client_sampling not in ("known", "secret"):
         raise ValueError(f"client_sampling must be 'known' or 'secret', got {client_sampling!r}.")
     sizes = np.asarray(sizes)
-    released = releases(update, state.client_states, len(sizes))
+    if released is None:
+        released = releases(update, state.client_states, len(sizes))
+    released = np.asarray(released, int)
     if client_sampling == "secret":
         rates = client_sampling_rates(server, len(sizes), client_rates)
         rounds = _rounds_covering(history, released)

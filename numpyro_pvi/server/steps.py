@@ -100,7 +100,7 @@ def compile_steps(
     # the family laid out for these sites (config.family is the user's, unlaid)
     family = problem.family
     apply = jax.jit(make_apply(family, config.server, config.local_update))
-    prior_logdensity = _prior_logdensity(config.model, problem.sites, layout)
+    prior_logdensity = make_prior_logdensity(config.model, problem.sites, layout)
     elbo_terms = _elbo_terms_fn(config, problem, prior_logdensity)
 
     def run_group(state: PVIState, group: Group, key: jax.Array, pulled: NatParams) -> tuple:
@@ -253,7 +253,14 @@ def _kept_states(
     return jax.tree.map(choose, new, rejected), accepted | sent
 
 
-def _prior_logdensity(model: Callable, sites: Any, layout: ArgsLayout) -> Callable:
+def make_prior_logdensity(model: Callable, sites: Any, layout: ArgsLayout) -> Callable:
+    """``(zeta, clients, names=None) -> log p(theta(zeta))`` (with the Jacobian) from the model's
+    call on the first client's data: what the prior factor's steps and the ELBO's prior term read.
+
+    **Example:** ``make_prior_logdensity(model, problem.sites, problem.split.layout)(zeta,
+    clients)``
+    """
+
     def prior_logdensity(zeta: jax.Array, clients: Client | tuple, names: Any = None) -> jax.Array:
         """The prior's log density in ``zeta``, from the first client's model call (the prior is the
         same in every call); ``clients`` is a stacked :class:`Client` or a tuple of them (one per
