@@ -568,6 +568,148 @@ def test_every_server_over_flower_messages_gives_the_in_process_q(flower_task, c
         np.testing.assert_array_equal(strategy.history.attempts, [[1, 1, 0], [0, 0, 1]])
 
 
+# a DP-SGD update small enough to compile in seconds (10 rows a site, 10 steps of 5 rows)
+DP_UPDATE = pvi.DPGradientUpdate(
+    optax.adam(0.05), num_steps=10, batch_size=5, clip_norm=1.0, noise_multiplier=1.0
+)
+
+
+def _three_sites(model, update):
+    """30 rows of the linear data (2 columns) over 3 sites of 10 rows (draw for draw with the
+    in-process run, whose clients are then not padded), and their Flower sites."""
+    from models import make_linear_data
+
+    X, y = make_linear_data()
+    data = _sites_data(X[:30, :2], y[:30], pvi.split_iid(random.PRNGKey(1), 30, 3))
+    site = Site(
+        model, pvi.MeanFieldGaussian(), update, lambda c: data[c.node_config["partition-id"]]
+    )
+    return data, site
+
+
+def test_a_halfnormal_prior_over_flower_messages_gives_the_in_process_q(flower_task):
+    """A non-Gaussian prior (``sigma ~ HalfNormal(1)``, a Gaussian q) over Flower (before: refused
+    at the start of the run): the strategy takes the model on a stand-in for a site's data and runs
+    the in-process prior step of t_0 before each round; q, the factors, t_0 and the round's ELBO
+    (its prior term from the model's prior) are the in-process run's, same seeds.
+
+    Measured (this machine, jax CPU): q, t_0 and the ELBO bitwise equal; the tolerance is the other
+    LocalGrid tests' (1e-4 relative for q, 1e-5 for the ELBO). t_0 after two rounds is not its start
+    (the step ran), nor zero.
+    """
+    from models import halfnormal_scale_model, linear_model
+
+    data, site = _three_sites(halfnormal_scale_model, SMALL_UPDATE)
+    stand_in = dict(
+        model=halfnormal_scale_model,
+        model_args=(np.zeros((1, 2), np.float32),),
+        model_kwargs={"y": np.zeros(1, np.float32)},
+    )
+    grid = LocalGrid(site, 3)
+    # without the model the server cannot refit t_0: refused by name, before any round
+    with pytest.raises(ValueError, match=r"\[sigma\].*model=model"):
+        PVIStrategy(pvi.MeanFieldGaussian(), 3, random.PRNGKey(2)).start(
+            grid, num_rounds=1, timeout=60
+        )
+    assert not [m for m in grid.pushed if m.metadata.message_type == "train"]
+    # a model that is not the sites' (no sigma) is refused by name
+    with pytest.raises(ValueError, match="other global sites"):
+        PVIStrategy(
+            pvi.MeanFieldGaussian(), 3, random.PRNGKey(2), **{**stand_in, "model": linear_model}
+        ).start(grid, num_rounds=1, timeout=60)
+    with pytest.raises(ValueError, match="pass model= too"):
+        PVIStrategy(pvi.MeanFieldGaussian(), 3, random.PRNGKey(2), model_args=(1.0,))
+    with pytest.raises(TypeError, match="model_args must be a tuple"):
+        PVIStrategy(pvi.MeanFieldGaussian(), 3, random.PRNGKey(2), **{**stand_in, "model_args": 1})
+    strategy = PVIStrategy(pvi.MeanFieldGaussian(), 3, random.PRNGKey(2), **stand_in)
+    inference = pvi.PVI(
+        halfnormal_scale_model, pvi.MeanFieldGaussian(), pvi.ClientData(data), SMALL_UPDATE
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", pvi.PVIWarning)  # 2 rounds: far from converged
+        strategy.start(grid, num_rounds=2, timeout=60)
+        run = inference.run(random.PRNGKey(2), 2, progress_bar=False)
+    reference = run.state
+    factors = jax.tree.map(lambda f: f[:3], reference.factors)
+    for got, want in zip(
+        jax.tree.leaves((strategy.state.q, strategy.state.factors, strategy.state.prior_factor)),
+        jax.tree.leaves((reference.q, factors, reference.prior_factor)),
+    ):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(strategy.history.elbo, run.history.elbo, rtol=1e-5)
+    start = inference.init(random.PRNGKey(2)).prior_factor
+    moved = [np.max(np.abs(a - b)) for a, b in zip(start, strategy.state.prior_factor)]
+    assert min(moved) > 1e-3 and np.all(np.abs(strategy.state.prior_factor.eta2[-1]) > 1e-3)
+
+
+def test_dp_updates_over_flower_messages_give_the_in_process_q_and_epsilon(flower_task):
+    """DP-SGD at the sites over Flower: q and the factors are the in-process run's (same seeds, to
+    float rounding as in the tests above), and ``strategy.privacy_spent`` -- from the release and
+    row counts the sites report and the strategy's history (before: no way to account a Flower run)
+    -- gives the in-process ``result.privacy_spent``'s epsilons, with either client sampling rule.
+
+    Measured (this machine): q equal to 1.2e-7; the epsilons equal to the last digit (the same
+    counts into the same accountant), 17.27 for each site after 2 releases of 10 steps.
+    """
+    from models import linear_model
+
+    data, site = _three_sites(linear_model, DP_UPDATE)
+    strategy = PVIStrategy(pvi.MeanFieldGaussian(), 3, random.PRNGKey(2))
+    inference = pvi.PVI(linear_model, pvi.MeanFieldGaussian(), pvi.ClientData(data), DP_UPDATE)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", pvi.PVIWarning)
+        strategy.start(LocalGrid(site, 3), num_rounds=2, timeout=60)
+        run = inference.run(random.PRNGKey(2), 2, progress_bar=False)
+    factors = jax.tree.map(lambda f: f[:3], run.state.factors)
+    for got, want in zip(
+        jax.tree.leaves((strategy.state.q, strategy.state.factors)),
+        jax.tree.leaves((run.state.q, factors)),
+    ):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    assert strategy.releases == {m: (2, 10) for m in range(3)}
+    for rule in ("known", "secret"):
+        spent = strategy.privacy_spent(DP_UPDATE, 1e-5, client_sampling=rule)
+        np.testing.assert_allclose(spent, run.privacy_spent(1e-5, client_sampling=rule), rtol=1e-9)
+        assert np.all(spent > 0)
+    with pytest.raises(TypeError, match="not differentially private"):
+        strategy.privacy_spent(SMALL_UPDATE, 1e-5)
+
+
+def test_a_dp_site_counts_the_releases_the_server_rejected(flower_task):
+    """A DP site whose updates the server does not merge still counts each as a release, as the
+    in-process server keeps ``CountsRejectedUpdates.rejected_state`` (before: the Flower site kept
+    its old state, so its budget gate forgot every rejected release and could overspend). With a
+    budget of two releases, the third update is refused (``Rejection.BUDGET``) and counted no more.
+    """
+    from flwr.app import ConfigRecord
+
+    from numpyro_pvi.flower.round import FlowerRunner, result_like
+    from numpyro_pvi.privacy.accounting import epsilon
+
+    from models import linear_model
+
+    family = pvi.MeanFieldGaussian()
+    two, three = (epsilon(DP_UPDATE.dp_event(10, n), 1e-5) for n in (2, 3))
+    update = pvi.DPGradientUpdate(
+        optax.adam(0.05),
+        num_steps=10,
+        batch_size=5,
+        clip_norm=1.0,
+        noise_multiplier=1.0,
+        privacy_budget=((two + three) / 2, 1e-5),
+    )
+    _, site = _three_sites(linear_model, update)
+    q = family.from_mean_precision(jnp.zeros(2), jnp.ones(2))
+    runner = FlowerRunner(LocalGrid(site, 1), {0: 100}, result_like(q, ()), 60, ConfigRecord())
+    failures = []
+    for n in range(3):
+        runner.accepted[0] = False  # the server merged none of them
+        handle = runner.submit(0, random.PRNGKey(n), q, q, (), ())
+        failures.append(int(runner.result(0, handle, q, ()).failure))
+        assert runner.releases[0] == (min(n + 1, 2), 10)
+    assert failures == [0, 0, int(pvi.state.Rejection.BUDGET)]
+
+
 def test_asynchronous_over_flower_messages_reaches_the_exact_posterior(flower_task):
     """``Asynchronous`` over Flower (before: refused) is truly asynchronous: a site gets its next
     cavity as soon as its reply is merged (push/pull), so its updates are computed against a ``q``
