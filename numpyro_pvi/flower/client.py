@@ -135,7 +135,8 @@ class Site:
         The prior is the model's (public, the same at every site): the server starts ``q`` from it
         and checks that every site agrees; so are the hyperparameters' initial values, which the
         server then steps from the sites' gradients. The reply names the global sites whose prior
-        is not Gaussian in unconstrained space, which the server refuses before any round.
+        is not Gaussian in unconstrained space, whose prior factor the server refits from the
+        model it was given (``PVIStrategy(..., model=...)``), or refuses before any round.
         """
         prep = self.prepare(context)
         problem = prep.problem
@@ -161,7 +162,8 @@ class Site:
     def train(self, message: Message, context: Context) -> Message:
         """One local update against the cavity in ``message`` (with the hyperparameters it carries);
         reply with the :class:`~numpyro_pvi.local_updates.base.ClientResult` but the local state
-        (:func:`~numpyro_pvi.flower.round.reply_result`)."""
+        (:func:`~numpyro_pvi.flower.round.reply_result`), and a DP site's release count
+        (:func:`release_report`)."""
         prep = self.prepare(context)
         # the family as laid out for the site
         like = prep.problem.family.zeros(prep.problem.sites.dim)

@@ -80,6 +80,16 @@ class PVIStrategy(Strategy):
     :param hyper_optimizer: the hyperparameters' optax optimiser, as :class:`~numpyro_pvi.PVI`'s
         (default :func:`~numpyro_pvi.rprop` ``(0.1)``), stepped from the sites' gradients.
     :param int num_elbo_particles: draws of the round's ELBO, as :class:`~numpyro_pvi.PVI`'s.
+    :param model: the sites' model, needed where a global site's prior is not Gaussian in
+        unconstrained space (e.g. ``sigma ~ HalfNormal(1)`` with a Gaussian ``q``): the server then
+        refits its prior factor ``t_0`` before each round with the in-process round's own prior step
+        (without it such a model is refused at the start of the run, naming its sites). The prior
+        needs no data, but the model needs arguments to run: ``model_args`` / ``model_kwargs``, a
+        stand-in for one site's data with the sites' shapes and dtypes (e.g.
+        ``(np.zeros((1, 3), np.float32),)`` and ``{"y": np.zeros(1, np.float32)}``: include the
+        observations, or they are read as latent). Only their shapes matter: a prior computed from
+        the data's values is not supported, and a model whose prior differs from the sites' is
+        refused.
 
     After (or during) a run, ``strategy.state`` is a :class:`~numpyro_pvi.PVIState` (``q``, the
     factors, the hyperparameters; the sites' local states stay at the sites), ``strategy.history``
@@ -94,8 +104,16 @@ class PVIStrategy(Strategy):
     pass over the data, which the server does not have); :class:`~numpyro_pvi.AdaptiveDamping`,
     which follows it, then warns.
 
+    Sites that run a DP local update (:class:`~numpyro_pvi.DPGradientUpdate`,
+    :class:`~numpyro_pvi.DPLocalAveraging`) report their release count and rows with each reply
+    (``strategy.releases``, ``{client: (releases, rows)}``), and :meth:`privacy_spent` gives each
+    site's epsilon, the in-process :meth:`PVIRunResult.privacy_spent
+    <numpyro_pvi.PVIRunResult.privacy_spent>`'s for the same run.
+
     **Example:** ``strategy = PVIStrategy(pvi.MeanFieldGaussian(), 4, random.PRNGKey(0),
-    pvi.Synchronous())``; ``ServerApp`` from :func:`server_app`.
+    pvi.Synchronous())``; ``ServerApp`` from :func:`server_app`. With a ``HalfNormal`` prior:
+    ``PVIStrategy(pvi.MeanFieldGaussian(), 4, random.PRNGKey(0), model=model,
+    model_args=(np.zeros((1, 3), np.float32),), model_kwargs={"y": np.zeros(1, np.float32)})``.
     """
 
     def __init__(
@@ -333,7 +351,7 @@ class PVIStrategy(Strategy):
                 "and family?"
             )
         q, hyper = q0s[0], hs[0] or ()
-        self._prior = q  # q starts at the prior (the sites' fitted-prior sites are refused)
+        self._prior = q  # q starts at the prior (with t_0: _start_prior_factor)
         capacity = self.num_clients
         factors = broadcast_slots(like, capacity, zero=True)
         self.state = PVIState(
