@@ -79,7 +79,6 @@ class PVIStrategy(Strategy):
         soon as its reply is merged, and a round is ``num_clients`` merges.
     :param hyper_optimizer: the hyperparameters' optax optimiser, as :class:`~numpyro_pvi.PVI`'s
         (default :func:`~numpyro_pvi.rprop` ``(0.1)``), stepped from the sites' gradients.
-    :param int num_elbo_particles: draws of the round's ELBO, as :class:`~numpyro_pvi.PVI`'s.
     :param model: the sites' model, needed where a global site's prior is not Gaussian in
         unconstrained space (e.g. ``sigma ~ HalfNormal(1)`` with a Gaussian ``q``): the server then
         refits its prior factor ``t_0`` before each round with the in-process round's own prior step
@@ -89,7 +88,10 @@ class PVIStrategy(Strategy):
         ``(np.zeros((1, 3), np.float32),)`` and ``{"y": np.zeros(1, np.float32)}``: include the
         observations, or they are read as latent). Only their shapes matter: a prior computed from
         the data's values is not supported, and a model whose prior differs from the sites' is
-        refused.
+        refused. Example: ``PVIStrategy(pvi.MeanFieldGaussian(), 4, random.PRNGKey(0),
+        model=model, model_args=(np.zeros((1, 3), np.float32),), model_kwargs={"y": np.zeros(1,
+        np.float32)})``.
+    :param int num_elbo_particles: draws of the round's ELBO, as :class:`~numpyro_pvi.PVI`'s.
 
     After (or during) a run, ``strategy.state`` is a :class:`~numpyro_pvi.PVIState` (``q``, the
     factors, the hyperparameters; the sites' local states stay at the sites), ``strategy.history``
@@ -111,9 +113,7 @@ class PVIStrategy(Strategy):
     <numpyro_pvi.PVIRunResult.privacy_spent>`'s for the same run.
 
     **Example:** ``strategy = PVIStrategy(pvi.MeanFieldGaussian(), 4, random.PRNGKey(0),
-    pvi.Synchronous())``; ``ServerApp`` from :func:`server_app`. With a ``HalfNormal`` prior:
-    ``PVIStrategy(pvi.MeanFieldGaussian(), 4, random.PRNGKey(0), model=model,
-    model_args=(np.zeros((1, 3), np.float32),), model_kwargs={"y": np.zeros(1, np.float32)})``.
+    pvi.Synchronous())``; ``ServerApp`` from :func:`server_app`.
     """
 
     def __init__(
@@ -124,10 +124,10 @@ class PVIStrategy(Strategy):
         server: Server | None = None,
         *,
         hyper_optimizer: optax.GradientTransformation | None = None,
-        num_elbo_particles: int = 64,
         model: Callable | None = None,
         model_args: tuple = (),
         model_kwargs: dict | None = None,
+        num_elbo_particles: int = 64,
     ) -> None:
         server = Synchronous() if server is None else server
         if (
