@@ -41,9 +41,10 @@ from flwr.serverapp.strategy import Result, Strategy
 from flwr.supercore import log
 
 from numpyro_pvi.families import FactorFamily
+from numpyro_pvi.flower import wire
 from numpyro_pvi.flower.grid import PollingGrid
 from numpyro_pvi.flower.round import FlowerRound, FlowerRunner, hyper_like, result_like
-from numpyro_pvi.flower.wire import adopt_layout, layout_to_text, tree_from_record, tree_to_record
+from numpyro_pvi.flower.wire import adopt_layout, tree_from_record, tree_to_record
 from numpyro_pvi.hyper_optim import rprop
 from numpyro_pvi.local_updates.gradient import GradientUpdate
 from numpyro_pvi.model.problem import Problem
@@ -514,7 +515,7 @@ class PVIStrategy(Strategy):
         if problem is None:
             return
         if (
-            layout_to_text(problem.family, problem.sites) != self._layout
+            wire.layout_to_text(problem.family, problem.sites) != self._layout
             or ",".join(problem.rest) != fitted
         ):
             raise ValueError(
