@@ -7,16 +7,17 @@ takes three exchanges:
 
 1. **update** (``train.pvi_sites``): the server sends ``q``, the key and the hyperparameters; the
    site forms its own cavity ``q - t_m``, runs the local update (the same code as with the factors
-   at the server, :meth:`~numpyro_pvi.flower.client.Site.train`), keeps its delta and replies with
-   it. A dense family's site whose cavity is invalid does not update and says so
+   at the server, :meth:`~numpyro_pvi.flower.client.Site.train`), keeps its delta (and ``q``) and
+   replies with the delta. A dense family's site whose cavity is invalid does not update and says so
    (``Rejection.INVALID``), as the server's own check on a visit would.
-2. **check** (``query.pvi_check``): the server sums the merged deltas, ``total``, and sends ``q``,
-   ``total`` and the damping ``rho``; each site answers the number of halvings ``k_m`` after which
-   its new cavity ``(q + rho 2^-k total) - (t_m + rho 2^-k delta_m)`` is valid (every site for
-   diagonal precisions, whose merges check every cavity; the merging sites for dense ones, as
-   :func:`~numpyro_pvi.server.merge.merge` checks). The server checks ``q`` itself; the merge takes
-   the largest count (validity is convex in ``rho`` and holds at ``rho = 0``, so this is the step
-   the server's backtracking finds with every factor in hand) and is rejected if no step is valid.
+2. **check** (``query.pvi_check``): the server sums the merged deltas, ``total``, and sends it with
+   the damping ``rho`` (and ``q`` to the sites that were not sent it with an update); each site
+   answers the number of halvings ``k_m`` after which its new cavity ``(q + rho 2^-k total) - (t_m
+   + rho 2^-k delta_m)`` is valid (every site for diagonal precisions, whose merges check every
+   cavity; the merging sites for dense ones, as :func:`~numpyro_pvi.server.merge.merge` checks).
+   The server checks ``q`` itself; the merge takes the largest count (validity is convex in
+   ``rho`` and holds at ``rho = 0``, so this is the step the server's backtracking finds with every
+   factor in hand) and is rejected if no step is valid.
 3. **commit** (``train.pvi_commit``): the server tells the merging sites the damping it used; each
    adds ``rho_used * delta_m`` to its factor.
 
@@ -62,14 +63,18 @@ UPDATE, CHECK, COMMIT = (
     f"{MessageType.TRAIN}.pvi_commit",
 )
 # keys of the site's factor and its last update's reply in Flower's context.state
-FACTOR, DELTA = "pvi.factor", "pvi.delta"
+FACTOR, DELTA, SENT_Q = "pvi.factor", "pvi.delta", "pvi.sent-q"
 FACTOR_PATH = "factor-path"
 """The node-config entry naming the file a site keeps its factor in (optional)."""
 
 
 def check_factors(factors: Any, server: Server) -> None:
     """Refuse, by name, a ``factors`` that is not ``"server"`` or ``"sites"``, and a server that
-    cannot run with the factors at the sites (:func:`check_server`)."""
+    cannot run with the factors at the sites (:func:`check_server`).
+
+    **Example:** ``check_factors("sites", pvi.Synchronous(0.5))`` passes; ``check_factors("sites",
+    pvi.Synchronous())`` raises ``ValueError`` (HeavyBall).
+    """
     if not isinstance(factors, str) or factors not in FACTORS:
         raise ValueError(f'factors must be "server" or "sites", got {factors!r}.')
     if factors == "sites":
@@ -85,6 +90,8 @@ def check_server(server: Server) -> None:
       check from every site (a round trip to all of them per merge), and its stale updates a
       server-side record of what each site was sent;
     * ``Continual`` is not wired yet (sites that join during a run).
+
+    **Example:** ``check_server(pvi.Asynchronous(0.5))`` raises ``NotImplementedError``.
     """
     if isinstance(server.damping, HeavyBall):
         raise ValueError(
@@ -112,7 +119,12 @@ def check_server(server: Server) -> None:
 class SiteFactorsRunner(FlowerRunner):
     """A :class:`~numpyro_pvi.flower.round.FlowerRunner` whose sites hold their factors: an update
     message carries ``q`` (no cavity), and :meth:`check` / :meth:`commit` are the merge's other
-    two exchanges (see the module docstring)."""
+    two exchanges (see the module docstring). The parameters are
+    :class:`~numpyro_pvi.flower.round.FlowerRunner`'s.
+
+    **Example:** ``SiteFactorsRunner(grid, {0: node_a, 1: node_b}, result_like(q, ()), 600,
+    ConfigRecord())``
+    """
 
     def submit(
         self,
@@ -148,16 +160,24 @@ class SiteFactorsRunner(FlowerRunner):
         return self._push(m, content, UPDATE)
 
     def check(
-        self, ids: list, q: NatParams, total: NatParams, included: dict, rho: float, backtracks: int
+        self,
+        ids: list,
+        q: NatParams,
+        total: NatParams,
+        included: dict,
+        rho: float,
+        backtracks: int,
+        sent_q: set,
     ) -> list:
         """Sites ``ids``' halvings of ``rho`` after which their new cavity is valid (``backtracks
         + 1``: none is, or the site did not answer); ``included[m]``: whether ``m``'s delta is in
-        ``total``."""
+        ``total``; the sites ``sent_q`` were sent this ``q`` with their update (it is not sent
+        again)."""
         q_record, total_record = tree_to_record(q), tree_to_record(total)
         contents = {
             m: RecordDict(
                 {
-                    "q": q_record,
+                    **({} if m in sent_q else {"q": q_record}),
                     "total": total_record,
                     "pvi": ConfigRecord(
                         {
@@ -217,6 +237,10 @@ class SiteFactorsRound(FlowerRound):
     :meth:`~numpyro_pvi.flower.round.FlowerRound.__call__` records.
 
     :param server: the run's server (its damping and ``max_backtracks``).
+
+    The other parameters are :class:`~numpyro_pvi.flower.round.FlowerRound`'s.
+
+    **Example:** ``SiteFactorsRound(steps, family, pvi.Synchronous(0.5), round_key, M, M)``
     """
 
     def __init__(self, steps: Any, family: Any, server: Server, *args: Any) -> None:
@@ -258,7 +282,12 @@ class SiteFactorsRound(FlowerRound):
         checked = sorted(runner.node_of) if checks_every_cavity(state.q) else merging
         k = int(k_q)
         if merging:
-            k = max([k, *runner.check(checked, state.q, total, included, float(rho), backtracks)])
+            # the group's sites were sent this q with their update (synchronous, sequential rounds)
+            sent_q = set(ids) if pulled is state.q else set()
+            halvings = runner.check(
+                checked, state.q, total, included, float(rho), backtracks, sent_q
+            )
+            k = max([k, *halvings])
         valid = k <= backtracks
         rho_used = _step(rho, k) if valid else jnp.zeros_like(jnp.asarray(rho, float))
         accepted = include & valid
@@ -325,13 +354,18 @@ def _add(x: NatParams, rho: jax.Array, d: NatParams) -> NatParams:
 def site_update(site: Any, message: Message, context: Context) -> Message:
     """The site's update against its own cavity ``q - t_m`` (its factor from ``context.state``, or
     the node config's ``"factor-path"`` after a restart; flat at first): ``site.train`` on it, the
-    reply kept for the commit."""
+    reply kept for the commit.
+
+    **Example:** ``@app.train("pvi_sites")`` ``def update(message, context): return
+    site_update(site, message, context)`` (:func:`~numpyro_pvi.flower.client_app` registers it).
+    """
     prep = site.prepare(context)
     like = prep.problem.family.zeros(prep.problem.sites.dim)
     q = tree_from_record(message.content.array_records["q"], like, "q")
     factor = load_factor(context, like)
     cavity = jax.tree.map(jnp.subtract, q, factor)
     context.state.pop(DELTA, None)
+    context.state[SENT_Q] = message.content.array_records["q"]  # the check may not send it again
     if not checks_every_cavity(q) and not bool(prep.problem.family.is_valid(cavity)):
         # a dense cavity is checked on a visit, as the server checks it (merge.cavities)
         result = failed_result(cavity, (), prep.hyper or (), Rejection.INVALID)
@@ -345,11 +379,16 @@ def site_update(site: Any, message: Message, context: Context) -> Message:
 
 
 def site_check(site: Any, message: Message, context: Context) -> Message:
-    """The halvings of the server's ``rho`` after which the site's new cavity is valid."""
+    """The halvings of the server's ``rho`` after which the site's new cavity is valid.
+
+    **Example:** ``@app.query("pvi_check")`` ``def check(message, context): return
+    site_check(site, message, context)`` (:func:`~numpyro_pvi.flower.client_app` registers it).
+    """
     prep = site.prepare(context)
     like = prep.problem.family.zeros(prep.problem.sites.dim)
     content, config = message.content, message.content.config_records["pvi"]
-    q = tree_from_record(content.array_records["q"], like, "q")
+    sent = content.array_records["q"] if "q" in content else context.state.array_records[SENT_Q]
+    q = tree_from_record(sent, like, "q")
     total = tree_from_record(content.array_records["total"], like, "total")
     delta = _last_delta(context, prep, like) if int(config["included"]) else like
     check = _check_jit(prep.problem.family, int(config["backtracks"]))
@@ -359,7 +398,11 @@ def site_check(site: Any, message: Message, context: Context) -> Message:
 
 
 def site_commit(site: Any, message: Message, context: Context) -> Message:
-    """Add the damping the server used times the site's last delta to its factor."""
+    """Add the damping the server used times the site's last delta to its factor.
+
+    **Example:** ``@app.train("pvi_commit")`` ``def commit(message, context): return
+    site_commit(site, message, context)`` (:func:`~numpyro_pvi.flower.client_app` registers it).
+    """
     prep = site.prepare(context)
     like = prep.problem.family.zeros(prep.problem.sites.dim)
     rho = float(message.content.config_records["pvi"]["rho"])
@@ -375,7 +418,10 @@ SITE_ACTIONS = {UPDATE: site_update, CHECK: site_check, COMMIT: site_commit}
 
 def load_factor(context: Context, like: NatParams) -> NatParams:
     """The site's factor ``t_m``: from ``context.state``; else from the node config's
-    ``"factor-path"`` if it holds this run's; else flat (``like``)."""
+    ``"factor-path"`` if it holds this run's; else flat (``like``).
+
+    **Example:** ``t_m = load_factor(context, pvi.MeanFieldGaussian().zeros(dim))``
+    """
     if FACTOR in context.state:
         return tree_from_record(context.state.array_records[FACTOR], like, "site's factor")
     path = context.node_config.get(FACTOR_PATH)
@@ -391,7 +437,10 @@ def load_factor(context: Context, like: NatParams) -> NatParams:
 
 def save_factor(context: Context, factor: NatParams) -> None:
     """Keep ``factor`` in ``context.state`` and, where the node config names a ``"factor-path"``,
-    in that file (written whole, then renamed: a crash leaves the old one)."""
+    in that file (written whole, then renamed: a crash leaves the old one).
+
+    **Example:** ``save_factor(context, t_m)``
+    """
     context.state[FACTOR] = tree_to_record(factor)
     path = context.node_config.get(FACTOR_PATH)
     if path:
@@ -402,8 +451,12 @@ def save_factor(context: Context, factor: NatParams) -> None:
 
 
 def forget_factor(context: Context) -> None:
-    """A new run starts from a flat factor (``q`` restarts from the prior)."""
-    for key in (FACTOR, DELTA):
+    """A new run starts from a flat factor (``q`` restarts from the prior): forget the site's.
+
+    **Example:** ``forget_factor(context)`` (:meth:`Site.hello
+    <numpyro_pvi.flower.client.Site.hello>` calls it).
+    """
+    for key in (FACTOR, DELTA, SENT_Q):
         context.state.pop(key, None)
 
 
