@@ -109,14 +109,15 @@ def test_factors_at_the_sites_give_the_server_runs_q(flower_task, tmp_path, serv
 class HandMade:
     """Two sites whose deltas are given: site 0 adds precision 3, site 1 takes 1.5 away (prior
     precision 1). Undamped, ``q`` (precision 2.5) is valid but site 0's new cavity (1 - 1.5) is not;
-    at half the step it is (0.25)."""
+    at half the step it is (0.25). ``precision(p)``: the family's precision ``p`` (2 dimensions)."""
 
-    family = pvi.MeanFieldGaussian()
-    prior = family.from_mean_precision(jnp.zeros(2), jnp.ones(2))
-    deltas = [
-        family.from_mean_precision(jnp.ones(2), jnp.full(2, 4.0)) - prior,
-        family.from_mean_precision(jnp.zeros(2), jnp.full(2, -0.5)) - prior,
-    ]
+    def __init__(self, family, precision):
+        self.family = family
+        self.prior = family.from_mean_precision(jnp.zeros(2), precision(1.0))
+        self.deltas = [
+            family.from_mean_precision(jnp.ones(2), precision(4.0)) - self.prior,
+            family.from_mean_precision(jnp.zeros(2), precision(-0.5)) - self.prior,
+        ]
 
     def prepare(self, context):
         problem = SimpleNamespace(family=self.family, sites=SimpleNamespace(dim=2))
@@ -128,12 +129,23 @@ class HandMade:
         return Message(RecordDict({"result": tree_to_record(result)}), reply_to=message)
 
 
-def test_the_sites_check_of_their_cavities_backtracks_the_merge_as_the_server_would(flower_task):
+@pytest.mark.parametrize(
+    "family, precision",
+    [
+        (pvi.MeanFieldGaussian(), lambda p: jnp.full(2, p)),
+        (pvi.FullRankGaussian(), lambda p: p * jnp.eye(2)),
+    ],
+    ids=["mean_field", "full_rank"],
+)
+def test_the_sites_check_of_their_cavities_backtracks_the_merge_as_the_server_would(
+    flower_task, family, precision
+):
     """A merge that leaves ``q`` valid but a site's new cavity invalid: the server alone (holding
     ``q`` only) would take the full step; the sites' check halves it, as the server holding every
-    factor does (damping 0.5, the same ``q`` and factors)."""
-    family, server = HandMade.family, pvi.Synchronous(1.0)
-    prior = HandMade.prior
+    factor does (damping 0.5, the same ``q`` and factors), for diagonal precisions (every site
+    checks) and dense ones (the merging sites check)."""
+    sites, server = HandMade(family, precision), pvi.Synchronous(1.0)
+    prior = sites.prior
     factors = jax.tree.map(lambda x: jnp.zeros((2,) + x.shape), prior)
     outcome = {}
     for at_sites in (False, True):
@@ -141,7 +153,7 @@ def test_the_sites_check_of_their_cavities_backtracks_the_merge_as_the_server_wo
             prior, None if at_sites else factors, family.zeros(2), (), None, random.PRNGKey(0),
             (), (), (), server.damping.init(prior, factors, family),
         )  # fmt: skip
-        grid = LocalGrid(HandMade(), 2)
+        grid = LocalGrid(sites, 2)
         runner = (SiteFactorsRunner if at_sites else FlowerRunner)(
             grid, {0: 100, 1: 101}, result_like(prior, ()), 5, ConfigRecord()
         )
@@ -158,7 +170,7 @@ def test_the_sites_check_of_their_cavities_backtracks_the_merge_as_the_server_wo
     np.testing.assert_allclose(by_server.damping, [0.5, 0.5])
     np.testing.assert_allclose(by_sites.damping, by_server.damping)
     # q alone would pass the full step
-    assert family.is_valid(prior + HandMade.deltas[0] + HandMade.deltas[1])
+    assert family.is_valid(prior + sites.deltas[0] + sites.deltas[1])
     for got, want in zip(jax.tree.leaves(state.q), jax.tree.leaves(reference.q)):
         np.testing.assert_allclose(got, want, rtol=1e-6)
     for m, node in enumerate((100, 101)):
