@@ -445,9 +445,10 @@ class LocalGrid:
                 reply = self.site.train(message, context)
                 self.answered += 1
             else:  # factors="sites": the site's other exchanges
-                from numpyro_pvi.flower.site_factors import SITE_ACTIONS
+                from numpyro_pvi.flower.site_factors import SITE_ACTIONS, UPDATE
 
                 reply = SITE_ACTIONS[kind](self.site, message, context)
+                self.answered += kind == UPDATE
             if reply is not None:
                 self.replies[message.metadata.message_id] = reply
         return [self.replies.pop(i) for i in list(message_ids) if i in self.replies]

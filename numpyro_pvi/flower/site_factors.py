@@ -50,7 +50,7 @@ from numpyro_pvi.flower.round import (
 from numpyro_pvi.flower.wire import content_bytes, key_to_record, tree_from_record, tree_to_record
 from numpyro_pvi.server.heavy_ball import HeavyBall
 from numpyro_pvi.server.merge import checks_every_cavity, rejection_codes, screen
-from numpyro_pvi.server.servers import Asynchronous, Continual, Server
+from numpyro_pvi.server.servers import Asynchronous, Server
 from numpyro_pvi.state import ClientOutcome, PVIState, Rejection
 
 FACTORS = ("server", "sites")
@@ -88,8 +88,7 @@ def check_server(server: Server) -> None:
       velocity and then checks every cavity: it needs ``t_m`` and its last change for every site;
     * ``Asynchronous`` merges one reply while the other sites compute: each merge would need a
       check from every site (a round trip to all of them per merge), and its stale updates a
-      server-side record of what each site was sent;
-    * ``Continual`` is not wired yet (sites that join during a run).
+      server-side record of what each site was sent.
 
     **Example:** ``check_server(pvi.Asynchronous(0.5))`` raises ``NotImplementedError``.
     """
@@ -104,12 +103,7 @@ def check_server(server: Server) -> None:
         raise NotImplementedError(
             'factors="sites" does not run pvi.Asynchronous: each merge needs every site to check '
             "its new cavity (a round trip to all sites per merge, while they compute). Use "
-            'pvi.Synchronous(0.5) or pvi.Sequential(), or factors="server".'
-        )
-    if isinstance(server, Continual):
-        raise NotImplementedError(
-            'factors="sites" does not run pvi.Continual yet (sites that join during the run). '
-            'Use pvi.Synchronous(0.5) or pvi.Sequential(), or factors="server".'
+            'pvi.Synchronous(0.5), pvi.Sequential() or pvi.Continual(), or factors="server".'
         )
 
 

@@ -89,8 +89,8 @@ class PVIStrategy(Strategy):
         (:mod:`~numpyro_pvi.flower.site_factors`), and ``q`` equals the ``"server"`` run's.
         It runs :class:`~numpyro_pvi.Synchronous` with a float or
         :class:`~numpyro_pvi.AdaptiveDamping` (with or without ``clients_per_round``) and
-        :class:`~numpyro_pvi.Sequential`; ``HeavyBall`` damping (which moves every factor), and
-        :class:`~numpyro_pvi.Asynchronous` and :class:`~numpyro_pvi.Continual`, are refused by
+        :class:`~numpyro_pvi.Sequential` and :class:`~numpyro_pvi.Continual`; ``HeavyBall``
+        damping (which moves every factor) and :class:`~numpyro_pvi.Asynchronous` are refused by
         name. See the cross-device page of the docs.
 
     After (or during) a run, ``strategy.state`` is a :class:`~numpyro_pvi.PVIState` (``q``, the

@@ -30,7 +30,7 @@ from numpyro_pvi.flower.site_factors import (  # noqa: E402
 from numpyro_pvi.local_updates.base import ClientResult  # noqa: E402
 from numpyro_pvi.server.steps import Steps, make_apply  # noqa: E402
 
-from fakes import LocalGrid  # noqa: E402
+from fakes import LOCAL_RUNS, LocalGrid  # noqa: E402
 from models import FLOWER_SITES, linear_model, make_linear_data  # noqa: E402
 
 UPDATE = pvi.GradientUpdate(optax.adam(0.05), num_steps=10, num_particles=2)
@@ -44,6 +44,26 @@ def flower_task(monkeypatch):
 
     for name in ("_run_id", "_task_id", "_node_id"):
         monkeypatch.setattr(TaskIdentity, name, 1)
+
+
+@pytest.fixture(scope="module")
+def linear_sites():
+    """``(site, run_id)``: a :class:`Site` of 40 rows of the linear model over 4 sites, and the
+    Flower run id its grids share (the sites cache their problem and compiled update per run and
+    node: every run of this module compiles them once)."""
+    X, y = (a[:40] for a in make_linear_data())
+    parts = pvi.split_iid(random.PRNGKey(1), 40, FLOWER_SITES)
+    data = [((np.asarray(X[p]),), {"y": np.asarray(y[p])}) for p in parts]
+    site = Site(
+        linear_model, pvi.MeanFieldGaussian(), UPDATE, lambda c: data[c.node_config["partition-id"]]
+    )
+    return site, next(LOCAL_RUNS)
+
+
+def _sites_factors(grid, like):
+    """The factor each site of ``grid`` holds, stacked in client order."""
+    factors = [load_factor(grid.contexts[node], like) for node in sorted(grid.contexts)]
+    return jax.tree.map(lambda *f: np.stack(f), *factors)
 
 
 def _run(site, server, factors, seed=2, **grid):
@@ -62,7 +82,7 @@ def _run(site, server, factors, seed=2, **grid):
     [pvi.Synchronous(0.5), pvi.Synchronous(pvi.AdaptiveDamping(), clients_per_round=2)],
     ids=["synchronous", "sampled_adaptive"],
 )
-def test_factors_at_the_sites_give_the_server_runs_q(flower_task, tmp_path, server):
+def test_factors_at_the_sites_give_the_server_runs_q(flower_task, linear_sites, tmp_path, server):
     """4 sites, 3 rounds, the same seeds: with ``factors="sites"`` each site keeps its ``t_m``
     (Flower's context state, and the file its node config names), the strategy holds none, and
     ``q``, every site's factor, the dampings and the ELBO equal the ``factors="server"`` run's.
@@ -71,15 +91,8 @@ def test_factors_at_the_sites_give_the_server_runs_q(flower_task, tmp_path, serv
     ``Synchronous(1.0)``, run by hand); the tolerance is the other Flower tests' (1e-4 relative) and
     another seed moves q by more than 1e-2 (checked below).
     """
-    X, y = (a[:40] for a in make_linear_data())
-    parts = pvi.split_iid(random.PRNGKey(1), 40, FLOWER_SITES)
-    data = [((np.asarray(X[p]),), {"y": np.asarray(y[p])}) for p in parts]
-    site = Site(
-        linear_model, pvi.MeanFieldGaussian(), UPDATE, lambda c: data[c.node_config["partition-id"]]
-    )
-    reference, reference_grid = _run(site, server, "server")
-    # the same run id: the sites' updates compile once
-    run_id = reference_grid.contexts[100].run_id
+    site, run_id = linear_sites
+    reference, _ = _run(site, server, "server", run_id=run_id)
     paths = lambda m: {"factor-path": str(tmp_path / f"site{m}.npz")}  # noqa: E731
     strategy, grid = _run(site, server, "sites", run_id=run_id, node_config=paths)
     other, _ = _run(site, server, "sites", seed=3, run_id=run_id)
@@ -104,6 +117,36 @@ def test_factors_at_the_sites_give_the_server_runs_q(flower_task, tmp_path, serv
         # another run's site starts flat
         fresh = Context(run_id + 1, node, context.node_config, RecordDict(), {})
         assert all(np.all(x == 0) for x in jax.tree.leaves(load_factor(fresh, like)))
+
+
+def test_a_site_that_joins_late_keeps_its_factor_at_the_site(flower_task, linear_sites):
+    """``Continual()`` with the factors at the sites: the fourth site connects after the first round
+    and joins with a flat factor that it keeps; ``q`` and every site's factor equal the
+    ``factors="server"`` run's (measured: bitwise equal; tolerance as above), and the server holds
+    none."""
+    (site, run_id), runs = linear_sites, {}
+    for factors in ("server", "sites"):
+        grid = LocalGrid(site, 4, hidden={103}, reveal_after=3, run_id=run_id)
+        strategy = PVIStrategy(
+            pvi.MeanFieldGaussian(), 3, random.PRNGKey(2), pvi.Continual(), factors=factors
+        )
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", pvi.PVIWarning)
+            strategy.start(grid, num_rounds=2, timeout=60)
+        runs[factors] = strategy, grid
+    (reference, _), (strategy, grid) = runs["server"], runs["sites"]
+    assert strategy.state.factors is None
+    # round 1 visits the first three sites, round 2 only the one that joined
+    np.testing.assert_array_equal(strategy.history.attempts, [[1, 1, 1, 0], [0, 0, 0, 1]])
+    np.testing.assert_array_equal(strategy.history.accepted, reference.history.accepted)
+    held = _sites_factors(grid, pvi.MeanFieldGaussian().zeros(np.shape(strategy.state.q.eta1)[0]))
+    pairs = zip(
+        jax.tree.leaves((strategy.state.q, held)),
+        jax.tree.leaves((reference.state.q, reference.state.factors)),
+    )
+    for got, want in pairs:
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    assert np.all(np.abs(held.eta2[3]) > 0)  # the late site's update is in its factor
 
 
 class HandMade:
@@ -190,8 +233,12 @@ def test_factors_at_the_sites_refuse_what_needs_them_at_the_server():
     for server in (None, pvi.Synchronous(), pvi.Synchronous(pvi.HeavyBall())):
         with pytest.raises(ValueError, match="HeavyBall"):
             PVIStrategy(family, 4, key, server, factors="sites")
-    for server in (pvi.Asynchronous(0.5), pvi.Continual()):
-        with pytest.raises(NotImplementedError, match=type(server).__name__):
-            PVIStrategy(family, 4, key, server, factors="sites")
-    for server in (pvi.Synchronous(0.5), pvi.Sequential(), pvi.Synchronous(pvi.AdaptiveDamping())):
+    with pytest.raises(NotImplementedError, match="Asynchronous"):
+        PVIStrategy(family, 4, key, pvi.Asynchronous(0.5), factors="sites")
+    for server in (
+        pvi.Synchronous(0.5),
+        pvi.Sequential(),
+        pvi.Synchronous(pvi.AdaptiveDamping()),
+        pvi.Continual(),
+    ):
         assert PVIStrategy(family, 4, key, server, factors="sites").factors == "sites"
