@@ -270,7 +270,8 @@ class SiteFactorsRound(FlowerRound):
         rho = self.server.damping.rho(state.damping)
         finite, moved = screen(result.delta, result.free_energy)
         include = finite & allow
-        total, k_q = _propose(self.family, state.q, result.delta, include, rho, backtracks)
+        propose = _propose_jit(self.family, backtracks)
+        total, k_q = propose(state.q, result.delta, include, rho)
         included = {m: bool(ok) for m, ok in zip(ids, np.asarray(include))}
         merging = [m for m in ids if included[m]]
         checked = sorted(runner.node_of) if checks_every_cavity(state.q) else merging
@@ -301,12 +302,6 @@ class SiteFactorsRound(FlowerRound):
             None if elbo is None else elbo[0],
             None if elbo is None else jnp.broadcast_to(elbo[1], include.shape),
         )
-
-
-def _propose(
-    family: Any, q: NatParams, deltas: NatParams, include: jax.Array, rho: Any, backtracks: int
-) -> tuple[NatParams, jax.Array]:
-    return _propose_jit(family, backtracks)(q, deltas, include, rho)
 
 
 _PROPOSE: dict = {}
