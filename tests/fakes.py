@@ -395,11 +395,14 @@ class LocalGrid:
     ``train``, e.g. a :class:`Site`) with ``partition-id`` ``m``, answering its messages in the
     order they were pushed when the server pulls; ``hidden`` nodes connect once the sites have
     answered ``reveal_after`` training messages; ``run_id`` shares a run (and the sites' compiled
-    updates) with another grid, ``node_config(m)`` adds to site ``m``'s node config. The other
+    updates) with another grid, ``node_config(m)`` adds to site ``m``'s node config, and the
+    messages ``(node, message type)`` in ``silent`` are never answered. The other
     message types (``factors="sites"``) go to
     :data:`numpyro_pvi.flower.site_factors.SITE_ACTIONS`."""
 
-    def __init__(self, site, num_nodes, hidden=(), reveal_after=0, run_id=None, node_config=None):
+    def __init__(
+        self, site, num_nodes, hidden=(), reveal_after=0, run_id=None, node_config=None, silent=()
+    ):
         from flwr.app import Context, RecordDict
 
         self.site, self.hidden, self.reveal_after, self.answered = (
@@ -417,6 +420,7 @@ class LocalGrid:
             for m in range(num_nodes)
         }
         self.queue, self.replies, self.pushed = [], {}, []
+        self.silent = set(silent)
 
     def get_node_ids(self):
         if self.answered >= self.reveal_after:
@@ -439,6 +443,8 @@ class LocalGrid:
             message = self.queue.pop(0)
             context = self.contexts[message.metadata.dst_node_id]
             kind = message.metadata.message_type
+            if (message.metadata.dst_node_id, kind) in self.silent:
+                continue
             if kind == "query":
                 reply = self.site.hello(message, context)
             elif kind == "train":

@@ -23,6 +23,7 @@ from flwr.app import ConfigRecord, Context, Message, RecordDict  # noqa: E402
 from numpyro_pvi.flower import PVIStrategy, Site, tree_to_record  # noqa: E402
 from numpyro_pvi.flower.round import FlowerRound, FlowerRunner, reply_result, result_like  # noqa: E402
 from numpyro_pvi.flower.site_factors import (  # noqa: E402
+    CHECK,
     SiteFactorsRound,
     SiteFactorsRunner,
     load_factor,
@@ -221,6 +222,30 @@ def test_the_sites_check_of_their_cavities_backtracks_the_merge_as_the_server_wo
         for got, want in zip(jax.tree.leaves(factor), jax.tree.leaves(reference.factors)):
             np.testing.assert_allclose(got, np.asarray(want)[m], rtol=1e-6)
         assert np.any(np.asarray(factor.eta2) != 0)  # the site committed its damped delta
+
+
+def test_a_site_silent_in_the_check_blocks_the_merge(flower_task):
+    """The server cannot vouch for the cavity of a site that does not answer the check: the merge is
+    rejected (``INVALID``), ``q`` stays, and no site commits its delta (every factor stays flat)."""
+    family = pvi.MeanFieldGaussian()
+    sites, server = HandMade(family, lambda p: jnp.full(2, p)), pvi.Synchronous(0.5)
+    state = pvi.PVIState(
+        sites.prior, None, family.zeros(2), (), None, random.PRNGKey(0), (), (), (),
+        server.damping.init(sites.prior, None, family),
+    )  # fmt: skip
+    grid = LocalGrid(sites, 2, silent={(101, CHECK)})
+    runner = SiteFactorsRunner(
+        grid, {0: 100, 1: 101}, result_like(sites.prior, ()), 0.2, ConfigRecord()
+    )
+    steps = Steps(None, None, runner, *[None] * 4)
+    round = SiteFactorsRound(steps, family, server, random.PRNGKey(1), 2, 2)
+    after = server.run_round(state, round, 2)
+    assert [pvi.state.Rejection(int(r)).name for r in round.rejection] == ["INVALID", "INVALID"]
+    np.testing.assert_array_equal(round.accepted, [0, 0])
+    for got, want in zip(jax.tree.leaves(after.q), jax.tree.leaves(sites.prior)):
+        np.testing.assert_array_equal(got, want)
+    for context in grid.contexts.values():
+        assert all(np.all(x == 0) for x in jax.tree.leaves(load_factor(context, family.zeros(2))))
 
 
 def test_factors_at_the_sites_refuse_what_needs_them_at_the_server():
