@@ -1,6 +1,7 @@
 """Fake local updates (closed form, float64 checks of the server algebra and the backends) and
 shared checks."""
 
+import itertools
 import time
 
 import jax
@@ -384,3 +385,79 @@ class NoMeanParamsGaussian(pvi.MeanFieldGaussian):
 
     def mean_param_family(self) -> None:
         return None
+
+
+LOCAL_RUNS = itertools.count(1000)  # the LocalGrids' Flower run ids
+
+
+class LocalGrid:
+    """Flower's ``Grid`` in this process, without Ray: node ``100 + m`` is a site (``hello`` /
+    ``train``, e.g. a :class:`Site`) with ``partition-id`` ``m``, answering its messages in the
+    order they were pushed when the server pulls; ``hidden`` nodes connect once the sites have
+    answered ``reveal_after`` training messages; ``run_id`` shares a run (and the sites' compiled
+    updates) with another grid, ``node_config(m)`` adds to site ``m``'s node config, and the
+    messages ``(node, message type)`` in ``silent`` are never answered. The other
+    message types (``factors="sites"``) go to
+    :data:`numpyro_pvi.flower.site_factors.SITE_ACTIONS`."""
+
+    def __init__(
+        self, site, num_nodes, hidden=(), reveal_after=0, run_id=None, node_config=None, silent=()
+    ):
+        from flwr.app import Context, RecordDict
+
+        self.site, self.hidden, self.reveal_after, self.answered = (
+            site,
+            set(hidden),
+            reveal_after,
+            0,
+        )
+        # a run of its own (unless given: the sites cache what they build per (run, node))
+        run_id = next(LOCAL_RUNS) if run_id is None else run_id
+        # node_config(m): more of site m's node config
+        extra = (lambda m: {}) if node_config is None else node_config
+        self.contexts = {
+            100 + m: Context(run_id, 100 + m, {"partition-id": m, **extra(m)}, RecordDict(), {})
+            for m in range(num_nodes)
+        }
+        self.queue, self.replies, self.pushed = [], {}, []
+        self.silent = set(silent)
+
+    def get_node_ids(self):
+        if self.answered >= self.reveal_after:
+            self.hidden = set()
+        return [n for n in self.contexts if n not in self.hidden]
+
+    def push_messages(self, messages):
+        import uuid
+
+        ids = []
+        for message in messages:
+            message.metadata.__dict__["_message_id"] = str(uuid.uuid4())
+            self.queue.append(message)
+            self.pushed.append(message)
+            ids.append(message.metadata.message_id)
+        return ids
+
+    def pull_messages(self, message_ids):
+        while self.queue:
+            message = self.queue.pop(0)
+            context = self.contexts[message.metadata.dst_node_id]
+            kind = message.metadata.message_type
+            if (message.metadata.dst_node_id, kind) in self.silent:
+                continue
+            if kind == "query":
+                reply = self.site.hello(message, context)
+            elif kind == "train":
+                reply = self.site.train(message, context)
+                self.answered += 1
+            else:  # factors="sites": the site's other exchanges
+                from numpyro_pvi.flower.site_factors import SITE_ACTIONS, UPDATE
+
+                reply = SITE_ACTIONS[kind](self.site, message, context)
+                self.answered += kind == UPDATE
+            if reply is not None:
+                self.replies[message.metadata.message_id] = reply
+        return [self.replies.pop(i) for i in list(message_ids) if i in self.replies]
+
+    def send_and_receive(self, messages, timeout=None):
+        return self.pull_messages(self.push_messages(messages))

@@ -25,6 +25,15 @@ from flwr.clientapp import ClientApp
 from numpyro_pvi.backends.base import failed_result, take
 from numpyro_pvi.families import FactorFamily
 from numpyro_pvi.flower.round import reply_result
+from numpyro_pvi.flower.site_factors import (
+    CHECK,
+    COMMIT,
+    UPDATE,
+    forget_factor,
+    site_check,
+    site_commit,
+    site_update,
+)
 from numpyro_pvi.flower.wire import (
     key_from_record,
     layout_to_text,
@@ -143,6 +152,7 @@ class Site:
         # a new run (of this or another strategy) starts from a fresh local state
         for key in (STATE, PENDING):
             context.state.pop(key, None)
+        forget_factor(context)  # a site that keeps its factor (factors="sites") starts flat
         # prior (and t_0), the hyperparameters' initial values: no randomness
         start = _INFERENCES[context.run_id].init(jax.random.PRNGKey(0), problem)
         hyper_shapes = {h: list(np.shape(v)) for h, v in (start.hyper or {}).items()}
@@ -301,5 +311,18 @@ def client_app(
     @app.train()
     def train(message: Message, context: Context) -> Message:
         return site.train(message, context)
+
+    # factors="sites": the update from its own cavity, the check of its new cavity, the commit
+    @app.train(UPDATE.split(".")[1])
+    def update_from_q(message: Message, context: Context) -> Message:
+        return site_update(site, message, context)
+
+    @app.query(CHECK.split(".")[1])
+    def check(message: Message, context: Context) -> Message:
+        return site_check(site, message, context)
+
+    @app.train(COMMIT.split(".")[1])
+    def commit(message: Message, context: Context) -> Message:
+        return site_commit(site, message, context)
 
     return app

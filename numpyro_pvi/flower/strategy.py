@@ -44,6 +44,12 @@ from numpyro_pvi.families import FactorFamily
 from numpyro_pvi.flower import wire
 from numpyro_pvi.flower.grid import PollingGrid
 from numpyro_pvi.flower.round import FlowerRound, FlowerRunner, hyper_like, result_like
+from numpyro_pvi.flower.site_factors import (
+    FACTORS,
+    SiteFactorsRound,
+    SiteFactorsRunner,
+    check_factors,
+)
 from numpyro_pvi.flower.wire import adopt_layout, tree_from_record, tree_to_record
 from numpyro_pvi.hyper_optim import rprop
 from numpyro_pvi.local_updates.gradient import GradientUpdate
@@ -93,6 +99,16 @@ class PVIStrategy(Strategy):
         model=model, model_args=(np.zeros((1, 3), np.float32),), model_kwargs={"y": np.zeros(1,
         np.float32)})``.
     :param int num_elbo_particles: draws of the round's ELBO, as :class:`~numpyro_pvi.PVI`'s.
+    :param str factors: where the sites' factors ``t_m`` live. ``"server"`` (default): the server
+        holds them and sends each site its cavity. ``"sites"``: each site keeps its own (and forms
+        its cavity from ``q``), the server holds ``q`` only (``strategy.state.factors`` is
+        ``None``); a merge asks the sites to check their new cavities and then to commit
+        (:mod:`~numpyro_pvi.flower.site_factors`), and ``q`` equals the ``"server"`` run's.
+        It runs :class:`~numpyro_pvi.Synchronous` with a float or
+        :class:`~numpyro_pvi.AdaptiveDamping` (with or without ``clients_per_round``) and
+        :class:`~numpyro_pvi.Sequential` and :class:`~numpyro_pvi.Continual`; ``HeavyBall``
+        damping (which moves every factor) and :class:`~numpyro_pvi.Asynchronous` are refused by
+        name. See the cross-device page of the docs.
 
     After (or during) a run, ``strategy.state`` is a :class:`~numpyro_pvi.PVIState` (``q``, the
     factors, the hyperparameters; the sites' local states stay at the sites), ``strategy.history``
@@ -114,7 +130,9 @@ class PVIStrategy(Strategy):
     <numpyro_pvi.PVIRunResult.privacy_spent>`'s for the same run.
 
     **Example:** ``strategy = PVIStrategy(pvi.MeanFieldGaussian(), 4, random.PRNGKey(0),
-    pvi.Synchronous())``; ``ServerApp`` from :func:`server_app`.
+    pvi.Synchronous())``; ``ServerApp`` from :func:`server_app`; with the factors at the sites,
+    ``PVIStrategy(pvi.MeanFieldGaussian(), 4, random.PRNGKey(0), pvi.Synchronous(0.5),
+    factors="sites")``.
     """
 
     def __init__(
@@ -129,8 +147,11 @@ class PVIStrategy(Strategy):
         model_args: tuple = (),
         model_kwargs: dict | None = None,
         num_elbo_particles: int = 64,
+        factors: str = "server",
     ) -> None:
         server = Synchronous() if server is None else server
+        if not isinstance(factors, str) or factors not in FACTORS:
+            raise ValueError(f'factors must be "server" or "sites", got {factors!r}.')
         if (
             not isinstance(num_elbo_particles, int)
             or isinstance(num_elbo_particles, bool)
@@ -157,6 +178,8 @@ class PVIStrategy(Strategy):
                 f"hyper_optimizer must be an optax.GradientTransformation, got {hyper_optimizer!r}."
             )
         server.check_clients(num_clients)
+        check_factors(factors, server)
+        self.factors = factors
         self.family, self.num_clients, self.rng_key, self.server = (
             family,
             num_clients,
@@ -234,7 +257,8 @@ class PVIStrategy(Strategy):
             raise ValueError(f"tol must be a positive number or None, got {tol!r}.")
         self.connect(grid, timeout)
         like = result_like(self.state.q, self.state.hyper)
-        runner = FlowerRunner(
+        at_sites = self.factors == "sites"
+        runner = (SiteFactorsRunner if at_sites else FlowerRunner)(
             grid,
             {m: node for node, m in self.nodes.items()},
             like,
@@ -255,6 +279,17 @@ class PVIStrategy(Strategy):
         in_flight, monitor, result = InFlight(), RunMonitor(self.server, tol), Result()
 
         def make_round(round_key: jax.Array, sample_key: jax.Array) -> FlowerRound:
+            if at_sites:
+                return SiteFactorsRound(
+                    steps,
+                    self.family,
+                    self.server,
+                    round_key,
+                    self.num_clients,
+                    self.num_clients,
+                    in_flight,
+                    sample_key,
+                )
             return FlowerRound(
                 steps,
                 self.family,
@@ -354,7 +389,8 @@ class PVIStrategy(Strategy):
         q, hyper = q0s[0], hs[0] or ()
         self._prior = q  # q starts at the prior (with t_0: _start_prior_factor)
         capacity = self.num_clients
-        factors = broadcast_slots(like, capacity, zero=True)
+        # factors="sites": each site holds its own t_m, the server none
+        factors = None if self.factors == "sites" else broadcast_slots(like, capacity, zero=True)
         self.state = PVIState(
             q,
             factors,
@@ -431,7 +467,9 @@ class PVIStrategy(Strategy):
         state, capacity = self.state, m + 1
         server_state = grow_slots(state.server_state, self.server.init(state.q, capacity))
         state = state._replace(
-            factors=grow_slots(
+            factors=None
+            if state.factors is None
+            else grow_slots(
                 state.factors, broadcast_slots(self.family.zeros(self._dim), capacity, True)
             ),
             hyper_grads=grow_slots(

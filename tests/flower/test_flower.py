@@ -7,7 +7,6 @@ round: q after three rounds depends on it.
 
 import gc
 import importlib
-import itertools
 import json
 import re
 import warnings
@@ -40,6 +39,7 @@ from numpyro_pvi.flower import (  # noqa: E402
 )
 from numpyro_pvi.flower.wire import adopt_layout, layout_to_text  # noqa: E402
 
+from fakes import LocalGrid  # noqa: E402
 from models import (  # noqa: E402
     FLOWER_SITES,
     intercept_model,
@@ -268,65 +268,6 @@ def test_strategy_takes_every_server_and_refuses_bad_input():
             random.PRNGKey(0),
             pvi.Synchronous(0.5, clients_per_round=2, client_weights=[1, 1, 1]),
         )
-
-
-LOCAL_RUNS = itertools.count(1000)
-
-
-class LocalGrid:
-    """Flower's ``Grid`` in this process, without Ray: node ``100 + m`` is a site (``hello`` /
-    ``train``, e.g. a :class:`Site`) with ``partition-id`` ``m``, answering its messages in the
-    order they were pushed when the server pulls; ``hidden`` nodes connect once the sites have
-    answered ``reveal_after`` training messages."""
-
-    def __init__(self, site, num_nodes, hidden=(), reveal_after=0):
-        from flwr.app import Context, RecordDict
-
-        self.site, self.hidden, self.reveal_after, self.answered = (
-            site,
-            set(hidden),
-            reveal_after,
-            0,
-        )
-        # a run of its own: the sites cache what they build per (run, node)
-        run_id = next(LOCAL_RUNS)
-        self.contexts = {
-            100 + m: Context(run_id, 100 + m, {"partition-id": m}, RecordDict(), {})
-            for m in range(num_nodes)
-        }
-        self.queue, self.replies, self.pushed = [], {}, []
-
-    def get_node_ids(self):
-        if self.answered >= self.reveal_after:
-            self.hidden = set()
-        return [n for n in self.contexts if n not in self.hidden]
-
-    def push_messages(self, messages):
-        import uuid
-
-        ids = []
-        for message in messages:
-            message.metadata.__dict__["_message_id"] = str(uuid.uuid4())
-            self.queue.append(message)
-            self.pushed.append(message)
-            ids.append(message.metadata.message_id)
-        return ids
-
-    def pull_messages(self, message_ids):
-        while self.queue:
-            message = self.queue.pop(0)
-            context = self.contexts[message.metadata.dst_node_id]
-            if message.metadata.message_type == "query":
-                reply = self.site.hello(message, context)
-            else:
-                reply = self.site.train(message, context)
-                self.answered += 1
-            if reply is not None:
-                self.replies[message.metadata.message_id] = reply
-        return [self.replies.pop(i) for i in list(message_ids) if i in self.replies]
-
-    def send_and_receive(self, messages, timeout=None):
-        return self.pull_messages(self.push_messages(messages))
 
 
 @pytest.fixture
