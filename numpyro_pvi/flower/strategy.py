@@ -45,7 +45,6 @@ from numpyro_pvi.flower import wire
 from numpyro_pvi.flower.grid import PollingGrid
 from numpyro_pvi.flower.round import FlowerRound, FlowerRunner, hyper_like, result_like
 from numpyro_pvi.flower.site_factors import (
-    FACTORS,
     SiteFactorsRound,
     SiteFactorsRunner,
     check_factors,
@@ -150,8 +149,6 @@ class PVIStrategy(Strategy):
         factors: str = "server",
     ) -> None:
         server = Synchronous() if server is None else server
-        if not isinstance(factors, str) or factors not in FACTORS:
-            raise ValueError(f'factors must be "server" or "sites", got {factors!r}.')
         if (
             not isinstance(num_elbo_particles, int)
             or isinstance(num_elbo_particles, bool)
@@ -179,6 +176,12 @@ class PVIStrategy(Strategy):
             )
         server.check_clients(num_clients)
         check_factors(factors, server)
+        if factors == "sites" and model is not None:
+            raise ValueError(
+                'factors="sites" cannot refit a non-Gaussian prior\'s factor t_0 (model=): '
+                "changing t_0 moves q and every site's cavity, which the server checks with every "
+                't_m. Keep the factors at the server (factors="server") for such a model.'
+            )
         self.factors = factors
         self.family, self.num_clients, self.rng_key, self.server = (
             family,

@@ -260,6 +260,9 @@ def test_factors_at_the_sites_refuse_what_needs_them_at_the_server():
             PVIStrategy(family, 4, key, server, factors="sites")
     with pytest.raises(NotImplementedError, match="Asynchronous"):
         PVIStrategy(family, 4, key, pvi.Asynchronous(0.5), factors="sites")
+    # a fitted prior's step moves q and every cavity, which only the factors' holder can check
+    with pytest.raises(ValueError, match="non-Gaussian prior"):
+        PVIStrategy(family, 4, key, pvi.Synchronous(0.5), factors="sites", model=lambda: None)
     for server in (
         pvi.Synchronous(0.5),
         pvi.Sequential(),
