@@ -50,7 +50,7 @@ def split_pooled(
 ) -> ClientColumns:
     """Pooled arguments split by index ``partitions``: leaves with ``num_data`` leading rows are
     sliced."""
-    check_partitions(partitions, num_data, plate)
+    flat = check_partitions(partitions, num_data, plate)
     leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
     static = tuple((i, x) for i, x in enumerate(leaves) if not is_array(x))
     arrays = [x for x in leaves if is_array(x)]
@@ -60,12 +60,14 @@ def split_pooled(
             f"No model argument has a leading axis of size {num_data} (the size of partition "
             f"plate '{plate}'), so there are no rows to split across clients."
         )
-    index = [np.asarray(p) for p in partitions]
+    sizes = [len(p) for p in partitions]
+    cuts = np.cumsum(sizes)[:-1]
+    # one gather of the rows in client order, then views of it (not a gather per client)
     columns = [
-        [np.asarray(x)[i] for i in index] if row else [x] * len(index)
+        np.split(np.asarray(x)[flat], cuts) if row else [x] * len(sizes)
         for x, row in zip(arrays, is_row)
     ]
-    return ClientColumns(columns, is_row, tuple(len(i) for i in index), ArgsLayout(treedef, static))
+    return ClientColumns(columns, is_row, tuple(sizes), ArgsLayout(treedef, static))
 
 
 def split_client_data(
@@ -243,7 +245,8 @@ def buckets(
         capacity = len(split.sizes) if capacity is None else capacity
         return (Bucket(stack(split, rows, capacity), np.arange(capacity)),)
     sizes = np.asarray(split.sizes)
-    bound = np.asarray([1 << (int(n) - 1).bit_length() for n in sizes])
+    # the power of two >= n: 2 ** bit_length(n - 1), which frexp's exponent is (exact below 2**53)
+    bound = np.left_shift(1, np.frexp(sizes - 1)[1].astype(np.int64))
     units = np.unique(bound)
     counts, largest = (
         [int(np.sum(bound == b)) for b in units],

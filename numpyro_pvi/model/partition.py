@@ -229,24 +229,31 @@ def _argument_name(path: tuple) -> str:
     return name + rest
 
 
-def check_partitions(partitions: Sequence, num_data: int, plate_name: str) -> None:
+def check_partitions(partitions: Sequence, num_data: int, plate_name: str) -> np.ndarray:
     """Raise ``ValueError`` unless ``partitions`` are integer arrays covering ``range(num_data)``
-    once."""
+    once; return their concatenation (the rows in client order).
+
+    Vectorised over the clients (one pass of NumPy over the concatenated indices), so a million
+    small clients are checked in about a second.
+    """
     if len(partitions) == 0:
         raise ValueError("partitions is empty: give at least one client.")
-    seen = np.zeros(num_data, dtype=np.int64)
-    for m, idx in enumerate(partitions):
-        idx = np.asarray(idx)
-        if idx.ndim != 1 or idx.size == 0 or not np.issubdtype(idx.dtype, np.integer):
+    index = [np.asarray(idx) for idx in partitions]
+    for m, idx in enumerate(index):
+        if idx.ndim != 1 or idx.size == 0 or idx.dtype.kind not in "iu":
             raise ValueError(
                 f"partition {m} must be a non-empty 1-d integer index array, got shape "
                 f"{idx.shape} and dtype {idx.dtype}."
             )
-        if idx.min() < 0 or idx.max() >= num_data:
-            raise ValueError(
-                f"partition {m} has indices outside range(0, {num_data}) of plate '{plate_name}'."
-            )
-        np.add.at(seen, idx, 1)
+    flat = np.concatenate(index)
+    outside = (flat < 0) | (flat >= num_data)
+    if outside.any():
+        ends = np.cumsum([idx.size for idx in index])
+        m = int(np.searchsorted(ends, np.flatnonzero(outside)[0], side="right"))
+        raise ValueError(
+            f"partition {m} has indices outside range(0, {num_data}) of plate '{plate_name}'."
+        )
+    seen = np.bincount(flat, minlength=num_data)
     if (seen > 1).any():
         rows = np.flatnonzero(seen > 1)
         raise ValueError(
@@ -259,6 +266,7 @@ def check_partitions(partitions: Sequence, num_data: int, plate_name: str) -> No
             f"partitions miss {len(rows)} rows of plate '{plate_name}' (first: "
             f"{rows[:5].tolist()}); every row must belong to one client."
         )
+    return flat
 
 
 def pad_rows(x: Any, rows: int) -> np.ndarray:
@@ -290,14 +298,30 @@ def stack_clients(
     :param columns: for each array leaf, its value in every client.
     :param capacity: client slots; the slots past ``len(sizes)`` repeat client 0 (they hold no real
         row).
+
+    A row leaf is padded as :func:`pad_rows` pads it, in one gather over its concatenated rows
+    (no Python step per client: a million clients stack in seconds).
     """
     out = []
     for column, row in zip(columns, is_row):
-        values = [pad_rows(x, rows) if row else np.asarray(x) for x in column]
-        values += [values[0]] * (capacity - len(values))
+        values = _padded_rows(column, rows) if row else np.stack([np.asarray(x) for x in column])
+        if capacity > len(values):
+            values = np.concatenate([values, np.repeat(values[:1], capacity - len(values), 0)])
         # device_put, not jnp.asarray: the latter compiles a copy in a fresh process
-        out.append(jax.device_put(np.stack(values)))
+        out.append(jax.device_put(values))
     return out
+
+
+def _padded_rows(column: Sequence, rows: int) -> np.ndarray:
+    """``np.stack([pad_rows(x, rows) for x in column])``, as one gather."""
+    lengths = np.fromiter((np.shape(x)[0] for x in column), np.int64, len(column))
+    if lengths.min() == 0:
+        raise ValueError("A client holds no rows.")
+    if lengths.max() > rows:
+        raise ValueError(f"A client holds {lengths.max()} rows, more than the {rows} padded rows.")
+    starts = np.cumsum(lengths) - lengths
+    take = starts[:, None] + np.minimum(np.arange(rows)[None, :], lengths[:, None] - 1)
+    return np.concatenate([np.asarray(x) for x in column])[take]
 
 
 def is_array(x: Any) -> bool:
