@@ -389,6 +389,7 @@ class PVI:
                 problem.capacity,
                 in_flight,
                 sample_key,
+                problem.slot_index,
             )
 
         def pooled_elbo(start: PVIState) -> float:

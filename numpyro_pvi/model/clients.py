@@ -209,6 +209,33 @@ class Bucket(NamedTuple):
     ids: np.ndarray
 
 
+class SlotIndex(NamedTuple):
+    """Where each client slot's data are in the buckets, worked out once per problem (not once per
+    round: a round's work must not grow with the number of clients).
+
+    :ivar bucket_of: ``(capacity,)`` the bucket of each client slot.
+    :ivar row_of: ``(capacity,)`` its row in that bucket.
+    :ivar padding_order: per bucket, its rows in the order a sampled group is padded with them:
+        its real clients first, then its placeholders.
+
+    **Example:** ``slot_index(problem.buckets, problem.capacity).bucket_of[m]``.
+    """
+
+    bucket_of: np.ndarray
+    row_of: np.ndarray
+    padding_order: tuple
+
+
+def slot_index(buckets: Sequence[Bucket], capacity: int) -> SlotIndex:
+    """The :class:`SlotIndex` of ``buckets`` over ``capacity`` client slots."""
+    bucket_of, row_of = np.zeros(capacity, int), np.zeros(capacity, int)
+    for b, bucket in enumerate(buckets):
+        real = np.flatnonzero(bucket.ids >= 0)
+        bucket_of[bucket.ids[real]], row_of[bucket.ids[real]] = b, real
+    order = tuple(np.argsort(bucket.ids < 0, kind="stable") for bucket in buckets)
+    return SlotIndex(bucket_of, row_of, order)
+
+
 # a bucket (a compiled shape, a vmapped call) must save this share of all rows of padding: as many
 # padded rows as the split holds, since each bucket compiles its own client update (seconds, the
 # start-up of a run) while a round's padding costs a step a few microseconds a row; a Dirichlet(0.3)

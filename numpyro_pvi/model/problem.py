@@ -26,9 +26,11 @@ from numpyro_pvi.families import FactorFamily, Family, NatParams
 from numpyro_pvi.local_updates.base import Client, ClientProblem, LocalUpdate
 from numpyro_pvi.model.clients import (
     ClientColumns,
+    SlotIndex,
     append_client,
     buckets,
     check_row_shapes,
+    slot_index,
     split_client_data,
     split_pooled,
     stack,
@@ -113,6 +115,12 @@ class Problem:
         if len(self.buckets) == 1 and np.array_equal(self.buckets[0].ids, np.arange(self.capacity)):
             return self.buckets[0].clients
         return stack(self.split, self.rows, self.capacity)
+
+    @cached_property
+    def slot_index(self) -> SlotIndex:
+        """Where each client slot's data are in :attr:`buckets`
+        (:class:`~numpyro_pvi.model.clients.SlotIndex`), worked out once for every round."""
+        return slot_index(self.buckets, self.capacity)
 
     @property
     def sizes(self) -> np.ndarray:
