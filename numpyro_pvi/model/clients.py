@@ -19,10 +19,12 @@ import numpy as np
 from numpyro_pvi.local_updates.base import Client
 from numpyro_pvi.model.partition import (
     ArgsLayout,
+    PooledRows,
     check_partitions,
     is_array,
     same_static,
     stack_clients,
+    take_clients,
 )
 
 
@@ -61,10 +63,9 @@ def split_pooled(
             f"plate '{plate}'), so there are no rows to split across clients."
         )
     sizes = [len(p) for p in partitions]
-    cuts = np.cumsum(sizes)[:-1]
-    # one gather of the rows in client order, then views of it (not a gather per client)
+    # one gather of the rows in client order, sliced per client (no array per client)
     columns = [
-        np.split(np.asarray(x)[flat], cuts) if row else [x] * len(sizes)
+        PooledRows(np.asarray(x)[flat], np.asarray(sizes)) if row else [x] * len(sizes)
         for x, row in zip(arrays, is_row)
     ]
     return ClientColumns(columns, is_row, tuple(sizes), ArgsLayout(treedef, static))
@@ -285,7 +286,7 @@ def buckets(
     ):
         ids = np.flatnonzero((bound >= units[lo]) & (bound <= units[hi - 1]))
         part = ClientColumns(
-            [[col[m] for m in ids] for col in split.columns],
+            [take_clients(col, ids) for col in split.columns],
             split.is_row,
             tuple(int(n) for n in sizes[ids]),
             split.layout,
