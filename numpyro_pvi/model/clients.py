@@ -65,7 +65,7 @@ def split_pooled(
     sizes = [len(p) for p in partitions]
     # one gather of the rows in client order, sliced per client (no array per client)
     columns = [
-        PooledRows(np.asarray(x)[flat], np.asarray(sizes)) if row else [x] * len(sizes)
+        PooledRows(np.asarray(x), sizes, order=flat) if row else [x] * len(sizes)
         for x, row in zip(arrays, is_row)
     ]
     return ClientColumns(columns, is_row, tuple(sizes), ArgsLayout(treedef, static))
