@@ -18,8 +18,16 @@ which compiles) is reported apart from the steady rounds (the mean of ``--rounds
   the share of the step-rows run that are masked (a client's steps past its own count), ``-`` for
   fixed steps.
 
+* ``--million``: ``mf-few-M-K1000``, M = 10,000, 100,000 and 1,000,000 clients of 1 to 50 rows
+  (shares ~ Dirichlet(0.3) of 24 M rows, one row added to each, clipped at 50: about 16 rows on
+  average), d = 10, ``Synchronous(0.5, clients_per_round=1000)``, 10 full-batch steps, the round's
+  ELBO over a fixed sample of 10,000 clients (``PVI(num_elbo_clients=10_000)``). Printed: building
+  the problem, ``init``, the first round (compiles), the median and slowest of the later rounds
+  (a round whose draw puts a bucket's count past a power of two compiles once more), peak RSS.
+
     python benchmarks/scale.py              # all configurations (several minutes)
     python benchmarks/scale.py --quick      # M <= 1,000 only
+    python benchmarks/scale.py --million --rounds 6   # the million-client sweep
 """
 
 from __future__ import annotations
@@ -50,6 +58,9 @@ CONFIGS = {  # name: (family, d, M, sizes, clients per round, steps: "fixed" or 
         for sizes in ("iid", "dirichlet")
     },
 }
+MILLION = {f"mf-few-{m}-K1000": ("mf", 10, m, "few", 1000, "fixed") for m in (10**4, 10**5, 10**6)}
+CONFIGS.update(MILLION)
+FEW_ROWS, FEW_MAX, ELBO_CLIENTS = 24, 50, 10_000  # the million sweep's sizes and ELBO sample
 
 
 def masked_share(update, buckets) -> float:
@@ -70,6 +81,10 @@ def client_sizes(kind: str, num_clients: int, seed: int = 0) -> np.ndarray:
     total = ROWS_PER_CLIENT * num_clients
     if kind == "iid":
         return np.full(num_clients, ROWS_PER_CLIENT)
+    if kind == "few":
+        rng = np.random.default_rng(seed)
+        shares = rng.dirichlet(np.full(num_clients, 0.3))
+        return np.minimum(FEW_MAX, 1 + rng.multinomial(FEW_ROWS * num_clients, shares))
     if kind == "dirichlet":
         rng = np.random.default_rng(seed)
         shares = rng.dirichlet(np.full(num_clients, 0.3))
@@ -114,10 +129,21 @@ def run_one(name: str, rounds: int) -> dict:
         )
     )
     server = pvi.Synchronous(0.5, clients_per_round=per_round)
-    inference = pvi.PVI(model, family, parts, update, server, num_elbo_particles=16)
+    inference = pvi.PVI(
+        model,
+        family,
+        parts,
+        update,
+        server,
+        num_elbo_particles=16,
+        num_elbo_clients=ELBO_CLIENTS if kind == "few" else None,
+    )
     start = time.perf_counter()
     problem = inference.build(X, y=y)
-    state, info = inference.update(inference.init(random.PRNGKey(0), problem), problem)
+    built = time.perf_counter()
+    state = jax.block_until_ready(inference.init(random.PRNGKey(0), problem))
+    ready = time.perf_counter()
+    state, info = inference.update(state, problem)
     jax.block_until_ready(state.q)
     startup = time.perf_counter() - start
     times = []
@@ -134,7 +160,12 @@ def run_one(name: str, rounds: int) -> dict:
         "largest": int(sizes.max()),
         "buckets": len(problem.buckets),
         "startup_s": startup,
+        "build_s": built - start,
+        "init_s": ready - built,
+        "first_s": startup - (ready - start),
         "round_s": float(np.mean(times)),
+        "round_median_s": float(np.median(times)),
+        "round_max_s": float(np.max(times)),
         "round_min_s": float(np.min(times)),
         "peak_mb": peak_kb / 1024,
         "delta_mb": (peak_kb - base_kb) / 1024,
@@ -155,12 +186,20 @@ def main() -> None:
         "--full-rank-rounds", type=int, default=1, help="steady rounds of the full-rank runs"
     )
     parser.add_argument("--only", nargs="*", help="configuration names (default: all)")
+    parser.add_argument(
+        "--million", action="store_true", help="the million-client sweep (M = 10^4, 10^5, 10^6)"
+    )
     parser.add_argument("--one", help=argparse.SUPPRESS)  # run one configuration in this process
     args = parser.parse_args()
     if args.one:
         print(json.dumps(run_one(args.one, args.rounds)))
         return
-    names = args.only or [n for n, c in CONFIGS.items() if not (args.quick and c[2] > 1000)]
+    if args.million:
+        million(args.only or list(MILLION), args.rounds)
+        return
+    names = args.only or [
+        n for n, c in CONFIGS.items() if n not in MILLION and not (args.quick and c[2] > 1000)
+    ]
     print(
         f"{'configuration':>25} {'M':>6} {'N':>9} {'largest':>8} {'buckets':>7} "
         f"{'start-up s':>10} {'s/round':>8} {'peak MB':>8} {'+MB':>7} {'ran':>6} "
@@ -185,6 +224,30 @@ def main() -> None:
             f"{r['startup_s']:>10.2f} {r['round_s']:>8.3f} {r['peak_mb']:>8.0f} "
             f"{r['delta_mb']:>7.0f} {r['ran']:>6} {r['sent_mb'] or float('nan'):>16.3f} "
             f"{'-' if r['masked'] is None else format(100 * r['masked'], '.1f'):>8}",
+            flush=True,
+        )
+
+
+def million(names: list, rounds: int) -> None:
+    """The million-client sweep: one subprocess per configuration, its phases apart."""
+    print(
+        f"{'configuration':>22} {'M':>9} {'N':>10} {'buckets':>7} {'build s':>8} {'init s':>7} "
+        f"{'round 1 s':>9} {'median s':>8} {'max s':>6} {'peak MB':>8}"
+    )
+    for name in names:
+        out = subprocess.run(
+            [sys.executable, __file__, "--one", name, "--rounds", str(rounds)],
+            capture_output=True,
+            text=True,
+        )
+        if out.returncode != 0:
+            print(f"{name:>22} failed: {out.stderr.strip().splitlines()[-1:]}")
+            continue
+        r = json.loads(out.stdout.strip().splitlines()[-1])
+        print(
+            f"{name:>22} {r['clients']:>9} {r['rows']:>10} {r['buckets']:>7} "
+            f"{r['build_s']:>8.2f} {r['init_s']:>7.2f} {r['first_s']:>9.2f} "
+            f"{r['round_median_s']:>8.3f} {r['round_max_s']:>6.2f} {r['peak_mb']:>8.0f}",
             flush=True,
         )
 

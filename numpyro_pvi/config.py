@@ -36,6 +36,8 @@ class PVIConfig(NamedTuple):
     :ivar hyper_optimizer: the optax optimiser of the hyperparameters.
     :ivar init_loc_fn: the NumPyro init strategy of a chosen start, or ``None``.
     :ivar init_scale: the spread of a chosen start, or ``None``.
+    :ivar num_elbo_clients: the clients of the ELBO pass of rounds whose clients do not all report
+        their terms (a fixed uniform sample, its sum scaled to all clients), or ``None``: all.
 
     **Example:** ``inference.config.server``; ``result.config.family``.
     """
@@ -50,6 +52,7 @@ class PVIConfig(NamedTuple):
     hyper_optimizer: Any
     init_loc_fn: Callable | None
     init_scale: float | None
+    num_elbo_clients: int | None = None
 
     def mismatch(self, other: PVIConfig) -> list[str]:
         """The names of the compiled fields (:data:`COMPILED_FIELDS`) whose objects differ."""

@@ -107,6 +107,14 @@ class PVI:
         it starts at ``init_to_median``): the sd in every unconstrained coordinate for the Gaussian
         families, the coefficient of variation for ``Gamma``, the sd relative to ``sqrt(m (1 - m))``
         for ``Beta`` and ``Dirichlet`` (:mod:`numpyro_pvi.model.start`).
+    :param num_elbo_clients: where a round's clients do not all report their terms of the ELBO
+        (``clients_per_round``, asynchronous servers), the round's ELBO is a pass over the clients'
+        data, which takes time in the number of rows; with ``num_elbo_clients=S`` it passes over a
+        fixed uniform sample of ``S`` clients (drawn once per problem, the same every round) and
+        scales their sum by ``M / S`` (an unbiased estimate; rounds stay comparable, as the sample
+        and the draws are fixed). Default ``None``: every client. Not for models with local latent
+        sites. A million clients of 1 to 50 rows: ``PVI(..., num_elbo_clients=10_000)``
+        (``benchmarks/scale.py --million``, ``docs/servers/scale.md``).
 
     The options after ``server`` are keyword-only. ``inference.config`` is the configuration as a
     value (:class:`~numpyro_pvi.config.PVIConfig`, what problems and results hold).
@@ -161,6 +169,7 @@ class PVI:
         hyper_optimizer: Any = None,
         init_loc_fn: Callable | None = None,
         init_scale: float | None = None,
+        num_elbo_clients: int | None = None,
     ) -> None:
         if not isinstance(family, FactorFamily):
             raise TypeError(
@@ -186,6 +195,14 @@ class PVI:
             raise ValueError(
                 f"num_elbo_particles must be a positive integer, got {num_elbo_particles!r}."
             )
+        if num_elbo_clients is not None and (
+            not isinstance(num_elbo_clients, int)
+            or isinstance(num_elbo_clients, bool)
+            or num_elbo_clients < 1
+        ):
+            raise ValueError(
+                f"num_elbo_clients must be a positive integer or None, got {num_elbo_clients!r}."
+            )
         server = Synchronous() if server is None else server
         if not isinstance(server, Server):
             raise TypeError(
@@ -209,6 +226,7 @@ class PVI:
             hyper_optimizer=rprop(0.1) if hyper_optimizer is None else hyper_optimizer,
             init_loc_fn=init_loc_fn,
             init_scale=init_scale,
+            num_elbo_clients=num_elbo_clients,
         )
         self._memo: list[Problem] = []  # a cache (never state): recent problems, newest last
         # the model's param sites (their constraints), read with the first problem, as SVI.init
@@ -389,6 +407,7 @@ class PVI:
                 problem.capacity,
                 in_flight,
                 sample_key,
+                problem.slot_index,
             )
 
         def pooled_elbo(start: PVIState) -> float:
@@ -414,14 +433,16 @@ class PVI:
         data, with the same draws every round (common random numbers: rounds' ELBOs compare
         without most of the sampling noise): for rounds whose clients were sent different ``q`` and
         so reported no terms of it (:func:`~numpyro_pvi.server.play.play_round`)."""
+        clients, scale = problem.elbo_sample(self.config.num_elbo_clients)
         return float(
             problem.steps.elbo(
                 start.q,
                 ELBO_KEY,
-                _data(problem),
+                clients,
                 self.num_elbo_particles,
                 start.client_states,
                 start.hyper,
+                scale,
             )
         )
 

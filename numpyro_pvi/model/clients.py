@@ -19,10 +19,12 @@ import numpy as np
 from numpyro_pvi.local_updates.base import Client
 from numpyro_pvi.model.partition import (
     ArgsLayout,
+    PooledRows,
     check_partitions,
     is_array,
     same_static,
     stack_clients,
+    take_clients,
 )
 
 
@@ -50,7 +52,7 @@ def split_pooled(
 ) -> ClientColumns:
     """Pooled arguments split by index ``partitions``: leaves with ``num_data`` leading rows are
     sliced."""
-    check_partitions(partitions, num_data, plate)
+    flat = check_partitions(partitions, num_data, plate)
     leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
     static = tuple((i, x) for i, x in enumerate(leaves) if not is_array(x))
     arrays = [x for x in leaves if is_array(x)]
@@ -60,12 +62,13 @@ def split_pooled(
             f"No model argument has a leading axis of size {num_data} (the size of partition "
             f"plate '{plate}'), so there are no rows to split across clients."
         )
-    index = [np.asarray(p) for p in partitions]
+    sizes = [len(p) for p in partitions]
+    # one gather of the rows in client order, sliced per client (no array per client)
     columns = [
-        [np.asarray(x)[i] for i in index] if row else [x] * len(index)
+        PooledRows(np.asarray(x), sizes, order=flat) if row else [x] * len(sizes)
         for x, row in zip(arrays, is_row)
     ]
-    return ClientColumns(columns, is_row, tuple(len(i) for i in index), ArgsLayout(treedef, static))
+    return ClientColumns(columns, is_row, tuple(sizes), ArgsLayout(treedef, static))
 
 
 def split_client_data(
@@ -207,6 +210,33 @@ class Bucket(NamedTuple):
     ids: np.ndarray
 
 
+class SlotIndex(NamedTuple):
+    """Where each client slot's data are in the buckets, worked out once per problem (not once per
+    round: a round's work must not grow with the number of clients).
+
+    :ivar bucket_of: ``(capacity,)`` the bucket of each client slot.
+    :ivar row_of: ``(capacity,)`` its row in that bucket.
+    :ivar padding_order: per bucket, its rows in the order a sampled group is padded with them:
+        its real clients first, then its placeholders.
+
+    **Example:** ``slot_index(problem.buckets, problem.capacity).bucket_of[m]``.
+    """
+
+    bucket_of: np.ndarray
+    row_of: np.ndarray
+    padding_order: tuple
+
+
+def slot_index(buckets: Sequence[Bucket], capacity: int) -> SlotIndex:
+    """The :class:`SlotIndex` of ``buckets`` over ``capacity`` client slots."""
+    bucket_of, row_of = np.zeros(capacity, int), np.zeros(capacity, int)
+    for b, bucket in enumerate(buckets):
+        real = np.flatnonzero(bucket.ids >= 0)
+        bucket_of[bucket.ids[real]], row_of[bucket.ids[real]] = b, real
+    order = tuple(np.argsort(bucket.ids < 0, kind="stable") for bucket in buckets)
+    return SlotIndex(bucket_of, row_of, order)
+
+
 # a bucket (a compiled shape, a vmapped call) must save this share of all rows of padding: as many
 # padded rows as the split holds, since each bucket compiles its own client update (seconds, the
 # start-up of a run) while a round's padding costs a step a few microseconds a row; a Dirichlet(0.3)
@@ -243,7 +273,8 @@ def buckets(
         capacity = len(split.sizes) if capacity is None else capacity
         return (Bucket(stack(split, rows, capacity), np.arange(capacity)),)
     sizes = np.asarray(split.sizes)
-    bound = np.asarray([1 << (int(n) - 1).bit_length() for n in sizes])
+    # the power of two >= n: 2 ** bit_length(n - 1), which frexp's exponent is (exact below 2**53)
+    bound = np.left_shift(1, np.frexp(sizes - 1)[1].astype(np.int64))
     units = np.unique(bound)
     counts, largest = (
         [int(np.sum(bound == b)) for b in units],
@@ -255,7 +286,7 @@ def buckets(
     ):
         ids = np.flatnonzero((bound >= units[lo]) & (bound <= units[hi - 1]))
         part = ClientColumns(
-            [[col[m] for m in ids] for col in split.columns],
+            [take_clients(col, ids) for col in split.columns],
             split.is_row,
             tuple(int(n) for n in sizes[ids]),
             split.layout,

@@ -26,15 +26,17 @@ from numpyro_pvi.families import FactorFamily, Family, NatParams
 from numpyro_pvi.local_updates.base import Client, ClientProblem, LocalUpdate
 from numpyro_pvi.model.clients import (
     ClientColumns,
+    SlotIndex,
     append_client,
     buckets,
     check_row_shapes,
+    slot_index,
     split_client_data,
     split_pooled,
     stack,
 )
 from numpyro_pvi.model.densities import local_model, log_likelihood, log_prior
-from numpyro_pvi.model.partition import ClientData
+from numpyro_pvi.model.partition import ClientData, take_clients
 from numpyro_pvi.model.prior import exact_prior
 from numpyro_pvi.model.sites import (
     ModelSites,
@@ -113,6 +115,43 @@ class Problem:
         if len(self.buckets) == 1 and np.array_equal(self.buckets[0].ids, np.arange(self.capacity)):
             return self.buckets[0].clients
         return stack(self.split, self.rows, self.capacity)
+
+    @cached_property
+    def slot_index(self) -> SlotIndex:
+        """Where each client slot's data are in :attr:`buckets`
+        (:class:`~numpyro_pvi.model.clients.SlotIndex`), worked out once for every round."""
+        return slot_index(self.buckets, self.capacity)
+
+    def elbo_sample(self, num_clients: int | None) -> tuple[tuple, float]:
+        """The clients' data a pooled ELBO pass runs over (one stacked
+        :class:`~numpyro_pvi.local_updates.Client` per bucket) and the scale of their terms' sum:
+        every client and 1 for ``None`` or ``num_clients >= M``; else a uniform sample of
+        ``num_clients`` clients without replacement (seed 0: the same every round, and cached) and
+        ``M / num_clients``, which makes the sum an unbiased estimate of all ``M`` clients'.
+
+        **Example:** ``clients, scale = problem.elbo_sample(10_000)``.
+        """
+        if num_clients is None or num_clients >= self.num_clients:
+            return tuple(bucket.clients for bucket in self.buckets), 1.0
+        if self.sites.has_local:
+            raise ValueError(
+                f"num_elbo_clients={num_clients}: a model with local latent sites "
+                f"({[s.name for s in self.sites.locals]}) passes over every client's guide; leave "
+                "num_elbo_clients=None."
+            )
+        cache = self.__dict__.setdefault("_elbo_samples", {})
+        if num_clients not in cache:
+            chosen = np.sort(
+                np.random.default_rng(0).choice(self.num_clients, num_clients, replace=False)
+            )
+            part = ClientColumns(
+                [take_clients(column, chosen) for column in self.split.columns],
+                self.split.is_row,
+                tuple(int(self.split.sizes[m]) for m in chosen),
+                self.split.layout,
+            )
+            cache[num_clients] = tuple(b.clients for b in buckets(part, by_size=True))
+        return cache[num_clients], self.num_clients / num_clients
 
     @property
     def sizes(self) -> np.ndarray:

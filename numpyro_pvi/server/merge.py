@@ -139,19 +139,37 @@ def merge(
     """
     deltas = jax.tree.map(lambda d: jnp.where(_expand(finite, d), d, 0.0), deltas)
     total = jax.tree.map(lambda d: jnp.sum(d, axis=0), deltas)
-    checked, where = (None, None) if checks_every_cavity(factors) else (ids, finite)
+    every = checks_every_cavity(factors)
+    # the rows a merged delta moves (ids may repeat a client only in entries that merge nothing)
+    touched = jnp.zeros(factors.eta1.shape[0], bool).at[ids].max(finite) if every else None
+    old_rows = jax.tree.map(lambda f: f[ids], factors)
 
     def propose(rho: jax.Array) -> tuple:
+        # the factors are not updated here: q_new and a validity test of the cavities the merge
+        # would leave, so a proposal costs no copy of all M factors (one pass over them to check
+        # every cavity where that is checked, else the merged clients' only)
         q_new = q + rho * total
-        f_new = jax.tree.map(lambda f, d: f.at[ids].add(rho * d), factors, deltas)
-        return (q_new, f_new), is_valid_state(family, q_new, f_new, checked, where)
+        new_rows = jax.tree.map(lambda f, d: f + rho * d, old_rows, deltas)
+        valid = family.is_valid(q_new)
+        valid &= jnp.all(jax.vmap(family.is_valid)(_cavities(q_new, new_rows)) | ~finite)
+        if every:
+            unmoved = jax.vmap(family.is_valid)(_cavities(q_new, factors))
+            valid &= jnp.all(unmoved | touched)
+        return q_new, valid
 
     out = backtrack(propose, damping, max_backtracks)
-    q_new, f_new = out.value
-    keep = lambda new, old: jnp.where(out.valid, new, old)  # noqa: E731
+    # the factors moved once, by the damping taken (0, no move, where none was valid)
+    f_new = jax.tree.map(lambda f, d: f.at[ids].add(out.step * d), factors, deltas)
     return Merged(
-        jax.tree.map(keep, q_new, q), jax.tree.map(keep, f_new, factors), out.step, out.valid
+        jax.tree.map(lambda new, old: jnp.where(out.valid, new, old), out.value, q),
+        f_new,
+        out.step,
+        out.valid,
     )
+
+
+def _cavities(q: NatParams, factors: NatParams) -> NatParams:
+    return jax.tree.map(lambda a, f: a[None] - f, q, factors)
 
 
 def _expand(mask: jax.Array, x: jax.Array) -> jax.Array:

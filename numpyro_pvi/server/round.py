@@ -26,7 +26,7 @@ import numpy as np
 from numpyro_pvi.backends.base import ConcurrentRunner, take
 from numpyro_pvi.families import NatParams
 from numpyro_pvi.local_updates.base import Client
-from numpyro_pvi.model.clients import Bucket
+from numpyro_pvi.model.clients import Bucket, SlotIndex, slot_index
 from numpyro_pvi.server.steps import Group, Steps
 from numpyro_pvi.state import ClientOutcome, PVIState, Rejection
 
@@ -66,6 +66,8 @@ class Round:
     :param num_clients: the number of (real) clients; ``capacity`` the client slots of the state.
     :param in_flight: the run's background updates (a fresh one if ``None``: nothing carries over).
     :param sample_key: the key a server draws the round's clients from (``clients_per_round``).
+    :param index: where each client slot's data are (``problem.slot_index``, worked out once per
+        problem; default: from ``clients``, which takes time in the number of clients).
     """
 
     def __init__(
@@ -77,6 +79,7 @@ class Round:
         capacity: int,
         in_flight: InFlight | None = None,
         sample_key: jax.Array | None = None,
+        index: SlotIndex | None = None,
     ) -> None:
         if isinstance(clients, Client):
             clients = (Bucket(clients, np.arange(capacity)),)
@@ -84,12 +87,8 @@ class Round:
         self.buckets = () if clients is None else tuple(clients)
         # all client slots when there is one bucket (concurrent runners)
         self.clients = self.buckets[0].clients if self.buckets else None
-        # the bucket of each client slot, and its row there
-        self.bucket_of = np.zeros(capacity, int)
-        self.row_of = np.zeros(capacity, int)
-        for b, bucket in enumerate(self.buckets):
-            real = np.flatnonzero(bucket.ids >= 0)
-            self.bucket_of[bucket.ids[real]], self.row_of[bucket.ids[real]] = b, real
+        # the bucket of each client slot, its row there, each bucket's padding order
+        self.index = slot_index(self.buckets, capacity) if index is None else index
         self.steps, self.round_key = steps, round_key
         self.sample_key = (
             jax.random.fold_in(round_key, 2**31 - 1) if sample_key is None else sample_key
@@ -192,17 +191,17 @@ class Round:
         """
         groups, order, ids = [], [], np.asarray(ids, int)
         for b, bucket in enumerate(self.buckets):
-            mine = ids[self.bucket_of[ids] == b].tolist()
-            if not mine:
+            mine = ids[self.index.bucket_of[ids] == b]
+            if not mine.size:
                 continue
             size, slots = len(mine), len(bucket.ids)
             target = min(slots, 1 << (size - 1).bit_length()) if size < slots else size
-            taken = set(mine)
-            spare = [
-                r for r in np.argsort(bucket.ids < 0, kind="stable") if bucket.ids[r] not in taken
-            ][: target - size]
+            # the first `target` rows of the padding order hold at least `target - size` others
+            first = self.index.padding_order[b][:target]
+            spare = first[~np.isin(bucket.ids[first], mine)][: target - size]
+            mine = mine.tolist()
             allowed = np.concatenate([np.full(size, allow, bool), np.zeros(len(spare), bool)])
-            rows = np.concatenate([self.row_of[mine], np.asarray(spare, int)])
+            rows = np.concatenate([self.index.row_of[mine], np.asarray(spare, int)])
             members = np.concatenate(
                 [mine, np.where(bucket.ids[spare] >= 0, bucket.ids[spare], bucket.ids[0])]
             )

@@ -95,8 +95,13 @@ class ClientSampling:
 
     def draw(self, key: jax.Array, num_clients: int, count: int | None = None) -> np.ndarray:
         """``count`` (default ``K``) distinct clients drawn with the weights from ``key``,
-        sorted."""
+        sorted; uniform draws take time in ``count``, not in ``num_clients``."""
         count = self.num_sampled(num_clients) if count is None else count
+        if self.client_weights is None and count < num_clients:
+            # uniform: NumPy's draw without replacement, seeded from the key, takes time in
+            # `count` (Floyd's algorithm where count is small), not a permutation of all clients
+            seed = np.asarray(jax.random.bits(key, (4,), np.uint32))
+            return np.sort(np.random.default_rng(seed).choice(num_clients, count, replace=False))
         return np.sort(self.order(key, num_clients)[:count])
 
     def order(self, key: jax.Array, num_clients: int) -> np.ndarray:

@@ -70,7 +70,7 @@ class Steps(NamedTuple):
     :ivar prior_init: ``(prior, clients) -> t_0`` fitted to the prior alone, or ``None`` (Gaussian
         prior).
     :ivar prior_step: ``(state, clients) -> state``, the damped step of ``t_0``, or ``None``.
-    :ivar elbo: ``(q, key, clients, num_particles, client_states, hyper) -> ELBO``
+    :ivar elbo: ``(q, key, clients, num_particles, client_states, hyper, scale=1.0) -> ELBO``
         (``num_particles`` static): the pooled pass over every client's data, the sum of the
         terms :mod:`~numpyro_pvi.server.elbo` computes (:meth:`PVI.evaluate
         <numpyro_pvi.PVI.evaluate>`, and rounds whose clients were not all sent the same ``q``).
@@ -338,9 +338,11 @@ def _elbo_fn(family: Any, problem: ClientProblem, prior_logdensity: Callable) ->
         num_particles: int,
         client_states: Any = (),
         hyper: Any = (),
+        scale: float = 1.0,
     ) -> jax.Array:
         """``E_q[log p(y, theta)] + H[q]`` over every client's data (empty client slots count 0):
-        the clients' terms and the prior's of :mod:`~numpyro_pvi.server.elbo`, summed;
+        the clients' terms and the prior's of :mod:`~numpyro_pvi.server.elbo`, summed (the clients'
+        sum times ``scale``: a sample of the clients, :meth:`Problem.elbo_sample`);
         ``clients`` is a stacked :class:`Client` or a tuple of them (one per bucket; local latent
         sites need a single one, whose rows are the client slots)."""
         buckets = (clients,) if isinstance(clients, Client) else tuple(clients)
@@ -357,7 +359,7 @@ def _elbo_fn(family: Any, problem: ClientProblem, prior_logdensity: Callable) ->
                 for bucket in buckets
             )
         prior = lambda z: prior_logdensity(z, clients)  # noqa: E731
-        return total + prior_elbo_term(family, q, prior, num_particles, rng_key)
+        return scale * total + prior_elbo_term(family, q, prior, num_particles, rng_key)
 
     return jax.jit(elbo, static_argnums=3)
 

@@ -113,3 +113,80 @@ def test_clients_per_round_and_weights_are_checked_against_the_clients(linear_da
             inference.build(X, y=y)
     with pytest.raises(ValueError, match="client_weights"):
         pvi.Synchronous(client_weights=[1.0, -1.0])
+
+
+def _sampled_round_work(num_clients, rounds=1):
+    """What sampled rounds over ``num_clients`` one-row clients (100 per round, the ELBO over a
+    sample of 200) hand the compiled steps: each round's group sizes and the clients the ELBO pass
+    runs over; and how many clients ran."""
+    X = random.normal(random.PRNGKey(0), (num_clients, 3))
+    y = X @ jnp.array([1.0, -0.5, 0.3]) + 0.5 * random.normal(random.PRNGKey(1), (num_clients,))
+    parts = list(np.arange(num_clients).reshape(num_clients, 1))
+    inference = pvi.PVI(
+        linear_model,
+        pvi.FullRankGaussian(),
+        parts,
+        ExactLinearUpdate(),
+        pvi.Synchronous(0.5, clients_per_round=100),
+        num_elbo_clients=200,
+    )
+    problem = inference.build(X, y=y)
+    seen = {"groups": [], "elbo": []}
+
+    def group_step(state, groups, key, pulled, run=problem.steps.group_step):
+        seen["groups"].append([int(g.local.shape[0]) for g in groups])
+        return run(state, groups, key, pulled)
+
+    def elbo(q, key, clients, *rest, run=problem.steps.elbo):
+        seen["elbo"].append([int(c.mask.shape[0]) for c in clients])
+        return run(q, key, clients, *rest)
+
+    steps = problem.steps._replace(group_step=group_step, elbo=elbo)
+    object.__setattr__(problem, "steps", steps)  # a spy on the frozen problem's steps
+    state, ran = inference.init(random.PRNGKey(0), problem), 0
+    for _ in range(rounds):
+        state, info = inference.update(state, problem)
+        ran += int(info.attempts.sum())
+    return seen, ran
+
+
+def test_a_sampled_rounds_work_does_not_grow_with_the_clients():
+    """Issue 27, item 3: a round of ``clients_per_round=K`` must cost the same at M = 1,000 and
+    10,000 (and 10^6, ``benchmarks/scale.py --million``). The compiled group step gets the same
+    group sizes (K = 100 padded to 128) and the round's ELBO passes over the same 200 sampled
+    clients, not every client's data (on main: a pass over all M, and no ``num_elbo_clients``)."""
+    small, large = _sampled_round_work(1_000), _sampled_round_work(10_000)
+    assert small == large
+    seen, ran = small
+    assert seen["groups"] == [[128]] and ran == 100
+    assert seen["elbo"] == [[200]]
+
+
+def test_an_elbo_sample_of_every_client_is_the_pooled_elbo(linear_data):
+    """``num_elbo_clients >= M`` is the pass over every client (bitwise the default's ELBO), and a
+    sample of 2 of the 4 clients is scaled by M / S = 2 (its ELBO differs, but is close: the
+    clients' terms are of similar size)."""
+    X, y = linear_data
+    elbos = {}
+    for num in (None, 4, 2):
+        inference = pvi.PVI(
+            linear_model,
+            pvi.FullRankGaussian(),
+            UNEQUAL,
+            ExactLinearUpdate(),
+            pvi.Synchronous(0.5, clients_per_round=2),
+            num_elbo_clients=num,
+        )
+        result = inference.run(random.PRNGKey(0), 3, X, y=y, progress_bar=False)
+        elbos[num] = result.history.elbo
+    np.testing.assert_array_equal(elbos[None], elbos[4])
+    assert not np.array_equal(elbos[None], elbos[2])
+    assert np.all(np.isfinite(elbos[2]))
+
+
+@pytest.mark.parametrize("bad", [0, 2.5, True, -3])
+def test_pvi_refuses_a_bad_num_elbo_clients_by_name(bad):
+    with pytest.raises(ValueError, match="num_elbo_clients"):
+        pvi.PVI(
+            linear_model, pvi.FullRankGaussian(), UNEQUAL, ExactLinearUpdate(), num_elbo_clients=bad
+        )
