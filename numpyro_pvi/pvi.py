@@ -24,7 +24,7 @@ from tqdm.auto import trange
 
 from numpyro_pvi.backends import get_backend
 from numpyro_pvi.config import PVIConfig
-from numpyro_pvi.families import FactorFamily
+from numpyro_pvi.families import FactorFamily, NatParams
 from numpyro_pvi.hyper_optim import rprop
 from numpyro_pvi.local_updates.base import LocalUpdate
 from numpyro_pvi.model import problem as problems
@@ -300,7 +300,7 @@ class PVI:
         """
         problem = self._problem(args, kwargs)
         steps, capacity, family = problem.steps, problem.capacity, problem.family
-        zeros = family.zeros(problem.sites.dim)
+        zeros = jax.device_put(_flat_factor(family, problem.sites.dim))
         factors = broadcast_slots(zeros, capacity, zero=True)
         t0 = zeros if steps.prior_init is None else steps.prior_init(problem.prior, _data(problem))
         # added in NumPy (the same float sums): an eager add compiles in a fresh process
@@ -319,7 +319,7 @@ class PVI:
                 config.init_loc_fn,
                 config.init_scale,
             )
-        if not bool(family.is_valid(q)):
+        if not bool(_is_valid(family, q)):
             raise ValueError(
                 "The prior of the global sites could not be approximated by a proper member of "
                 f"the family (sites: {[s.name for s in problem.sites.globals]}); PVI needs proper "
@@ -378,7 +378,7 @@ class PVI:
                 "was made "
                 "for."
             )
-        expected = jax.tree.map(jnp.shape, problem.family.zeros(problem.sites.dim))
+        expected = jax.tree.map(jnp.shape, _flat_factor(problem.family, problem.sites.dim))
         if jax.tree.map(jnp.shape, state.q) != expected:
             raise ValueError(
                 f"The state's q has shapes {jax.tree.map(jnp.shape, state.q)}, but this model's "
@@ -674,6 +674,17 @@ class PVI:
                 "result.hyperparameters."
             )
         return {site.name: site.transform(state.hyper[site.name]) for site in self._hyper_sites}
+
+
+# one compiled program per family (eager, its few operations compile one each in a fresh process)
+_is_valid = jax.jit(lambda family, q: family.is_valid(q), static_argnums=0)
+
+
+def _flat_factor(family: FactorFamily, dim: int) -> NatParams:
+    """``family.zeros(dim)`` (the flat factor: every natural parameter 0) in NumPy, from its shapes
+    alone (eagerly, ``zeros`` compiles in a fresh process)."""
+    shapes = jax.eval_shape(lambda: family.zeros(dim))
+    return jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), shapes)
 
 
 def _same_data(source: tuple, data: tuple) -> bool:

@@ -3,10 +3,12 @@
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import numpyro
 import numpyro.distributions as dist
 
@@ -299,18 +301,12 @@ class GaussianFamily:
         them). The sites' Gaussian priors were read from the model (``sites.gaussian_prior``):
         ``prior_values`` is not needed."""
         slices = sites.slices()
-        loc, precision = jnp.zeros(sites.dim), self.precision(self.zeros(sites.dim))
-        rest = []
-        for site in sites.globals:
-            block = sites.gaussian_prior.get(site.name)
-            embedded = (
-                None if block is None else self.with_block(precision, slices[site.name], block[1])
-            )
-            if embedded is None:
-                rest.append(site.name)
-                continue
-            loc, precision = loc.at[slices[site.name]].set(block[0]), embedded
-        return self.from_mean_precision(loc, precision), tuple(rest)
+        blocks = tuple((slices[s.name].start, slices[s.name].stop) for s in sites.globals)
+        values = tuple(sites.gaussian_prior.get(s.name) for s in sites.globals)
+        # one compiled program (eager, each of its ~15 operations compiles one in a fresh process)
+        prior, held = _embedded_prior(self, sites.dim, blocks, values)
+        held = np.asarray(held)
+        return prior, tuple(s.name for s, h in zip(sites.globals, held) if not h)
 
     def standard_normal(self, mask: Any) -> NatParams:
         """``N(0, 1)`` on the coordinates where ``mask`` ``(D,)`` is true, flat elsewhere (where
@@ -388,3 +384,22 @@ def expected_site(
     else:
         hess = family.from_dense(jnp.mean(hessian(zeta), axis=0))
     return family.site_update(jnp.mean(grads, axis=0), hess, loc)
+
+
+@partial(jax.jit, static_argnums=(0, 1, 2))
+def _embedded_prior(
+    family: GaussianFamily, dim: int, blocks: tuple, values: tuple
+) -> tuple[NatParams, jax.Array]:
+    """``lambda_0`` with each site's Gaussian prior ``values[i] = (loc, precision)`` (or ``None``)
+    set in its coordinates ``blocks[i] = (start, stop)`` where the family holds it
+    (the family's ``with_block``), and which sites it holds."""
+    loc, precision = jnp.zeros(dim), family.precision(family.zeros(dim))
+    held = []
+    for (start, stop), block in zip(blocks, values):
+        embedded = (
+            None if block is None else family.with_block(precision, slice(start, stop), block[1])
+        )
+        held.append(embedded is not None)
+        if embedded is not None:
+            loc, precision = loc.at[start:stop].set(block[0]), embedded
+    return family.from_mean_precision(loc, precision), np.array(held, bool)

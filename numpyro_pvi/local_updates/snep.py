@@ -58,6 +58,7 @@ from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from numpyro_pvi.families import FactorFamily, MeanParamFamily, NatParams
 from numpyro_pvi.families.chain_moments import ChainMoments
@@ -225,12 +226,16 @@ class SNEPUpdate(LocalUpdate):
         """
         family = _chain_family(problem.family)
         family.chain_moments(self.settings.control_variates, self.settings.site_variance)
-        return SNEPState(
-            jnp.zeros((self.settings.num_chains, family.chain_dim(problem.dim))),
-            jnp.log(jnp.asarray(0.5)),
-            jnp.zeros((), jnp.int32),
-            jnp.zeros((), bool),
+        # built in NumPy and sent (eager JAX operations compile one program each in a fresh process)
+        state = SNEPState(
+            np.zeros(
+                (self.settings.num_chains, family.chain_dim(problem.dim)), jnp.result_type(float)
+            ),
+            np.log(np.asarray(0.5, jnp.result_type(float))),
+            np.zeros((), np.int32),
+            np.zeros((), bool),
         )
+        return jax.device_put(state)
 
     def bind(self, problem: ClientProblem) -> Callable:
         """Return the pure ``client_update(rng_key, client, cavity, q, state, hyper=()) ->

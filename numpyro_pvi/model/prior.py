@@ -52,8 +52,14 @@ def exact_prior(
             raise TypeError(
                 "exact_prior: an exponential-family block needs the prior's log_density."
             )
-        points = family.reference_draws(sites.dim)
-        return jax.jit(jax.vmap(lambda z: log_density(z, names)))(points), points
+
+        def values() -> tuple[jax.Array, jax.Array]:
+            points = family.reference_draws(sites.dim)
+            return jax.vmap(lambda z: log_density(z, names))(points), points
+
+        # the draws and the density in one compiled program (eagerly, each operation of the draws
+        # compiles one in a fresh process)
+        return jax.jit(values)()
 
     return family.exact_prior(sites, prior_values)
 

@@ -25,6 +25,7 @@ from numpyro_pvi.config import PVIConfig
 from numpyro_pvi.families import FactorFamily, Family, NatParams
 from numpyro_pvi.local_updates.base import Client, ClientProblem, LocalUpdate
 from numpyro_pvi.model.clients import (
+    Bucket,
     ClientColumns,
     SlotIndex,
     append_client,
@@ -36,7 +37,7 @@ from numpyro_pvi.model.clients import (
     stack,
 )
 from numpyro_pvi.model.densities import local_model, log_likelihood, log_prior
-from numpyro_pvi.model.partition import ClientData, take_clients
+from numpyro_pvi.model.partition import ClientData, pad_rows, take_clients
 from numpyro_pvi.model.prior import exact_prior
 from numpyro_pvi.model.sites import (
     ModelSites,
@@ -356,7 +357,15 @@ def check_memory(family: Any, dim: int, num_clients: int) -> None:
 
 
 # the first client of a stack, in one compiled call (eager indexing compiles two programs a leaf)
-_first_rows = jax.jit(lambda arrays: [a[0] for a in arrays])
+def _first_client(split: ClientColumns, bucket: Bucket) -> list:
+    """The array leaves of the bucket's first slot (a real client, padded to the bucket's rows as
+    :func:`~numpyro_pvi.model.clients.stack` pads it), in NumPy: slicing the stacked arrays would
+    compile in a fresh process."""
+    client, rows = int(bucket.ids[0]), int(bucket.clients.mask.shape[1])
+    return [
+        pad_rows(column[client], rows) if row else np.asarray(column[client])
+        for column, row in zip(split.columns, split.is_row)
+    ]
 
 
 def _assemble(
@@ -374,7 +383,7 @@ def _assemble(
     by_size = isinstance(config.backend, VmapBackend) and not sites.has_local
     bucketed = buckets(split, by_size, rows, capacity, grow)
     first_client = bucketed[0].clients
-    first = split.layout.build(_first_rows(first_client.arrays))
+    first = split.layout.build(_first_client(split, bucketed[0]))
     sites = read_padded(config.model, sites, *first, int(first_client.mask.shape[1]))
     prior, rest = exact_prior(
         family,

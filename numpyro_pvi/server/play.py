@@ -20,6 +20,10 @@ from numpyro_pvi.server.round import Round
 from numpyro_pvi.server.steps import Steps
 from numpyro_pvi.state import PVIState, RoundInfo
 
+# the round's three keys in one compiled program (eagerly, the split and the unstacking compile one
+# each in a fresh process); the same keys as ``jax.random.split(key, 3)``
+_round_keys = jax.jit(lambda key: tuple(jax.random.split(key, 3)))
+
 
 def play_round(
     server: Any,
@@ -50,7 +54,7 @@ def play_round(
     RunMonitor(server), pooled_elbo)``
     """
     start, old_q = time.perf_counter(), state.q
-    round_key, sample_key, next_key = jax.random.split(state.rng_key, 3)
+    round_key, sample_key, next_key = _round_keys(state.rng_key)
     rho = float(server.damping.rho(state.damping))
     if prior_step is not None:
         state = prior_step(state)

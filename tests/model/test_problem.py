@@ -6,6 +6,7 @@ and, for the round's own step, with JAX's compilation log.
 """
 
 import logging
+import warnings
 from contextlib import contextmanager
 
 import jax
@@ -93,6 +94,37 @@ def test_equal_new_arrays_reuse_the_compiled_steps(logistic):
     assert other.steps is first.steps and not np.allclose(
         other.clients.arrays[0], first.clients.arrays[0]
     )
+
+
+def test_a_fresh_configuration_compiles_at_most_five_programs_by_round_one_and_none_again():
+    """From ``PVI(...)`` to the end of round 1 of a configuration new to the process: the model's
+    trace, the prior, the start's check, the round's keys and the round's step; the bookkeeping
+    between them is NumPy or part of these (before, 21: the first client's rows, the prior's 12
+    eager operations, the check's 4 and the keys' 2 besides). A second run on new arrays of the
+    same shapes, init included, compiles nothing."""
+    # shapes no other test uses (13 features, 3 clients of 41 rows): eager operations another test
+    # compiled for its own shapes cannot hide a compilation here
+    X = random.normal(random.PRNGKey(11), (123, 13))
+    y = (X[:, 0] > 0).astype(jnp.float32)
+    X2, y2 = X + 0.5, 1.0 - y
+    parts = pvi.split_iid(random.PRNGKey(0), 123, 3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", pvi.PVIWarning)  # one or two rounds: far from converged
+        with compilations() as compiled:
+            inference = pvi.PVI(
+                logistic_model,
+                pvi.MeanFieldGaussian(),
+                parts,
+                pvi.GradientUpdate(optax.sgd(1e-2), num_steps=2, num_particles=1),
+                pvi.Synchronous(1.0),
+            )
+            first = inference.run(random.PRNGKey(1), 1, X, y=y, progress_bar=False)
+        with compilations() as again:
+            second = inference.run(random.PRNGKey(2), 2, X2, y=y2, progress_bar=False)
+    assert sum("group_step" in name for name in compiled) == 1, compiled
+    assert len(compiled) <= 5, compiled
+    assert again == []
+    assert np.all(np.isfinite(first.history.elbo)) and np.all(np.isfinite(second.history.elbo))
 
 
 def test_a_problem_is_immutable_and_states_match_their_problem(logistic):
