@@ -125,6 +125,17 @@ class FlowerRunner:
     ) -> Sent:
         """Push site ``m`` its cavity, ``q``, key and hyperparameters; the handle for
         :meth:`result`."""
+        content = self.update_content(m, key, q, hyper, cavity)
+        self.down += content_bytes(content)
+        message = Message(content, dst_node_id=self.node_of[int(m)], message_type=MessageType.TRAIN)
+        (message_id,) = self.grid.push_messages([message])
+        return Sent(message_id, time.time() + self.timeout)
+
+    def update_content(
+        self, m: int, key: jax.Array, q: NatParams, hyper: Any, cavity: NatParams | None = None
+    ) -> RecordDict:
+        """The records of site ``m``'s update message: ``q``, its key, the hyperparameters, the
+        round's settings and, unless the site forms its own (``None``), its cavity."""
         key_record, impl = key_to_record(key)
         self.sent += 1
         settings = ConfigRecord(
@@ -136,19 +147,16 @@ class FlowerRunner:
                 "accepted": int(self.accepted.get(int(m), False)),
             }
         )
-        content = RecordDict(
+        cavity_record = {} if cavity is None else {"cavity": tree_to_record(cavity)}
+        return RecordDict(
             {
-                "cavity": tree_to_record(cavity),
+                **cavity_record,
                 "q": tree_to_record(q),
                 "key": key_record,
                 "hyper": tree_to_record(hyper),
                 "pvi": settings,
             }
         )
-        self.down += content_bytes(content)
-        message = Message(content, dst_node_id=self.node_of[int(m)], message_type=MessageType.TRAIN)
-        (message_id,) = self.grid.push_messages([message])
-        return Sent(message_id, time.time() + self.timeout)
 
     def wait_any(self, handles: dict) -> int:
         """The client (a key of ``{client: Sent}``) whose reply comes first (or whose time is

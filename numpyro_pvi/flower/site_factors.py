@@ -47,7 +47,7 @@ from numpyro_pvi.flower.round import (
     reply_result,
     result_like,
 )
-from numpyro_pvi.flower.wire import content_bytes, key_to_record, tree_from_record, tree_to_record
+from numpyro_pvi.flower.wire import content_bytes, tree_from_record, tree_to_record
 from numpyro_pvi.server.heavy_ball import HeavyBall
 from numpyro_pvi.server.merge import checks_every_cavity, rejection_codes, screen
 from numpyro_pvi.server.servers import Asynchronous, Server
@@ -132,25 +132,7 @@ class SiteFactorsRunner(FlowerRunner):
     ) -> Sent:
         """Push site ``m`` ``q``, its key and the hyperparameters (``cavity`` is not sent: the site
         forms its own)."""
-        key_record, impl = key_to_record(key)
-        self.sent += 1
-        settings = ConfigRecord(
-            {
-                **dict(self.config),
-                "message": self.sent,
-                "client": int(m),
-                "key-impl": impl,
-                "accepted": int(self.accepted.get(int(m), False)),
-            }
-        )
-        content = RecordDict(
-            {
-                "q": tree_to_record(q),
-                "key": key_record,
-                "hyper": tree_to_record(hyper),
-                "pvi": settings,
-            }
-        )
+        content = self.update_content(m, key, q, hyper)
         return self._push(m, content, UPDATE)
 
     def check(
