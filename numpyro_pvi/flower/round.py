@@ -266,8 +266,7 @@ class FlowerRound(Round):
     ) -> tuple[PVIState, np.ndarray]:
         pulled = state.q if pulled is None else pulled
         ids = [int(m) for m in ids]
-        key, index = self.key(salt), jnp.asarray(ids)
-        keys = [jax.random.fold_in(key, m) for m in ids]
+        index, keys = jnp.asarray(ids), self.site_keys(ids, salt)
         cavity, cavity_ok = cavities(self.family, pulled, state.factors, index)
         result = self.steps.runner(ids, keys, cavity, pulled, (), None, state.hyper)
         state, out = self.steps.apply(
@@ -279,10 +278,19 @@ class FlowerRound(Round):
             None,
             self._elbo(ids, pulled),
         )
+        return state, self.note_group(ids, pulled, state, out)
+
+    def site_keys(self, ids: list, salt: int) -> list:
+        """Each site's key of the round: the round's key folded with the site's index."""
+        key = self.key(salt)
+        return [jax.random.fold_in(key, m) for m in ids]
+
+    def note_group(self, ids: list, pulled: NatParams, state: PVIState, out: Any) -> np.ndarray:
+        """Note the group's outcomes (and the traffic) for the round; which updates were merged."""
         out = jax.tree.map(np.asarray, out)
         accepted = self._note(ids, out)
         self._count(ids, pulled, state.hyper, out)
-        return state, accepted
+        return accepted
 
     def _elbo(self, ids: list, pulled: NatParams) -> tuple | None:
         """The sites' reported terms of the ELBO of ``pulled`` and the server's, as

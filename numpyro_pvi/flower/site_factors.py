@@ -233,15 +233,11 @@ class SiteFactorsRound(FlowerRound):
     ) -> tuple[PVIState, np.ndarray]:
         pulled = state.q if pulled is None else pulled
         ids = [int(m) for m in ids]
-        key, runner = self.key(salt), self.steps.runner
-        keys = [jax.random.fold_in(key, m) for m in ids]
         like = jax.tree.map(lambda x: jnp.broadcast_to(x, (len(ids),) + x.shape), pulled)
-        result = runner(ids, keys, like, pulled, (), None, state.hyper)
+        keys = self.site_keys(ids, salt)
+        result = self.steps.runner(ids, keys, like, pulled, (), None, state.hyper)
         state, out = self._merge(state, ids, pulled, result, allow)
-        out = jax.tree.map(np.asarray, out)
-        accepted = self._note(ids, out)
-        self._count(ids, pulled, state.hyper, out)
-        return state, accepted
+        return state, self.note_group(ids, pulled, state, out)
 
     def _merge(
         self, state: PVIState, ids: list, pulled: NatParams, result: Any, allow: bool
