@@ -176,6 +176,12 @@ def local_free_energy(
 ) -> jax.Array:
     """``F_m(q) = E_q[log p(y_m | zeta)] - KL(q || cavity)``, the expectation over draws ``zeta``
     ``(S, D)`` of q."""
-    return jnp.mean(jax.vmap(loglik)(zeta)) - kl_divergence(
-        family.to_dist(q), family.to_dist(cavity)
-    )
+    return free_energy_from_values(family, q, cavity, jax.vmap(loglik)(zeta))
+
+
+def free_energy_from_values(
+    family: Family, q: NatParams, cavity: NatParams, values: jax.Array
+) -> jax.Array:
+    """:func:`local_free_energy` from ``values``, the log-likelihoods ``log p(y_m | zeta)`` at q's
+    draws ``zeta`` (an update that has them already draws and evaluates no more)."""
+    return jnp.mean(values) - kl_divergence(family.to_dist(q), family.to_dist(cavity))

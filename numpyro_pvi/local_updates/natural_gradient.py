@@ -38,6 +38,7 @@ from numpyro_pvi.local_updates.base import (
     ClientProblem,
     ClientResult,
     LocalUpdate,
+    free_energy_from_values,
     local_free_energy,
 )
 from numpyro_pvi.local_updates.gradient import check_hyper_particles
@@ -199,7 +200,9 @@ class NaturalGradientUpdate(LocalUpdate):
                 q_now, zeta, values, grads, None if hessian is None else hessian(zeta)
             )
             free_energy = lambda site: _draws_free_energy(family, cavity, site, loglik, key, pairs)  # noqa: E731
-            current = free_energy(t)
+            # F_m at the (valid) current q from the draws above: free_energy(t) would draw them
+            # again with the same key (a second sampler in the compiled step)
+            current = free_energy_from_values(family, q_now, cavity, values)
             floor = jnp.where(jnp.isfinite(current), current - tolerance, -jnp.inf)
 
             def propose(size: jax.Array) -> tuple[tuple, jax.Array]:
