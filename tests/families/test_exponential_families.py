@@ -2,7 +2,8 @@
 
 Each model has a conjugate prior and likelihood, so every client's natural-gradient site is exactly
 linear in the family's sufficient statistics and the least-squares site recovers it to float
-precision (float32: relative error ~1e-6 measured; asserted at 1e-5 relative).
+precision (float32: relative error ~1e-6 measured in one round; asserted at 1e-5 relative; a
+continual pass, whose rounding grows client by client, says its own).
 """
 
 import jax.numpy as jnp
@@ -60,8 +61,14 @@ def test_poisson_gamma_exact_after_one_continual_pass():
     )
     result = inference.run(random.PRNGKey(1), 1, y=y, progress_bar=False)
     shape, rate = pvi.Gamma().to_params(result.state.q)
-    np.testing.assert_allclose(shape, [2.0 + float(y.sum())], rtol=1e-5)
-    np.testing.assert_allclose(rate, [0.5 + N], rtol=1e-5)
+    # float32 rounding, which grows along the pass: each client's site is a 2 x 2 solve against its
+    # q's Fisher, whose condition number grows with the shape (2,300 at the last client's q, shape
+    # 141: a normwise bound of cond * eps = 2.7e-4 on a site's relative error). Measured: 9.3e-6
+    # relative (XLA at users' optimisation level) and 1.04e-5 (the suite's level 0, tests/conftest);
+    # the one-round synchronous sites above: 2e-7 and 1e-6. Asserted at 5e-5; a pass that dropped
+    # one row would be off by 1 / 57.5 = 1.7e-2 in the rate.
+    np.testing.assert_allclose(shape, [2.0 + float(y.sum())], rtol=5e-5)
+    np.testing.assert_allclose(rate, [0.5 + N], rtol=5e-5)
 
 
 def test_beta_bernoulli_exact_in_one_round():
