@@ -16,6 +16,8 @@ seconds compare, the wall-clock ones do not):
 * ``snep-poisson``: ``SNEPUpdate`` on the Poisson-Gamma model of
 ``tests/local_updates/test_snep_blocks.py``
   (five uneven clients, ``Sequential``).
+* ``cvi-poisson``: ``NaturalGradientUpdate`` (CVI, 16 particles) with a ``Gamma`` factor on the same
+  model and clients, ``Synchronous(1.0)``.
 * ``ep-linear``: ``MomentMatchingUpdate`` (EP, Laplace proposal) on the conjugate linear model of
   ``tests/local_updates/test_moment_matching.py`` (``FullRankGaussian``, 4 clients,
   ``Synchronous(1.0)``).
@@ -55,6 +57,7 @@ CONFIGS = [
     "dirichlet-1000",
     "fullrank-50",
     "snep-poisson",
+    "cvi-poisson",
     "ep-linear",
     "bnn",
 ]
@@ -105,7 +108,7 @@ def logistic_problem(config):
     return build, (X,), {"y": y}
 
 
-def snep_problem():
+def poisson_problem(config):
     import jax.numpy as jnp
     import numpy as np
     import numpyro
@@ -124,6 +127,9 @@ def snep_problem():
     y = random.poisson(random.PRNGKey(0), 3.0, (sum(sizes),)).astype(jnp.float32)
 
     def build():
+        if config == "cvi-poisson":
+            update = pvi.NaturalGradientUpdate(step_size=1.0, num_particles=16)
+            return pvi.PVI(model, pvi.Gamma(), parts, update, pvi.Synchronous(1.0))
         return pvi.PVI(model, pvi.Gamma(), parts, pvi.SNEPUpdate(), pvi.Sequential())
 
     return build, (), {"y": y}
@@ -200,10 +206,10 @@ def child(config, num_rounds, cache):
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     if config.startswith(("logistic", "dirichlet", "fullrank")):
         build, args, kwargs = logistic_problem(config)
+    elif config.endswith("poisson"):
+        build, args, kwargs = poisson_problem(config)
     else:
-        build, args, kwargs = {"snep-poisson": snep_problem, "ep-linear": ep_problem}.get(
-            config, bnn_problem
-        )()
+        build, args, kwargs = {"ep-linear": ep_problem}.get(config, bnn_problem)()
     compiles = []
 
     def listener(event, seconds, **kw):
