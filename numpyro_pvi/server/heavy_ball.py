@@ -147,27 +147,40 @@ class HeavyBall:
         self.elbo_tolerance, self.grow, self.minimum = float(elbo_tolerance), float(grow), minimum
 
     def init(self, q: Any, factors: Any, family: Any) -> HeavyBallState:
-        """The state before the first round: damping ``initial``, no momentum, no secant pairs."""
-        flat = ravel_pytree(q)[0]
+        """The state before the first round: damping ``initial``, no momentum, no secant pairs.
+
+        Built in NumPy and sent with ``jnp.asarray`` (no eager JAX operation: each would compile a
+        program of its own for every shape of ``q``)."""
+        flat = _flat(q)
         n, dtype = flat.shape[0], flat.dtype
-        nan = jnp.full((self.memory,), jnp.nan, dtype)
+        nan = np.full((self.memory,), np.nan, dtype)
         return HeavyBallState(
-            jnp.asarray(self.initial, dtype),
-            jnp.zeros((), dtype),
-            flat,
-            jnp.full(n, jnp.nan, dtype),
-            jnp.zeros((self.window, n), dtype),
-            jnp.zeros((self.window, n), dtype),
-            jnp.zeros((), jnp.int32),
-            nan,
-            nan,
-            jax.tree.map(jnp.zeros_like, factors),
-            jnp.asarray(-jnp.inf, dtype),
-            jnp.asarray(self.maximum, dtype),
-            jnp.zeros((), jnp.int32),
-            jnp.zeros((), jnp.int32),
-            jnp.asarray(self.initial, dtype),
-            jnp.zeros((), dtype),
+            *map(
+                jnp.asarray,
+                (
+                    np.asarray(self.initial, dtype),
+                    np.zeros((), dtype),
+                    flat,
+                    np.full(n, np.nan, dtype),
+                    np.zeros((self.window, n), dtype),
+                    np.zeros((self.window, n), dtype),
+                    np.zeros((), np.int32),
+                    nan,
+                    nan,
+                ),
+            ),
+            jax.tree.map(lambda f: jnp.asarray(np.zeros(f.shape, f.dtype)), factors),
+            *map(
+                jnp.asarray,
+                (
+                    np.asarray(-np.inf, dtype),
+                    np.asarray(self.maximum, dtype),
+                    np.zeros((), np.int32),
+                    np.zeros((), np.int32),
+                    np.asarray(self.initial, dtype),
+                    np.zeros((), dtype),
+                ),
+            ),
         )
 
     def rho(self, state: HeavyBallState) -> jax.Array:
@@ -182,53 +195,58 @@ class HeavyBall:
         valid, with the next round's damping. ``clean``: every client ran and was merged with the
         full damping ``rho_used``.
         """
-        hb, q_start = after.damping, ravel_pytree(before.q)[0]
+        # q-sized bookkeeping in NumPy, factor-sized arithmetic compiled once per structure: no
+        # eager JAX operation (each compiles a program of its own for every shape)
+        hb, q_start = after.damping, _flat(before.q)
         if clean:
-            delta = (ravel_pytree(after.q)[0] - q_start) / rho_used
+            delta = np.asarray(_step(after.q, before.q, rho_used))
             hb = self._record(hb, q_start, delta)
             rho, beta = self._parameters(hb, rho_used)
         else:
-            delta, rho, beta = jnp.full_like(q_start, jnp.nan), rho_used, 0.0
-        if not any(bool(jnp.any(v != 0)) for v in jax.tree.leaves(hb.velocity)):
+            delta, rho, beta = np.full_like(q_start, np.nan), rho_used, 0.0
+        if not bool(_any_nonzero(hb.velocity)):
             # restarted (or the first round): no velocity, no momentum, and a drop now halves the
             # damping
             beta = 0.0
-        merged = jax.tree.map(jnp.subtract, after.factors, before.factors)
+        merged = _subtract(after.factors, before.factors)
         q, factors = _extrapolate(
             family, after.q, after.factors, merged, hb.velocity, rho / rho_used - 1.0, beta
         )
         dtype = hb.rho.dtype
         hb = hb._replace(
-            rho=jnp.asarray(rho, dtype),
-            beta=jnp.asarray(beta, dtype),
-            previous_q=q_start,
-            previous_delta=delta,
-            velocity=jax.tree.map(jnp.subtract, factors, before.factors),
+            rho=jnp.asarray(np.asarray(rho, dtype)),
+            beta=jnp.asarray(np.asarray(beta, dtype)),
+            previous_q=jnp.asarray(q_start),
+            previous_delta=jnp.asarray(delta),
+            velocity=merged if factors is after.factors else _subtract(factors, before.factors),
         )
         return after._replace(q=q, factors=factors, damping=hb)
 
     def _record(self, hb: HeavyBallState, q_start: jax.Array, delta: jax.Array) -> HeavyBallState:
         """Add the secant pair ``(q_k - q_{k-1}, -(Delta_k - Delta_{k-1}))`` and the spectrum
         estimate it gives."""
-        step = q_start - hb.previous_q
-        if not bool(jnp.all(jnp.isfinite(hb.previous_delta))) or not bool(jnp.any(step != 0)):
+        previous_delta = np.asarray(hb.previous_delta)
+        step = q_start - np.asarray(hb.previous_q)
+        if not np.all(np.isfinite(previous_delta)) or not np.any(step != 0):
             return hb
-        steps = jnp.concatenate([hb.steps[1:], step[None]])
-        changes = jnp.concatenate([hb.changes[1:], (hb.previous_delta - delta)[None]])
+        steps = np.concatenate([np.asarray(hb.steps)[1:], step[None]])
+        changes = np.concatenate([np.asarray(hb.changes)[1:], (previous_delta - delta)[None]])
+        num_pairs = min(int(hb.num_pairs) + 1, self.window)
         hb = hb._replace(
-            steps=steps, changes=changes, num_pairs=jnp.minimum(hb.num_pairs + 1, self.window)
+            steps=jnp.asarray(steps),
+            changes=jnp.asarray(changes),
+            num_pairs=jnp.asarray(np.asarray(num_pairs, np.int32)),
         )
-        if int(hb.num_pairs) < 2:
+        if num_pairs < 2:
             return hb
-        bounds = ritz_bounds(
-            np.asarray(steps[-int(hb.num_pairs) :]), np.asarray(changes[-int(hb.num_pairs) :])
-        )
+        bounds = ritz_bounds(steps[-num_pairs:], changes[-num_pairs:])
         if bounds is None:
             return hb
         low, high = bounds
 
-        def push(memory: jax.Array, value: jax.Array) -> jax.Array:
-            return jnp.concatenate([memory[1:], jnp.asarray([value], memory.dtype)])
+        def push(memory: jax.Array, value: float) -> jax.Array:
+            memory = np.asarray(memory)
+            return jnp.asarray(np.concatenate([memory[1:], np.asarray([value], memory.dtype)]))
 
         return hb._replace(
             lambda_min=push(hb.lambda_min, low), lambda_max=push(hb.lambda_max, high)
@@ -393,3 +411,27 @@ def _move(
 
 
 _extrapolate_jit = jax.jit(_move, static_argnums=0)
+
+
+def _flat(tree: Any) -> np.ndarray:
+    """``ravel_pytree(tree)[0]`` in NumPy (the same order and values, nothing compiled)."""
+    return np.concatenate([np.ravel(np.asarray(leaf)) for leaf in jax.tree.leaves(tree)])
+
+
+@jax.jit
+def _step(q: Any, q_start: Any, rho: float) -> jax.Array:
+    """``(q - q_start) / rho``, flattened: the merge's step at full damping (compiled: XLA's
+    division by a scalar rounds otherwise than NumPy's, and the secant pairs must not change)."""
+    return (ravel_pytree(q)[0] - ravel_pytree(q_start)[0]) / rho
+
+
+@jax.jit
+def _subtract(a: Any, b: Any) -> Any:
+    """``a - b`` leaf by leaf (the factors: one compiled program per structure)."""
+    return jax.tree.map(jnp.subtract, a, b)
+
+
+@jax.jit
+def _any_nonzero(tree: Any) -> jax.Array:
+    """Whether any entry of any leaf is nonzero."""
+    return jnp.any(jnp.stack([jnp.any(leaf != 0) for leaf in jax.tree.leaves(tree)]))
