@@ -170,7 +170,8 @@ def gamma_sites(family, q, f, num_sites=200, pairs=16):
         site = family.site_from_draws(q, theta, values, grads, jax.vmap(jax.hessian(f))(theta, c))
         return jnp.stack([site.eta1[0], site.eta2[0]])
 
-    return np.asarray(jax.vmap(one)(random.split(random.PRNGKey(0), num_sites)))
+    # one compiled program (eagerly, each of its ~200 operations compiles one of its own)
+    return np.asarray(jax.jit(jax.vmap(one))(random.split(random.PRNGKey(0), num_sites)))
 
 
 def test_gamma_site_is_exact_where_conjugate_and_unbiased_otherwise():
@@ -301,7 +302,8 @@ def test_laplace_site_of_a_gamma_block_is_the_conjugate_posterior():
     # a start far from the mode (80 against 17 / 5.1)
     q = gamma.from_params(jnp.array([40.0]), jnp.array([0.5]))
     loglik = lambda lam: jnp.sum(y * jnp.log(lam[0]) - lam[0])  # noqa: E731
-    site = laplace_site(gamma, cavity, q, loglik, 20)
+    # each site compiled as one program (eagerly, each of its operations compiles one of its own)
+    site = jax.jit(lambda c, q: laplace_site(gamma, c, q, loglik, 20))(cavity, q)
     np.testing.assert_allclose(np.concatenate([site.eta1, site.eta2]), [17.0, -5.0], rtol=1e-4)
     # SiteFamilies: a Gaussian block w (likelihood N(w; 2, 0.5^2): site eta1 = 8, eta2 = -2) and the
     # Gamma block
@@ -312,7 +314,7 @@ def test_laplace_site_of_a_gamma_block_is_the_conjugate_posterior():
     cavity = family.join([gauss.from_loc_scale(jnp.zeros(1), 10.0 * jnp.eye(1)), cavity])
     q = family.join([gauss.from_loc_scale(jnp.full(1, -20.0), 10.0 * jnp.eye(1)), q])
     loglik = lambda z: jnp.sum(y * jnp.log(z[1]) - z[1]) - 2.0 * (z[0] - 2.0) ** 2  # noqa: E731
-    site = laplace_site(family, cavity, q, loglik, 20)
+    site = jax.jit(lambda c, q: laplace_site(family, c, q, loglik, 20))(cavity, q)
     w_site, lam_site = family.split(site)
     np.testing.assert_allclose(
         [float(w_site.eta1[0]), float(w_site.eta2[0, 0])], [8.0, -2.0], rtol=1e-4
@@ -336,9 +338,9 @@ def test_laplace_coordinates_of_every_exponential_family_round_trip():
         nat = family.from_params(*params)
         x = family.laplace_start(nat)
         log_density = lambda v: family.laplace_log_density(nat, v)[1]  # noqa: E731, B023
-        np.testing.assert_allclose(jax.grad(log_density)(x), 0.0, atol=1e-5)
+        np.testing.assert_allclose(jax.jit(jax.grad(log_density))(x), 0.0, atol=1e-5)
         np.testing.assert_allclose(
-            -jax.hessian(log_density)(x), family.laplace_precision(nat), atol=1e-4
+            -jax.jit(jax.hessian(log_density))(x), family.laplace_precision(nat), atol=1e-4
         )
         got = family.to_params(family.from_laplace(x, family.laplace_precision(nat)))
         np.testing.assert_allclose(np.concatenate(got), np.concatenate(params), rtol=1e-5)

@@ -96,9 +96,10 @@ def test_laplace_finds_the_mode_from_a_wide_start_on_a_non_log_concave_density(n
 
     start = jnp.array([0.0, 0.0, 0.0, 0.0, 1.8])
     # indefinite where Newton starts
-    assert jnp.linalg.eigvalsh(-jax.hessian(log_tilted)(start))[0] < 0
+    # (each derivative compiled as one program: eagerly, its ~250 operations compile one each)
+    assert jnp.linalg.eigvalsh(-jax.jit(jax.hessian(log_tilted))(start))[0] < 0
     mode, precision, chol = jax.jit(lambda s: laplace(log_tilted, s, prior_precision, 20))(start)
-    grad = jax.grad(log_tilted)(mode)
+    grad = jax.jit(jax.grad(log_tilted))(mode)
     # At the mode: the Newton decrement g^T P^-1 g is ~0 (it was 930 at the start, where the old
     # Newton stayed).
     assert float(grad @ jnp.linalg.solve(precision, grad)) < 1e-2
