@@ -149,38 +149,30 @@ class HeavyBall:
     def init(self, q: Any, factors: Any, family: Any) -> HeavyBallState:
         """The state before the first round: damping ``initial``, no momentum, no secant pairs.
 
-        Built in NumPy and sent with ``jnp.asarray`` (no eager JAX operation: each would compile a
-        program of its own for every shape of ``q``)."""
+        Built in NumPy and sent with ``jax.device_put`` (no eager JAX operation, and not
+        ``jnp.asarray``, which compiles a copy for every shape of ``q``)."""
         flat = _flat(q)
         n, dtype = flat.shape[0], flat.dtype
         nan = np.full((self.memory,), np.nan, dtype)
-        return HeavyBallState(
-            *map(
-                jnp.asarray,
-                (
-                    np.asarray(self.initial, dtype),
-                    np.zeros((), dtype),
-                    flat,
-                    np.full(n, np.nan, dtype),
-                    np.zeros((self.window, n), dtype),
-                    np.zeros((self.window, n), dtype),
-                    np.zeros((), np.int32),
-                    nan,
-                    nan,
-                ),
-            ),
-            jax.tree.map(lambda f: jnp.asarray(np.zeros(f.shape, f.dtype)), factors),
-            *map(
-                jnp.asarray,
-                (
-                    np.asarray(-np.inf, dtype),
-                    np.asarray(self.maximum, dtype),
-                    np.zeros((), np.int32),
-                    np.zeros((), np.int32),
-                    np.asarray(self.initial, dtype),
-                    np.zeros((), dtype),
-                ),
-            ),
+        return jax.device_put(
+            HeavyBallState(
+                np.asarray(self.initial, dtype),
+                np.zeros((), dtype),
+                flat,
+                np.full(n, np.nan, dtype),
+                np.zeros((self.window, n), dtype),
+                np.zeros((self.window, n), dtype),
+                np.zeros((), np.int32),
+                nan,
+                nan,
+                jax.tree.map(lambda f: np.zeros(f.shape, f.dtype), factors),
+                np.asarray(-np.inf, dtype),
+                np.asarray(self.maximum, dtype),
+                np.zeros((), np.int32),
+                np.zeros((), np.int32),
+                np.asarray(self.initial, dtype),
+                np.zeros((), dtype),
+            )
         )
 
     def rho(self, state: HeavyBallState) -> jax.Array:
@@ -195,8 +187,8 @@ class HeavyBall:
         valid, with the next round's damping. ``clean``: every client ran and was merged with the
         full damping ``rho_used``.
         """
-        # q-sized bookkeeping in NumPy, factor-sized arithmetic compiled once per structure: no
-        # eager JAX operation (each compiles a program of its own for every shape)
+        # q-sized bookkeeping in NumPy (sent with device_put), factor-sized arithmetic compiled
+        # once per structure: no eager JAX operation (each compiles a program for every shape)
         hb, q_start = after.damping, _flat(before.q)
         if clean:
             delta = np.asarray(_step(after.q, before.q, rho_used))
@@ -214,11 +206,15 @@ class HeavyBall:
         )
         dtype = hb.rho.dtype
         hb = hb._replace(
-            rho=jnp.asarray(np.asarray(rho, dtype)),
-            beta=jnp.asarray(np.asarray(beta, dtype)),
-            previous_q=jnp.asarray(q_start),
-            previous_delta=jnp.asarray(delta),
-            velocity=merged if factors is after.factors else _subtract(factors, before.factors),
+            **jax.device_put(
+                dict(
+                    rho=np.asarray(rho, dtype),
+                    beta=np.asarray(beta, dtype),
+                    previous_q=q_start,
+                    previous_delta=delta,
+                )
+            ),
+            velocity=_subtract(factors, before.factors),
         )
         return after._replace(q=q, factors=factors, damping=hb)
 
@@ -233,9 +229,9 @@ class HeavyBall:
         changes = np.concatenate([np.asarray(hb.changes)[1:], (previous_delta - delta)[None]])
         num_pairs = min(int(hb.num_pairs) + 1, self.window)
         hb = hb._replace(
-            steps=jnp.asarray(steps),
-            changes=jnp.asarray(changes),
-            num_pairs=jnp.asarray(np.asarray(num_pairs, np.int32)),
+            **jax.device_put(
+                dict(steps=steps, changes=changes, num_pairs=np.asarray(num_pairs, np.int32))
+            )
         )
         if num_pairs < 2:
             return hb
@@ -246,7 +242,7 @@ class HeavyBall:
 
         def push(memory: jax.Array, value: float) -> jax.Array:
             memory = np.asarray(memory)
-            return jnp.asarray(np.concatenate([memory[1:], np.asarray([value], memory.dtype)]))
+            return jax.device_put(np.concatenate([memory[1:], np.asarray([value], memory.dtype)]))
 
         return hb._replace(
             lambda_min=push(hb.lambda_min, low), lambda_max=push(hb.lambda_max, high)
