@@ -29,12 +29,13 @@ The compilations are counted with a ``jax.monitoring`` listener on XLA's backend
 round 1 and of the run, their seconds, and the three slowest (name and seconds).
 
 Start-up modes, each a fresh process: ``cold`` (JAX's defaults), ``cache`` (JAX's persistent
-compilation cache filled by an earlier process: a user's second run of a script) and ``O0``
-(``XLA_FLAGS=--xla_backend_optimization_level=0``).
+compilation cache filled by an earlier process: a user's second run of a script), ``O0``
+(``XLA_FLAGS=--xla_backend_optimization_level=0``) and ``O0-elem`` (level 0 with XLA:CPU's
+elemental fusion emitter, ``--xla_cpu_use_fusion_emitters=false``: the test suite's setting).
 
     python benchmarks/startup.py                  # every configuration, cold
     python benchmarks/startup.py --quick          # logistic-100, dirichlet-1000, snep-poisson
-    python benchmarks/startup.py --modes cold cache O0 --configs logistic-100
+    python benchmarks/startup.py --modes cold cache O0 O0-elem --configs logistic-100
     python benchmarks/startup.py --baseline /path/to/main   # before (that checkout) and after
 
 With ``--baseline DIR`` every configuration also runs with the package imported from the checkout
@@ -50,6 +51,11 @@ import sys
 import tempfile
 import time
 
+# XLA_FLAGS of the modes that set them
+MODE_FLAGS = {
+    "O0": ["--xla_backend_optimization_level=0"],
+    "O0-elem": ["--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false"],
+}
 CONFIGS = [
     "logistic-10",
     "logistic-100",
@@ -254,10 +260,8 @@ def run_child(config, num_rounds, mode, cache, source=None):
     # the package imported from ``source`` (a checkout), else from this one
     root = source or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in [env.get("PYTHONPATH")] if p])
-    if mode == "O0":
-        env["XLA_FLAGS"] = (
-            env.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
-        ).strip()
+    if mode in MODE_FLAGS:
+        env["XLA_FLAGS"] = " ".join([env.get("XLA_FLAGS", ""), *MODE_FLAGS[mode]]).strip()
     command = [sys.executable, __file__, "--child", config, "--rounds", str(num_rounds)]
     if mode == "cache":
         command += ["--cache", cache]
@@ -274,7 +278,9 @@ def main():
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK)}")
     parser.add_argument("--configs", nargs="+", choices=CONFIGS, default=None)
-    parser.add_argument("--modes", nargs="+", choices=["cold", "cache", "O0"], default=["cold"])
+    parser.add_argument(
+        "--modes", nargs="+", choices=["cold", "cache", *MODE_FLAGS], default=["cold"]
+    )
     parser.add_argument(
         "--baseline", default=None, help="a checkout to compare with (rows 'before' and 'after')"
     )
@@ -290,7 +296,7 @@ def main():
         "and of the run\n"
     )
     print(
-        f"{'configuration':>14} {'mode':>5} {'code':>6} {'init':>6} {'round 1':>8} "
+        f"{'configuration':>14} {'mode':>7} {'code':>6} {'init':>6} {'round 1':>8} "
         f"{f'{args.rounds} rounds':>10} {'CPU 1 / all':>13} {'s/round':>8} "
         f"{'XLA@1':>11} {'XLA all':>11}  three slowest by round 1"
     )
@@ -316,7 +322,7 @@ def main():
             key, limit = TARGETS[config]
             target = f"  [{key} < {limit} s: {'met' if r[key] < limit else 'missed'}]"
         print(
-            f"{config:>14} {mode:>5} {code:>6} "
+            f"{config:>14} {mode:>7} {code:>6} "
             + " ".join(f"{c:>{w}}" for c, w in zip(cells, (6, 8, 10, 13, 8, 11, 11)))
             + "  "
             + ", ".join(r["slowest"])
