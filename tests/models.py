@@ -393,6 +393,16 @@ def halfnormal_scale_model(X, y=None):
         numpyro.sample("y", dist.Normal(X @ w, sigma), obs=y)
 
 
+def halfnormal_offset_model(X, y=None):
+    """``halfnormal_scale_model`` with a learned offset (a ``numpyro.param`` hyperparameter): a
+    non-Gaussian prior and a hyperparameter in one model (tests/flower/test_flower.py)."""
+    w = numpyro.sample("w", dist.Normal(0.0, 1.0).expand([2]).to_event(1))
+    sigma = numpyro.sample("sigma", dist.HalfNormal(1.0))
+    offset = numpyro.param("offset", 0.0)
+    with pvi.partition_plate("data", X.shape[0]):
+        numpyro.sample("y", dist.Normal(X @ w + offset, sigma), obs=y)
+
+
 def block_diagonal_vi_optimum(X, y):
     """The optimum of the ELBO over q(w) = N(m, S) (full rank) times q(log sigma) = N(mu, s^2), in
     closed form.

@@ -416,6 +416,82 @@ def test_flower_site_families_match_in_process(by_value):
         site_families().with_layout([[["w", "tau"], 3]], {"w": (2,), "tau": ()})
 
 
+SERVERS_ON_THE_ENGINE = {
+    "heavy_ball": pvi.Synchronous(),  # the default damping
+    "adaptive": pvi.Synchronous(pvi.AdaptiveDamping()),
+    "sequential": pvi.Sequential(),
+    "continual": pvi.Continual(),
+}
+
+
+def test_servers_a_halfnormal_prior_and_a_hyperparameter_on_flowers_engine(by_value):
+    """On Flower's simulation engine (Ray actors, Flower's own messaging), not only LocalGrid: the
+    default ``Synchronous()`` (HeavyBall), ``Synchronous(AdaptiveDamping())``, ``Sequential()`` and
+    ``Continual()`` run a model with a non-Gaussian prior (``sigma ~ HalfNormal(1)``: the strategy
+    refits t_0 from the model) and a ``numpyro.param`` hyperparameter (stepped from the sites'
+    gradients), 2 rounds each on the same 3 sites, and give the in-process run's q, factors, t_0
+    and hyperparameter (same seeds); in the synchronous ones the round's ELBO too.
+
+    Tolerances are the LocalGrid tests' (1e-4 relative for states, 1e-5 for the ELBO): the sites
+    compute the same programs on the same draws. The hyperparameter and t_0 moved from their start
+    (the server's steps ran)."""
+    from models import halfnormal_offset_model
+
+    data, _ = _three_sites(halfnormal_offset_model, SMALL_UPDATE)
+    stand_in = dict(
+        model=halfnormal_offset_model,
+        model_args=(np.zeros((1, 2), np.float32),),
+        model_kwargs={"y": np.zeros(1, np.float32)},
+    )
+    strategies = {
+        name: PVIStrategy(pvi.MeanFieldGaussian(), 3, random.PRNGKey(2), server, **stand_in)
+        for name, server in SERVERS_ON_THE_ENGINE.items()
+    }
+    app = ServerApp()
+
+    @app.main()
+    def main(grid, context):
+        for strategy in strategies.values():
+            strategy.start(grid, num_rounds=2, timeout=600)
+
+    def load_data(context):
+        return data[int(context.node_config["partition-id"])]
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", pvi.PVIWarning)  # 2 rounds: far from converged
+        run_simulation(
+            app,
+            client_app(halfnormal_offset_model, pvi.MeanFieldGaussian(), SMALL_UPDATE, load_data),
+            num_supernodes=3,
+            backend_config={"init_args": {"num_cpus": 1}, "client_resources": {"num_cpus": 1}},
+        )
+    for name, server in SERVERS_ON_THE_ENGINE.items():
+        inference = pvi.PVI(
+            halfnormal_offset_model,
+            pvi.MeanFieldGaussian(),
+            pvi.ClientData(data),
+            SMALL_UPDATE,
+            server,
+        )
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", pvi.PVIWarning)
+            run = inference.run(random.PRNGKey(2), 2, progress_bar=False)
+        state, reference = strategies[name].state, run.state
+        factors = jax.tree.map(lambda f: f[:3], reference.factors)
+        for got, want in zip(
+            jax.tree.leaves((state.q, state.factors, state.prior_factor, state.hyper)),
+            jax.tree.leaves((reference.q, factors, reference.prior_factor, reference.hyper)),
+        ):
+            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5, err_msg=name)
+        assert abs(float(state.hyper["offset"])) > 1e-3, name  # from 0
+        start = inference.init(random.PRNGKey(2)).prior_factor
+        assert max(np.max(np.abs(a - b)) for a, b in zip(start, state.prior_factor)) > 1e-3, name
+        if isinstance(server, pvi.Synchronous):
+            np.testing.assert_allclose(
+                strategies[name].history.elbo, run.history.elbo, rtol=1e-5, err_msg=name
+            )
+
+
 def _sites_data(X, y, parts):
     return [((np.asarray(X[p]),), {"y": np.asarray(y[p])}) for p in parts]
 
