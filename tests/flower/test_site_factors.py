@@ -270,3 +270,59 @@ def test_factors_at_the_sites_refuse_what_needs_them_at_the_server():
         pvi.Continual(),
     ):
         assert PVIStrategy(family, 4, key, server, factors="sites").factors == "sites"
+
+
+# a DP-SGD update small enough to compile in seconds (10 rows a site, 10 steps of 5 rows)
+DP_UPDATE = pvi.DPGradientUpdate(
+    optax.adam(0.05), num_steps=10, batch_size=5, clip_norm=1.0, noise_multiplier=1.0
+)
+
+
+def test_dp_sites_that_keep_their_factors_give_the_server_runs_q_and_epsilon(flower_task):
+    """``DPGradientUpdate`` sites with ``factors="sites"`` (issue 27's DP composition): 3 sites of
+    10 rows, 2 rounds, the same seeds. ``q``, the attempts and the ELBO equal the
+    ``factors="server"`` run's, the strategy holds no factor, each site holds the factor the server
+    run held for it, and ``strategy.privacy_spent`` (from the releases the sites report) gives the
+    same epsilons, positive, with either client sampling rule.
+
+    Measured (this machine, jax CPU): q bitwise equal; the tolerance is the other Flower tests'
+    (1e-4 relative), the epsilons' 1e-9 (the same counts into the same accountant).
+    """
+    X, y = make_linear_data()
+    parts = pvi.split_iid(random.PRNGKey(1), 30, 3)
+    data = [((np.asarray(X[:30, :2][p]),), {"y": np.asarray(y[:30][p])}) for p in parts]
+    site = Site(
+        linear_model,
+        pvi.MeanFieldGaussian(),
+        DP_UPDATE,
+        lambda c: data[c.node_config["partition-id"]],
+    )
+    run_id, runs = next(LOCAL_RUNS), {}
+    for factors in ("server", "sites"):
+        grid = LocalGrid(site, 3, run_id=run_id)
+        strategy = PVIStrategy(
+            pvi.MeanFieldGaussian(), 3, random.PRNGKey(2), pvi.Synchronous(0.5), factors=factors
+        )
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", pvi.PVIWarning)  # 2 rounds: far from converged
+            strategy.start(grid, num_rounds=2, timeout=60)
+        runs[factors] = strategy, grid
+    (reference, _), (strategy, grid) = runs["server"], runs["sites"]
+    assert strategy.state.factors is None
+    for got, want in zip(jax.tree.leaves(strategy.state.q), jax.tree.leaves(reference.state.q)):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    np.testing.assert_array_equal(strategy.history.attempts, reference.history.attempts)
+    np.testing.assert_allclose(strategy.history.elbo, reference.history.elbo, rtol=1e-5)
+    like = pvi.MeanFieldGaussian().zeros(2)
+    for node, context in grid.contexts.items():
+        for got, want in zip(
+            jax.tree.leaves(load_factor(context, like)), jax.tree.leaves(reference.state.factors)
+        ):
+            np.testing.assert_allclose(got, np.asarray(want)[node - 100], rtol=1e-4, atol=1e-5)
+    assert strategy.releases == reference.releases == {m: (2, 10) for m in range(3)}
+    for rule in ("known", "secret"):
+        spent = strategy.privacy_spent(DP_UPDATE, 1e-5, client_sampling=rule)
+        np.testing.assert_allclose(
+            spent, reference.privacy_spent(DP_UPDATE, 1e-5, client_sampling=rule), rtol=1e-9
+        )
+        assert np.all(spent > 0)
