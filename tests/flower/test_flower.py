@@ -827,3 +827,44 @@ def test_dp_updates_on_flowers_engine_give_the_in_process_q_and_epsilon(by_value
         spent = strategy.privacy_spent(DP_UPDATE, 1e-5, client_sampling=rule)
         np.testing.assert_allclose(spent, run.privacy_spent(1e-5, client_sampling=rule), rtol=1e-9)
         assert np.all(spent > 0)
+
+
+@pytest.mark.parametrize("case", ["converges", "far"])
+def test_tol_and_the_monitors_warnings_over_flower_are_the_in_process_runs(flower_task, case):
+    """Convergence (``tol``) and the monitor's warnings over Flower messages (LocalGrid) are the
+    in-process run's, same seeds: with ``tol`` the conjugate linear model's exact updates (CVI,
+    step 1, ``Synchronous(1.0)``) settle and both runs stop after the same round, converged, for
+    the same reason; two rounds of Adam without ``tol`` end far from converged, and both say so
+    with the same ``PVIWarning`` and ``stopped_because``."""
+    from models import linear_model, make_linear_data
+
+    X, y = (a[:40] for a in make_linear_data())
+    data = _sites_data(X, y, pvi.split_iid(random.PRNGKey(1), 40, 3))
+    if case == "converges":
+        family, server = pvi.FullRankGaussian(), pvi.Synchronous(1.0)
+        update, num_rounds, tol = pvi.NaturalGradientUpdate(step_size=1.0), 10, 0.05
+    else:
+        family, server = pvi.MeanFieldGaussian(), pvi.Synchronous(0.5)
+        update, num_rounds, tol = SMALL_UPDATE, 2, None
+    site = Site(linear_model, family, update, lambda c: data[c.node_config["partition-id"]])
+    strategy = PVIStrategy(family, 3, random.PRNGKey(2), server)
+    inference = pvi.PVI(linear_model, family, pvi.ClientData(data), update, server)
+    with warnings.catch_warnings(record=True) as over_flower:
+        warnings.simplefilter("always", pvi.PVIWarning)
+        strategy.start(LocalGrid(site, 3), num_rounds=num_rounds, timeout=60, tol=tol)
+    with warnings.catch_warnings(record=True) as in_process:
+        warnings.simplefilter("always", pvi.PVIWarning)
+        run = inference.run(random.PRNGKey(2), num_rounds, tol=tol, progress_bar=False)
+    messages = [
+        sorted({str(w.message) for w in caught if issubclass(w.category, pvi.PVIWarning)})
+        for caught in (over_flower, in_process)
+    ]
+    assert messages[0] == messages[1]
+    assert (strategy.converged, strategy.stopped_because) == (run.converged, run.stopped_because)
+    assert len(strategy.history.elbo) == len(run.history.elbo)
+    if case == "converges":
+        assert strategy.converged and len(run.history.elbo) < num_rounds
+        assert messages[0] == []
+    else:
+        assert not strategy.converged and strategy.stopped_because == "not_settled"
+        assert any("far from converged" in m for m in messages[0])
