@@ -674,6 +674,30 @@ def test_a_halfnormal_prior_over_flower_messages_gives_the_in_process_q(flower_t
     assert min(moved) > 1e-3 and np.all(np.abs(strategy.state.prior_factor.eta2[-1]) > 1e-3)
 
 
+def _assert_the_in_process_dp_run(strategy, data):
+    """``strategy``'s q and factors are the in-process DP run's on ``data`` (2 rounds, same seeds;
+    the LocalGrid tests' tolerance), each site reported 2 releases of 10 rows, and
+    ``strategy.privacy_spent`` gives ``result.privacy_spent``'s epsilons, positive, with either
+    client sampling rule (1e-9: the same counts into the same accountant)."""
+    from models import linear_model
+
+    inference = pvi.PVI(linear_model, pvi.MeanFieldGaussian(), pvi.ClientData(data), DP_UPDATE)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", pvi.PVIWarning)  # 2 rounds: far from converged
+        run = inference.run(random.PRNGKey(2), 2, progress_bar=False)
+    factors = jax.tree.map(lambda f: f[:3], run.state.factors)
+    for got, want in zip(
+        jax.tree.leaves((strategy.state.q, strategy.state.factors)),
+        jax.tree.leaves((run.state.q, factors)),
+    ):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    assert strategy.releases == {m: (2, 10) for m in range(3)}
+    for rule in ("known", "secret"):
+        spent = strategy.privacy_spent(DP_UPDATE, 1e-5, client_sampling=rule)
+        np.testing.assert_allclose(spent, run.privacy_spent(1e-5, client_sampling=rule), rtol=1e-9)
+        assert np.all(spent > 0)
+
+
 def test_dp_updates_over_flower_messages_give_the_in_process_q_and_epsilon(flower_task):
     """DP-SGD at the sites over Flower: q and the factors are the in-process run's (same seeds, to
     float rounding as in the tests above), and ``strategy.privacy_spent`` -- from the release and
@@ -687,22 +711,10 @@ def test_dp_updates_over_flower_messages_give_the_in_process_q_and_epsilon(flowe
 
     data, site = _three_sites(linear_model, DP_UPDATE)
     strategy = PVIStrategy(pvi.MeanFieldGaussian(), 3, random.PRNGKey(2))
-    inference = pvi.PVI(linear_model, pvi.MeanFieldGaussian(), pvi.ClientData(data), DP_UPDATE)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", pvi.PVIWarning)
         strategy.start(LocalGrid(site, 3), num_rounds=2, timeout=60)
-        run = inference.run(random.PRNGKey(2), 2, progress_bar=False)
-    factors = jax.tree.map(lambda f: f[:3], run.state.factors)
-    for got, want in zip(
-        jax.tree.leaves((strategy.state.q, strategy.state.factors)),
-        jax.tree.leaves((run.state.q, factors)),
-    ):
-        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
-    assert strategy.releases == {m: (2, 10) for m in range(3)}
-    for rule in ("known", "secret"):
-        spent = strategy.privacy_spent(DP_UPDATE, 1e-5, client_sampling=rule)
-        np.testing.assert_allclose(spent, run.privacy_spent(1e-5, client_sampling=rule), rtol=1e-9)
-        assert np.all(spent > 0)
+    _assert_the_in_process_dp_run(strategy, data)
     with pytest.raises(TypeError, match="not differentially private"):
         strategy.privacy_spent(SMALL_UPDATE, 1e-5)
 
@@ -742,6 +754,18 @@ def test_a_dp_site_counts_the_releases_the_server_rejected(flower_task):
     assert failures == [0, 0, int(pvi.state.Rejection.BUDGET)]
 
 
+def _assert_the_exact_linear_posterior(q, X, y):
+    """Full-rank ``q`` within 0.01 posterior sds of the exact posterior's mean and 0.02 (relative to
+    the sds) of its covariance."""
+    from models import exact_linear_posterior
+
+    mean, cov = exact_linear_posterior(X, y)
+    q = pvi.FullRankGaussian().to_dist(q)
+    sd = np.sqrt(np.diag(cov))
+    assert np.max(np.abs(np.asarray(q.mean) - mean) / sd) < 0.01
+    assert np.max(np.abs(np.asarray(q.covariance_matrix) - cov) / np.outer(sd, sd)) < 0.02
+
+
 def test_asynchronous_over_flower_messages_reaches_the_exact_posterior(flower_task):
     """``Asynchronous`` over Flower (before: refused) is truly asynchronous: a site gets its next
     cavity as soon as its reply is merged (push/pull), so its updates are computed against a ``q``
@@ -754,7 +778,7 @@ def test_asynchronous_over_flower_messages_reaches_the_exact_posterior(flower_ta
     deterministic on a Gaussian likelihood); after 3 rounds the mean is still 0.013 sds off and
     the covariance 0.14. The tolerances (0.01, 0.02) sit between the two.
     """
-    from models import exact_linear_posterior, linear_model, make_linear_data
+    from models import linear_model, make_linear_data
 
     X, y = (a[:40] for a in make_linear_data())
     data = _sites_data(X, y, pvi.split_iid(random.PRNGKey(1), 40, 3))
@@ -770,11 +794,7 @@ def test_asynchronous_over_flower_messages_reaches_the_exact_posterior(flower_ta
     # a round is M merges; each site was sent its next cavity before the others' replies merged
     np.testing.assert_array_equal(strategy.history.accepted.sum(1), 3)
     assert len(grid.pushed) > 24
-    mean, cov = exact_linear_posterior(X, y)
-    q = pvi.FullRankGaussian().to_dist(strategy.state.q)
-    sd = np.sqrt(np.diag(cov))
-    assert np.max(np.abs(np.asarray(q.mean) - mean) / sd) < 0.01
-    assert np.max(np.abs(np.asarray(q.covariance_matrix) - cov) / np.outer(sd, sd)) < 0.02
+    _assert_the_exact_linear_posterior(strategy.state.q, X, y)
 
 
 def test_asynchronous_on_flowers_engine_reaches_the_exact_posterior(by_value):
@@ -786,7 +806,7 @@ def test_asynchronous_on_flowers_engine_reaches_the_exact_posterior(by_value):
     Tolerances are the LocalGrid test's above (0.01 posterior sds on the mean, 0.02 on the
     covariance; there 8 rounds gave 3.7e-4 and 3.9e-3 for every seed, 3 rounds 0.013 and 0.14).
     """
-    from models import exact_linear_posterior, linear_model, make_linear_data
+    from models import linear_model, make_linear_data
 
     X, y = (a[:40] for a in make_linear_data())
     data = _sites_data(X, y, pvi.split_iid(random.PRNGKey(1), 40, 3))
@@ -794,39 +814,18 @@ def test_asynchronous_on_flowers_engine_reaches_the_exact_posterior(by_value):
     strategy = PVIStrategy(pvi.FullRankGaussian(), 3, random.PRNGKey(0), pvi.Asynchronous(0.5))
     _simulate(linear_model, pvi.FullRankGaussian(), update, data, [strategy], num_rounds=8)
     np.testing.assert_array_equal(strategy.history.accepted.sum(1), 3)
-    mean, cov = exact_linear_posterior(X, y)
-    q = pvi.FullRankGaussian().to_dist(strategy.state.q)
-    sd = np.sqrt(np.diag(cov))
-    assert np.max(np.abs(np.asarray(q.mean) - mean) / sd) < 0.01
-    assert np.max(np.abs(np.asarray(q.covariance_matrix) - cov) / np.outer(sd, sd)) < 0.02
+    _assert_the_exact_linear_posterior(strategy.state.q, X, y)
 
 
 def test_dp_updates_on_flowers_engine_give_the_in_process_q_and_epsilon(by_value):
     """``DPGradientUpdate`` sites on Flower's simulation engine, the default ``Synchronous()``:
-    q and the factors are the in-process run's (same seeds; the LocalGrid test's tolerance), the
-    sites report 2 releases of 10 rows each, and ``strategy.privacy_spent`` gives the in-process
-    ``result.privacy_spent``'s epsilons with either client sampling rule (1e-9: the same counts
-    into the same accountant)."""
+    the in-process run's q, factors and epsilons (``_assert_the_in_process_dp_run``)."""
     from models import linear_model
 
     data, _ = _three_sites(linear_model, DP_UPDATE)
     strategy = PVIStrategy(pvi.MeanFieldGaussian(), 3, random.PRNGKey(2))
     _simulate(linear_model, pvi.MeanFieldGaussian(), DP_UPDATE, data, [strategy], num_rounds=2)
-    inference = pvi.PVI(linear_model, pvi.MeanFieldGaussian(), pvi.ClientData(data), DP_UPDATE)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", pvi.PVIWarning)  # 2 rounds: far from converged
-        run = inference.run(random.PRNGKey(2), 2, progress_bar=False)
-    factors = jax.tree.map(lambda f: f[:3], run.state.factors)
-    for got, want in zip(
-        jax.tree.leaves((strategy.state.q, strategy.state.factors)),
-        jax.tree.leaves((run.state.q, factors)),
-    ):
-        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
-    assert strategy.releases == {m: (2, 10) for m in range(3)}
-    for rule in ("known", "secret"):
-        spent = strategy.privacy_spent(DP_UPDATE, 1e-5, client_sampling=rule)
-        np.testing.assert_allclose(spent, run.privacy_spent(1e-5, client_sampling=rule), rtol=1e-9)
-        assert np.all(spent > 0)
+    _assert_the_in_process_dp_run(strategy, data)
 
 
 @pytest.mark.parametrize("case", ["converges", "far"])
