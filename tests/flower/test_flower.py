@@ -104,8 +104,8 @@ def test_a_flower_run_raises_no_fork_or_resource_warning(flower_run):
 
 def run_flower():
     """One Flower simulation: 4 virtual sites, each loading only its own groups (Ray actors on this
-    machine); the ServerApp runs a synchronous strategy, a sequential one and a sampling one, on the
-    same sites."""
+    machine); the ServerApp runs a synchronous strategy, a sequential one, a sampling one and the
+    synchronous one with the factors kept at the sites, on the same sites."""
     X, y, parts = make_flower_data()
     site_data = [(np.asarray(X[p]), np.asarray(y[p])) for p in parts]
 
@@ -125,6 +125,14 @@ def run_flower():
             NUM_CLIENTS,
             random.PRNGKey(6),
             pvi.Synchronous(DAMPING, **SAMPLED),
+        ),
+        # "sync" with the factors kept at the sites
+        "sync_at_sites": PVIStrategy(
+            pvi.MeanFieldGaussian(),
+            NUM_CLIENTS,
+            random.PRNGKey(2),
+            pvi.Synchronous(DAMPING),
+            factors="sites",
         ),
     }
     app = ServerApp()
@@ -224,6 +232,21 @@ def test_flower_client_sampling_matches_in_process_sampling(flower_run):
     )
     # the sites sent and received only in the rounds they were drawn: 2 updates' traffic per round
     assert all(down > 0 and up > 0 for down, up in strategy.traffic)
+
+
+def test_factors_at_the_sites_on_flowers_engine_give_the_server_runs_q(flower_run):
+    """Issue 27's check on Flower's simulation engine (4 sites, 3 rounds, same seeds): the
+    synchronous run with ``factors="sites"`` holds no factor at the server and its q, dampings and
+    ELBO equal the run with the factors at the server (``"sync"``, itself the in-process run's:
+    above). Tolerance as above (measured bitwise equal over LocalGrid,
+    ``tests/flower/test_site_factors.py``)."""
+    at_sites, at_server = flower_run[0]["sync_at_sites"], flower_run[0]["sync"]
+    assert at_sites.state.factors is None and at_server.state.factors is not None
+    for got, want in zip(jax.tree.leaves(at_sites.state.q), jax.tree.leaves(at_server.state.q)):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    np.testing.assert_array_equal(at_sites.history.attempts, at_server.history.attempts)
+    np.testing.assert_allclose(at_sites.history.damping, at_server.history.damping)
+    np.testing.assert_allclose(at_sites.history.elbo, at_server.history.elbo, rtol=1e-5)
 
 
 def test_natparams_round_trip_and_shape_check():
