@@ -851,18 +851,25 @@ def test_dp_updates_on_flowers_engine_give_the_in_process_q_and_epsilon(by_value
     _assert_the_in_process_dp_run(strategy, data)
 
 
-@pytest.mark.parametrize("case", ["converges", "far"])
+@pytest.mark.parametrize("case", ["converges", "far", "stalled"])
 def test_tol_and_the_monitors_warnings_over_flower_are_the_in_process_runs(flower_task, case):
     """Convergence (``tol``) and the monitor's warnings over Flower messages (LocalGrid) are the
     in-process run's, same seeds: with ``tol`` the conjugate linear model's exact updates (CVI,
     step 1, ``Synchronous(1.0)``) settle and both runs stop after the same round, converged, for
-    the same reason; two rounds of Adam without ``tol`` end far from converged, and both say so
-    with the same ``PVIWarning`` and ``stopped_because``."""
+    the same reason; two rounds of Adam without ``tol`` end far from converged; and when every
+    site's delta is NaN (``fakes.PoisonedUpdate`` on 3 sites of 13 rows) every update is rejected
+    as non-finite for 4 rounds, so q never moves and the run is stalled, not converged. Each time
+    both runs give the same warnings (``PVIWarning``) and ``stopped_because``."""
+    from fakes import PoisonedUpdate
     from models import linear_model, make_linear_data
 
-    X, y = (a[:40] for a in make_linear_data())
-    data = _sites_data(X, y, pvi.split_iid(random.PRNGKey(1), 40, 3))
-    if case == "converges":
+    rows = 39 if case == "stalled" else 40
+    X, y = (a[:rows] for a in make_linear_data())
+    data = _sites_data(X, y, pvi.split_iid(random.PRNGKey(1), rows, 3))
+    if case == "stalled":
+        family, server = pvi.FullRankGaussian(), pvi.Synchronous(0.5)
+        update, num_rounds, tol = PoisonedUpdate(bad_size=13), 4, None
+    elif case == "converges":
         family, server = pvi.FullRankGaussian(), pvi.Synchronous(1.0)
         update, num_rounds, tol = pvi.NaturalGradientUpdate(step_size=1.0), 10, 0.05
     else:
@@ -887,6 +894,10 @@ def test_tol_and_the_monitors_warnings_over_flower_are_the_in_process_runs(flowe
     if case == "converges":
         assert strategy.converged and len(run.history.elbo) < num_rounds
         assert messages[0] == []
+    elif case == "stalled":
+        assert not strategy.converged
+        np.testing.assert_array_equal(strategy.history.rejection, pvi.state.Rejection.NON_FINITE)
+        assert any("stalled" in m for m in messages[0])
     else:
         assert not strategy.converged and strategy.stopped_because == "not_settled"
         assert any("far from converged" in m for m in messages[0])
