@@ -31,6 +31,13 @@ def assert_checkpoint_resumes(inference, result, path):
 UNEQUAL = [np.arange(0, 40), np.arange(40, 130), np.arange(130, 150), np.arange(150, 300)]
 
 
+# a DP-SGD update small enough to compile in seconds (10 rows a site, 10 steps of 5 rows;
+# tests/flower/)
+SMALL_DP_UPDATE = pvi.DPGradientUpdate(
+    optax.adam(0.05), num_steps=10, batch_size=5, clip_norm=1.0, noise_multiplier=1.0
+)
+
+
 class ExactLinearUpdate(pvi.local_updates.LocalUpdate):
     """The exact local optimum for `linear_model`: q_new = cavity x the client's Gaussian
     likelihood."""

@@ -393,6 +393,15 @@ def halfnormal_scale_model(X, y=None):
         numpyro.sample("y", dist.Normal(X @ w, sigma), obs=y)
 
 
+def make_three_linear_sites():
+    """30 rows of the linear data (2 columns) split iid over 3 sites of 10 rows (so an in-process
+    run's clients are not padded, draw for draw with Flower's sites): each site's ``((X,), {"y":
+    y})`` (tests/flower/)."""
+    X, y = make_linear_data()
+    parts = pvi.split_iid(random.PRNGKey(1), 30, 3)
+    return [((np.asarray(X[:30, :2][p]),), {"y": np.asarray(y[:30][p])}) for p in parts]
+
+
 def halfnormal_offset_model(X, y=None):
     """``halfnormal_scale_model`` with a learned offset (a ``numpyro.param`` hyperparameter): a
     non-Gaussian prior and a hyperparameter in one model (tests/flower/test_flower.py)."""

@@ -39,7 +39,7 @@ from numpyro_pvi.flower import (  # noqa: E402
 )
 from numpyro_pvi.flower.wire import adopt_layout, layout_to_text  # noqa: E402
 
-from fakes import LocalGrid  # noqa: E402
+from fakes import SMALL_DP_UPDATE, LocalGrid  # noqa: E402
 from models import (  # noqa: E402
     FLOWER_SITES,
     intercept_model,
@@ -107,12 +107,6 @@ def run_flower():
     machine); the ServerApp runs a synchronous strategy, a sequential one, a sampling one and the
     synchronous one with the factors kept at the sites, on the same sites."""
     X, y, parts = make_flower_data()
-    site_data = [(np.asarray(X[p]), np.asarray(y[p])) for p in parts]
-
-    def load_data(context):
-        Xm, ym = site_data[int(context.node_config["partition-id"])]
-        return (Xm,), {"y": ym}
-
     strategies = {
         "sync": PVIStrategy(
             pvi.MeanFieldGaussian(), NUM_CLIENTS, random.PRNGKey(2), pvi.Synchronous(DAMPING)
@@ -135,18 +129,13 @@ def run_flower():
             factors="sites",
         ),
     }
-    app = ServerApp()
-
-    @app.main()
-    def main(grid, context):
-        for strategy in strategies.values():
-            strategy.start(grid, num_rounds=NUM_ROUNDS, timeout=600)
-
-    run_simulation(
-        app,
-        client_app(intercept_model, pvi.MeanFieldGaussian(), LOCAL, load_data),
-        num_supernodes=NUM_CLIENTS,
-        backend_config={"init_args": {"num_cpus": 1}, "client_resources": {"num_cpus": 1}},
+    _simulate(
+        intercept_model,
+        pvi.MeanFieldGaussian(),
+        LOCAL,
+        _sites_data(X, y, parts),
+        strategies.values(),
+        NUM_ROUNDS,
     )
     return strategies
 
@@ -407,22 +396,8 @@ def test_flower_site_families_match_in_process(by_value):
     # (measured: 30 s against 88 s for the first in-process round, on this machine under load)
     update = pvi.GradientUpdate(optax.adam(0.05), num_steps=10, num_particles=2)
     strategy = PVIStrategy(site_families(), 2, random.PRNGKey(2), pvi.Synchronous(DAMPING))
-    app = ServerApp()
-
-    @app.main()
-    def main(grid, context):
-        strategy.start(grid, num_rounds=2, timeout=600)
-
-    def load_data(context):
-        p = parts[int(context.node_config["partition-id"])]
-        return (np.asarray(X[p]),), {"y": np.asarray(y[p])}
-
-    run_simulation(
-        app,
-        client_app(normal_gamma_model, site_families(), update, load_data),
-        num_supernodes=2,
-        backend_config={"init_args": {"num_cpus": 1}, "client_resources": {"num_cpus": 1}},
-    )
+    data = _sites_data(X, y, parts)
+    _simulate(normal_gamma_model, site_families(), update, data, [strategy], num_rounds=2)
     inference = pvi.PVI(
         normal_gamma_model, site_families(), parts, update, pvi.Synchronous(DAMPING)
     )
@@ -464,6 +439,16 @@ def _simulate(model, family, update, data, strategies, num_rounds):
         )
 
 
+def _stand_in(model):
+    """``PVIStrategy``'s ``model=`` arguments for a model of the three linear sites' columns: one
+    row of zeros stands in for a site's data (the prior needs none)."""
+    return dict(
+        model=model,
+        model_args=(np.zeros((1, 2), np.float32),),
+        model_kwargs={"y": np.zeros(1, np.float32)},
+    )
+
+
 SERVERS_ON_THE_ENGINE = {
     "heavy_ball": pvi.Synchronous(),  # the default damping
     "adaptive": pvi.Synchronous(pvi.AdaptiveDamping()),
@@ -486,11 +471,7 @@ def test_servers_a_halfnormal_prior_and_a_hyperparameter_on_flowers_engine(by_va
     from models import halfnormal_offset_model
 
     data, _ = _three_sites(halfnormal_offset_model, SMALL_UPDATE)
-    stand_in = dict(
-        model=halfnormal_offset_model,
-        model_args=(np.zeros((1, 2), np.float32),),
-        model_kwargs={"y": np.zeros(1, np.float32)},
-    )
+    stand_in = _stand_in(halfnormal_offset_model)
     strategies = {
         name: PVIStrategy(pvi.MeanFieldGaussian(), 3, random.PRNGKey(2), server, **stand_in)
         for name, server in SERVERS_ON_THE_ENGINE.items()
@@ -623,19 +604,11 @@ def test_every_server_over_flower_messages_gives_the_in_process_q(flower_task, c
         np.testing.assert_array_equal(strategy.history.attempts, [[1, 1, 0], [0, 0, 1]])
 
 
-# a DP-SGD update small enough to compile in seconds (10 rows a site, 10 steps of 5 rows)
-DP_UPDATE = pvi.DPGradientUpdate(
-    optax.adam(0.05), num_steps=10, batch_size=5, clip_norm=1.0, noise_multiplier=1.0
-)
-
-
 def _three_sites(model, update):
-    """30 rows of the linear data (2 columns) over 3 sites of 10 rows (draw for draw with the
-    in-process run, whose clients are then not padded), and their Flower sites."""
-    from models import make_linear_data
+    """``models.make_three_linear_sites``' data and their Flower sites."""
+    from models import make_three_linear_sites
 
-    X, y = make_linear_data()
-    data = _sites_data(X[:30, :2], y[:30], pvi.split_iid(random.PRNGKey(1), 30, 3))
+    data = make_three_linear_sites()
     site = Site(
         model, pvi.MeanFieldGaussian(), update, lambda c: data[c.node_config["partition-id"]]
     )
@@ -655,11 +628,7 @@ def test_a_halfnormal_prior_over_flower_messages_gives_the_in_process_q(flower_t
     from models import halfnormal_scale_model, linear_model
 
     data, site = _three_sites(halfnormal_scale_model, SMALL_UPDATE)
-    stand_in = dict(
-        model=halfnormal_scale_model,
-        model_args=(np.zeros((1, 2), np.float32),),
-        model_kwargs={"y": np.zeros(1, np.float32)},
-    )
+    stand_in = _stand_in(halfnormal_scale_model)
     grid = LocalGrid(site, 3)
     # without the model the server cannot refit t_0: refused by name, before any round
     with pytest.raises(ValueError, match=r"\[sigma\].*model=model"):
@@ -704,7 +673,9 @@ def _assert_the_in_process_dp_run(strategy, data):
     client sampling rule (1e-9: the same counts into the same accountant)."""
     from models import linear_model
 
-    inference = pvi.PVI(linear_model, pvi.MeanFieldGaussian(), pvi.ClientData(data), DP_UPDATE)
+    inference = pvi.PVI(
+        linear_model, pvi.MeanFieldGaussian(), pvi.ClientData(data), SMALL_DP_UPDATE
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", pvi.PVIWarning)  # 2 rounds: far from converged
         run = inference.run(random.PRNGKey(2), 2, progress_bar=False)
@@ -716,7 +687,7 @@ def _assert_the_in_process_dp_run(strategy, data):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
     assert strategy.releases == {m: (2, 10) for m in range(3)}
     for rule in ("known", "secret"):
-        spent = strategy.privacy_spent(DP_UPDATE, 1e-5, client_sampling=rule)
+        spent = strategy.privacy_spent(SMALL_DP_UPDATE, 1e-5, client_sampling=rule)
         np.testing.assert_allclose(spent, run.privacy_spent(1e-5, client_sampling=rule), rtol=1e-9)
         assert np.all(spent > 0)
 
@@ -732,7 +703,7 @@ def test_dp_updates_over_flower_messages_give_the_in_process_q_and_epsilon(flowe
     """
     from models import linear_model
 
-    data, site = _three_sites(linear_model, DP_UPDATE)
+    data, site = _three_sites(linear_model, SMALL_DP_UPDATE)
     strategy = PVIStrategy(pvi.MeanFieldGaussian(), 3, random.PRNGKey(2))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", pvi.PVIWarning)
@@ -756,7 +727,7 @@ def test_a_dp_site_counts_the_releases_the_server_rejected(flower_task):
     from models import linear_model
 
     family = pvi.MeanFieldGaussian()
-    two, three = (epsilon(DP_UPDATE.dp_event(10, n), 1e-5) for n in (2, 3))
+    two, three = (epsilon(SMALL_DP_UPDATE.dp_event(10, n), 1e-5) for n in (2, 3))
     update = pvi.DPGradientUpdate(
         optax.adam(0.05),
         num_steps=10,
@@ -845,9 +816,11 @@ def test_dp_updates_on_flowers_engine_give_the_in_process_q_and_epsilon(by_value
     the in-process run's q, factors and epsilons (``_assert_the_in_process_dp_run``)."""
     from models import linear_model
 
-    data, _ = _three_sites(linear_model, DP_UPDATE)
+    data, _ = _three_sites(linear_model, SMALL_DP_UPDATE)
     strategy = PVIStrategy(pvi.MeanFieldGaussian(), 3, random.PRNGKey(2))
-    _simulate(linear_model, pvi.MeanFieldGaussian(), DP_UPDATE, data, [strategy], num_rounds=2)
+    _simulate(
+        linear_model, pvi.MeanFieldGaussian(), SMALL_DP_UPDATE, data, [strategy], num_rounds=2
+    )
     _assert_the_in_process_dp_run(strategy, data)
 
 

@@ -31,8 +31,13 @@ from numpyro_pvi.flower.site_factors import (  # noqa: E402
 from numpyro_pvi.local_updates.base import ClientResult  # noqa: E402
 from numpyro_pvi.server.steps import Steps, make_apply  # noqa: E402
 
-from fakes import LOCAL_RUNS, LocalGrid  # noqa: E402
-from models import FLOWER_SITES, linear_model, make_linear_data  # noqa: E402
+from fakes import LOCAL_RUNS, SMALL_DP_UPDATE, LocalGrid  # noqa: E402
+from models import (  # noqa: E402
+    FLOWER_SITES,
+    linear_model,
+    make_linear_data,
+    make_three_linear_sites,
+)
 
 UPDATE = pvi.GradientUpdate(optax.adam(0.05), num_steps=10, num_particles=2)
 
@@ -272,12 +277,6 @@ def test_factors_at_the_sites_refuse_what_needs_them_at_the_server():
         assert PVIStrategy(family, 4, key, server, factors="sites").factors == "sites"
 
 
-# a DP-SGD update small enough to compile in seconds (10 rows a site, 10 steps of 5 rows)
-DP_UPDATE = pvi.DPGradientUpdate(
-    optax.adam(0.05), num_steps=10, batch_size=5, clip_norm=1.0, noise_multiplier=1.0
-)
-
-
 def test_dp_sites_that_keep_their_factors_give_the_server_runs_q_and_epsilon(flower_task):
     """``DPGradientUpdate`` sites with ``factors="sites"`` (issue 27's DP composition): 3 sites of
     10 rows, 2 rounds, the same seeds. ``q``, the attempts and the ELBO equal the
@@ -288,13 +287,11 @@ def test_dp_sites_that_keep_their_factors_give_the_server_runs_q_and_epsilon(flo
     Measured (this machine, jax CPU): q bitwise equal; the tolerance is the other Flower tests'
     (1e-4 relative), the epsilons' 1e-9 (the same counts into the same accountant).
     """
-    X, y = make_linear_data()
-    parts = pvi.split_iid(random.PRNGKey(1), 30, 3)
-    data = [((np.asarray(X[:30, :2][p]),), {"y": np.asarray(y[:30][p])}) for p in parts]
+    data = make_three_linear_sites()
     site = Site(
         linear_model,
         pvi.MeanFieldGaussian(),
-        DP_UPDATE,
+        SMALL_DP_UPDATE,
         lambda c: data[c.node_config["partition-id"]],
     )
     run_id, runs = next(LOCAL_RUNS), {}
@@ -321,8 +318,8 @@ def test_dp_sites_that_keep_their_factors_give_the_server_runs_q_and_epsilon(flo
             np.testing.assert_allclose(got, np.asarray(want)[node - 100], rtol=1e-4, atol=1e-5)
     assert strategy.releases == reference.releases == {m: (2, 10) for m in range(3)}
     for rule in ("known", "secret"):
-        spent = strategy.privacy_spent(DP_UPDATE, 1e-5, client_sampling=rule)
+        spent = strategy.privacy_spent(SMALL_DP_UPDATE, 1e-5, client_sampling=rule)
         np.testing.assert_allclose(
-            spent, reference.privacy_spent(DP_UPDATE, 1e-5, client_sampling=rule), rtol=1e-9
+            spent, reference.privacy_spent(SMALL_DP_UPDATE, 1e-5, client_sampling=rule), rtol=1e-9
         )
         assert np.all(spent > 0)
