@@ -36,7 +36,7 @@ from numpyro_pvi.results.result import PVIRunResult, average_states
 from numpyro_pvi.server.elbo import ELBO_KEY
 from numpyro_pvi.server.monitor import RunMonitor
 from numpyro_pvi.server.play import play_round
-from numpyro_pvi.server.round import InFlight, Round, cancel_in_flight
+from numpyro_pvi.server.round import InFlight, OwnedFactors, Round, cancel_in_flight
 from numpyro_pvi.server.servers import Server, Synchronous
 from numpyro_pvi.state import MadeFor, PVIState, RoundInfo, broadcast_slots, grow_slots
 
@@ -393,7 +393,12 @@ class PVI:
             )
 
     def _round(
-        self, state: PVIState, problem: Problem, in_flight: InFlight, monitor: RunMonitor
+        self,
+        state: PVIState,
+        problem: Problem,
+        in_flight: InFlight,
+        monitor: RunMonitor,
+        owned: OwnedFactors | None = None,
     ) -> tuple[PVIState, RoundInfo]:
         self._check_state(state, problem)
         steps, data = problem.steps, _data(problem)
@@ -408,6 +413,7 @@ class PVI:
                 in_flight,
                 sample_key,
                 problem.slot_index,
+                owned,
             )
 
         def pooled_elbo(start: PVIState) -> float:
@@ -527,14 +533,19 @@ class PVI:
             )
         state = self.init(rng_key, problem) if init_state is None else init_state
         infos, in_flight, monitor = [], InFlight(), RunMonitor(self.server, tol, init_history)
+        # the factors each round's steps produce are the next round's to consume (no copy of all
+        # M of them a round), unless they are kept for the average
+        owned = OwnedFactors()
         # the last rounds' (q, factors, prior factor)
         last: deque = deque(maxlen=average_rounds or 1)
         try:
             with trange(num_rounds, disable=not progress_bar, desc="PVI") as rounds:
                 for _ in rounds:
-                    state, info = self._round(state, problem, in_flight, monitor)
+                    state, info = self._round(state, problem, in_flight, monitor, owned)
                     infos.append(info)
                     last.append((state.q, state.factors, state.prior_factor))
+                    if average_rounds is not None:
+                        owned.release()
                     rounds.set_postfix(
                         elbo=f"{info.elbo:.4g}",
                         rejected=int(info.num_rejected),

@@ -38,12 +38,15 @@ class Damping(Protocol):
     """What a server's damping does in a round; its state lives in ``PVIState.damping``.
 
     :ivar synchronous_only: it needs every client of a round against the same ``q`` (heavy ball).
+    :ivar reads_previous_factors: :meth:`after_merge` reads ``before.factors`` (heavy ball), so a
+        round's merges may not reuse the memory of the factors it started from.
 
     **Example:** ``pvi.Synchronous(pvi.Fixed(0.5))`` (or ``pvi.Synchronous(0.5)``),
     ``pvi.Synchronous(pvi.AdaptiveDamping())``, ``pvi.Synchronous(pvi.HeavyBall())``.
     """
 
     synchronous_only: bool
+    reads_previous_factors: bool
 
     def init(self, q: Any, factors: Any, family: Any) -> Any:
         """The state before the first round (its shapes never change: the merge compiles once)."""
@@ -93,6 +96,7 @@ class Fixed:
     """
 
     synchronous_only = False
+    reads_previous_factors = False
 
     def __init__(self, rho: float) -> None:
         if not (isinstance(rho, (int, float)) and not isinstance(rho, bool) and 0.0 < rho <= 1.0):
@@ -194,6 +198,7 @@ class AdaptiveDamping:
     """
 
     synchronous_only = False
+    reads_previous_factors = False
 
     def __init__(
         self,

@@ -113,6 +113,7 @@ class HeavyBall:
     """
 
     synchronous_only = True  # its spectrum estimate compares whole synchronous rounds
+    reads_previous_factors = True  # the velocity is the round's change of every factor
 
     def __init__(
         self,

@@ -59,6 +59,8 @@ def play_round(
     if prior_step is not None:
         state = prior_step(state)
     round = make_round(round_key, sample_key)
+    if server.damping.reads_previous_factors:
+        round.owned.release()  # `before` keeps the factors the round starts from
     before = state
     state = server.run_round(state, round, num_clients)
     backtracked = round.backtracked(rho)

@@ -54,6 +54,41 @@ class InFlight(dict):
     InFlightUpdate``."""
 
 
+class OwnedFactors:
+    """The factors a run's last compiled step produced, while no one else holds them: the next
+    step may consume them (their memory holds the merged factors: no copy of all ``M`` rows).
+
+    :meth:`PVI.run <numpyro_pvi.PVI.run>` keeps one for all its rounds and releases it where the
+    factors are kept elsewhere (iterate averaging, a damping that reads the round's starting
+    factors); a step handed factors not marked here (the caller's state, a checkpoint, the prior
+    factor's step) works on a copy of them.
+
+    **Example:** ``owned = OwnedFactors(); owned.mark(state.factors); owned.holds(state.factors)``
+    is ``True``.
+    """
+
+    def __init__(self) -> None:
+        self.leaves: tuple = ()
+
+    def holds(self, factors: NatParams) -> bool:
+        """Whether ``factors`` are the arrays marked last (the same objects, not equal values)."""
+        leaves = jax.tree.leaves(factors)
+        return len(leaves) == len(self.leaves) and all(a is b for a, b in zip(leaves, self.leaves))
+
+    def mark(self, factors: NatParams) -> None:
+        self.leaves = tuple(jax.tree.leaves(factors))
+
+    def release(self) -> None:
+        """Someone else keeps the marked factors: the next step copies them."""
+        self.leaves = ()
+
+    def take(self, factors: NatParams) -> NatParams:
+        """``factors`` to consume: themselves if marked, else a copy (the caller's stay intact)."""
+        if self.holds(factors):
+            return factors
+        return jax.tree.map(lambda f: jax.device_put(f, may_alias=False), factors)
+
+
 class Round:
     """What a server calls to run clients in one round, recording what each client did.
 
@@ -68,6 +103,8 @@ class Round:
     :param sample_key: the key a server draws the round's clients from (``clients_per_round``).
     :param index: where each client slot's data are (``problem.slot_index``, worked out once per
         problem; default: from ``clients``, which takes time in the number of clients).
+    :param owned: the run's :class:`OwnedFactors` (a fresh one if ``None``: the round's first step
+        copies the factors it is handed).
     """
 
     def __init__(
@@ -80,6 +117,7 @@ class Round:
         in_flight: InFlight | None = None,
         sample_key: jax.Array | None = None,
         index: SlotIndex | None = None,
+        owned: OwnedFactors | None = None,
     ) -> None:
         if isinstance(clients, Client):
             clients = (Bucket(clients, np.arange(capacity)),)
@@ -96,6 +134,7 @@ class Round:
         self.num_clients, self.capacity = num_clients, capacity
         self.concurrent = isinstance(steps.runner, ConcurrentRunner)
         self.in_flight = InFlight() if in_flight is None else in_flight
+        self.owned = OwnedFactors() if owned is None else owned
         self.free_energy, self.damping = np.full(num_clients, np.nan), np.zeros(num_clients)
         self.attempts, self.accepted, self.clamped = (np.zeros(num_clients, int) for _ in range(3))
         self.rejection, self.moved = np.zeros(num_clients, int), np.zeros(num_clients, bool)
@@ -221,7 +260,9 @@ class Round:
     ) -> tuple[PVIState, np.ndarray]:
         pulled = state.q if pulled is None else pulled
         groups, order = self._groups([int(m) for m in ids], allow)
+        state = state._replace(factors=self.owned.take(state.factors))
         state, out = self.steps.group_step(state, groups, self.key(salt), pulled)
+        self.owned.mark(state.factors)
         real = np.flatnonzero(np.asarray(order) >= 0)
         out = jax.tree.map(lambda x: np.asarray(x)[real], out)
         accepted = self._note([order[i] for i in real], out)

@@ -62,7 +62,8 @@ class Steps(NamedTuple):
         merge into ``state.q`` together; the outcome is stacked over the groups' clients in order,
         with each client's term of the ELBO of ``pulled`` and the prior's
         (``ClientOutcome.elbo_term``, ``prior_term``) when the server's rounds send every client
-        the same ``q`` (``Server.synchronous_rounds``), else ``None``.
+        the same ``q`` (``Server.synchronous_rounds``), else ``None``. Compiled, it consumes
+        ``state.factors`` (donated: the new factors reuse their memory).
     :ivar apply: ``(state, ids, result, allow) -> (state, ClientOutcome)``: merge the clients'
         results.
     :ivar runner: the backend's ``run(ids, keys, cavities, q, states, clients, hyper) ->
@@ -134,21 +135,50 @@ def compile_steps(
 
     if not config.backend.jit_group:
         return _steps(config, problem, prior_logdensity, rest, group_step, apply, runner)
-    # the merge of several buckets' results, concatenations included, in one compiled call (eager
-    # concatenations compile one small executable per leaf shape)
-    fused, run_one, merge_all = jax.jit(group_step), jax.jit(run_group), jax.jit(merge_groups)
+    return _steps(
+        config,
+        problem,
+        prior_logdensity,
+        rest,
+        _compiled_group_step(group_step, run_group, merge_groups),
+        apply,
+        runner,
+    )
 
-    def jitted_group_step(
+
+def _compiled_group_step(
+    group_step: Callable, run_group: Callable, merge_groups: Callable
+) -> Callable:
+    """``group_step`` compiled: one call for one bucket; for several, one per bucket (smaller
+    programs to compile, and each bucket compiled once whichever buckets a sampled round touches),
+    then the merge of their results, concatenations included (eager concatenations compile one
+    small executable per leaf shape).
+
+    The factors are donated: the merge writes the merged clients' rows into the memory of
+    ``state.factors`` instead of a copy of all ``M`` of them (at a million clients the copy was
+    most of a round), so the caller's ``state.factors`` is consumed
+    (:class:`~numpyro_pvi.server.round.Round` passes factors no one else holds).
+    """
+
+    def in_place(step: Callable) -> Callable:
+        def on(factors: NatParams, state: PVIState, *args: Any) -> tuple:
+            return step(state._replace(factors=factors), *args)
+
+        on.__name__ = step.__name__  # the compilations' names: jit(group_step), jit(merge_groups)
+        return jax.jit(on, donate_argnums=0)
+
+    fused, run_one, merge_all = in_place(group_step), jax.jit(run_group), in_place(merge_groups)
+
+    def compiled(
         state: PVIState, groups: tuple, key: jax.Array, pulled: NatParams
     ) -> tuple[PVIState, ClientOutcome]:
-        """One compiled call for one bucket; for several, one per bucket (smaller programs to
-        compile, and each bucket compiled once whichever buckets a sampled round touches), then the
-        merge."""
+        rest = state._replace(factors=None)
         if len(groups) == 1:
-            return fused(state, groups, key, pulled)
-        return merge_all(state, groups, [run_one(state, g, key, pulled) for g in groups])
+            return fused(state.factors, rest, groups, key, pulled)
+        outs = [run_one(state, g, key, pulled) for g in groups]
+        return merge_all(state.factors, rest, groups, outs)
 
-    return _steps(config, problem, prior_logdensity, rest, jitted_group_step, apply, runner)
+    return compiled
 
 
 def _steps(
