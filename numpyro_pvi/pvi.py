@@ -556,11 +556,9 @@ class PVI:
                         break
         finally:
             cancel_in_flight(problem.steps.runner, in_flight)
-        history = RoundInfo(*(np.stack([np.asarray(x) for x in field]) for field in zip(*infos)))
+        history = RoundInfo.stacked(infos)
         if init_history is not None:
-            history = RoundInfo(
-                *(np.concatenate([np.asarray(old), new]) for old, new in zip(init_history, history))
-            )
+            history = _joined(init_history, history, problem.num_clients)
         converged, stopped_because = monitor.at_end()
         averaged = None if average_rounds is None else average_states(problem.family, state, last)
         return PVIRunResult(
@@ -710,3 +708,16 @@ def _same_data(source: tuple, data: tuple) -> bool:
 def _data(problem: Problem) -> tuple:
     """The clients' data as the compiled steps take them: one stacked ``Client`` per bucket."""
     return tuple(bucket.clients for bucket in problem.buckets)
+
+
+def _joined(old: RoundInfo, new: RoundInfo, num_clients: int) -> RoundInfo:
+    """A run's earlier rounds (``init_history``) and its new ones, one history: both dense over
+    ``num_clients`` clients where one of them is (a sampled history is ``(rounds, K)``)."""
+    if (old.clients is None) != (new.clients is None):
+        old, new = old.dense(num_clients), new.dense(num_clients)
+    return RoundInfo(
+        *(
+            None if a is None and b is None else np.concatenate([np.asarray(a), np.asarray(b)])
+            for a, b in zip(old, new)
+        )
+    )

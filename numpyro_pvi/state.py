@@ -177,8 +177,17 @@ class RoundInfo(NamedTuple):
         measure it, 1 otherwise); with a factorised family and several clients a large one ends the
         run unconverged (``stopped_because == "factorised_correlation"``).
 
+    :ivar clients: ``None`` when the per-client fields (the ``(M,)`` ones above) hold every
+        client, entry ``m`` client ``m``. With client sampling (``clients_per_round``) the ``(K,)``
+        ids of the round's sampled clients, and each per-client field is ``(K,)``, entry ``i``
+        client ``clients[i]``: a round's record, and a run's history, cost ``O(K)``, not ``O(M)``
+        (a million clients' dense record took 81 MB a round). :meth:`dense` gives the ``(M,)``
+        form.
+
     **Example:** ``state, info = inference.update(state, X, y=y)``; ``info.elbo``,
-    ``info.num_rejected``; over a run, ``result.history.free_energy`` is ``(rounds, M)``.
+    ``info.num_rejected``; over a run, ``result.history.free_energy`` is ``(rounds, M)`` (with
+    ``clients_per_round=K``, ``(rounds, K)`` and ``result.history.clients`` says whose;
+    ``result.history.dense().free_energy`` is ``(rounds, M)``).
     """
 
     elbo: Any
@@ -194,11 +203,65 @@ class RoundInfo(NamedTuple):
     bytes_received: Any = None
     bytes_sent: Any = None
     inflation: Any = None
+    clients: Any = None
 
     @property
     def num_rejected(self) -> Any:
         """Number of rejected client updates (per round in ``history``)."""
         return np.sum(np.asarray(self.attempts) - np.asarray(self.accepted), axis=-1)
+
+    def dense(self, num_clients: int | None = None) -> RoundInfo:
+        """The record with every per-client field over all clients (``(..., M)``, entry ``m``
+        client ``m``; ``clients=None``): a client a round did not sample holds what a client that
+        did not run holds (NaN free energy, inflation 1, zeros). Itself if it is dense already.
+
+        :param num_clients: ``M`` (default: the largest sampled id + 1).
+
+        **Example:** ``result.history.dense(M).attempts.sum(0)``: how often each client ran.
+        """
+        if self.clients is None:
+            return self
+        ids = np.asarray(self.clients, int)
+        size = int(ids.max(initial=-1)) + 1 if num_clients is None else int(num_clients)
+        fields = {}
+        for name, fill in CLIENT_FIELDS.items():
+            values = getattr(self, name)
+            if values is None:
+                continue
+            values = np.asarray(values)
+            full = np.full(values.shape[:-1] + (size,), fill, values.dtype)
+            np.put_along_axis(full, ids, values, axis=-1)
+            fields[name] = full
+        return self._replace(clients=None, **fields)
+
+    @classmethod
+    def stacked(cls, infos: list) -> RoundInfo:
+        """Rounds' records stacked: every field gains a leading round axis (a field that is
+        ``None`` in every round stays ``None``).
+
+        **Example:** ``RoundInfo.stacked(infos).elbo`` is ``(rounds,)``.
+        """
+        return cls(
+            *(
+                None if all(x is None for x in field) else np.stack([np.asarray(x) for x in field])
+                for field in zip(*infos)
+            )
+        )
+
+
+# RoundInfo's per-client fields and what a client that did not run holds
+CLIENT_FIELDS = {
+    "free_energy": np.nan,
+    "attempts": 0,
+    "accepted": 0,
+    "damping": 0.0,
+    "clamped": 0,
+    "rejection": 0,
+    "moved": False,
+    "bytes_received": 0,
+    "bytes_sent": 0,
+    "inflation": 1.0,
+}
 
 
 class ClientOutcome(NamedTuple):

@@ -63,7 +63,7 @@ from numpyro_pvi.server.play import play_round
 from numpyro_pvi.server.round import InFlight, cancel_in_flight
 from numpyro_pvi.server.servers import Server, Synchronous
 from numpyro_pvi.server.steps import Steps, make_apply, make_hyper_step, make_prior_logdensity
-from numpyro_pvi.state import PVIState, RoundInfo, broadcast_slots, grow_slots
+from numpyro_pvi.state import CLIENT_FIELDS, PVIState, RoundInfo, broadcast_slots, grow_slots
 
 CONNECT_POLL = 1.0  # seconds between checks for connected sites
 
@@ -212,20 +212,27 @@ class PVIStrategy(Strategy):
         per-site fields of rounds before a site joined hold what a site that did not run holds)."""
         if not self.infos:
             raise RuntimeError("No round has run yet.")
-        sites = max(np.size(info.attempts) for info in self.infos)
-        fill = dict(free_energy=np.nan, inflation=1.0)
+        infos, sampled = self.infos, [info.clients is not None for info in self.infos]
+        if all(sampled):  # sampled rounds' records: (K,), as in process
+            return RoundInfo.stacked(infos)
+        if any(sampled):  # sites joined past clients_per_round: every round dense
+            infos = [info.dense(self.num_clients) for info in infos]
+        sites = max(np.size(info.attempts) for info in infos)
 
         def padded(name: str, x: Any) -> np.ndarray:
             x = np.asarray(x)
             if x.ndim == 0 or x.shape[0] == sites:
                 return x
-            return np.concatenate([x, np.full(sites - x.shape[0], fill.get(name, 0), x.dtype)])
+            fill = np.full(sites - x.shape[0], CLIENT_FIELDS.get(name, 0), x.dtype)
+            return np.concatenate([x, fill])
 
-        return RoundInfo(
-            *(
-                np.stack([padded(name, x) for x in field])
-                for name, field in zip(RoundInfo._fields, zip(*self.infos))
-            )
+        return RoundInfo.stacked(
+            [
+                RoundInfo(
+                    *(None if x is None else padded(name, x) for name, x in zip(info._fields, info))
+                )
+                for info in infos
+            ]
         )
 
     # ------------------------------------------------------------------ the run
@@ -609,7 +616,11 @@ class PVIStrategy(Strategy):
         """
         sites = range(self.num_clients)
         history = self.history if self.infos else None
-        tried = np.zeros(self.num_clients) if history is None else np.sum(history.attempts, 0)
+        tried = (
+            np.zeros(self.num_clients)
+            if history is None
+            else np.sum(history.dense(self.num_clients).attempts, 0)
+        )
         unknown = [m for m in sites if tried[m] > 0 and m not in self.releases]
         if unknown:
             raise ValueError(

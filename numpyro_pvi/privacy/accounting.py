@@ -231,6 +231,7 @@ def _rounds_covering(history: RoundInfo | None, released: np.ndarray) -> int:
     num_clients = len(released)
     seen = np.zeros(num_clients, int)
     if history is not None:
+        history = history.dense(num_clients)  # a sampled history holds (rounds, K)
         attempts = np.asarray(history.attempts)[:, :num_clients]
         silent = np.isin(
             np.asarray(history.rejection)[:, :num_clients],

@@ -157,7 +157,9 @@ def _inference_groups(
     }
     groups = _posterior_groups(result, num_samples, num_chains, rng_key, coords, dims, attrs)
     if result.history is not None:
-        groups["sample_stats"] = _history_dataset(result.history, attrs)
+        # a sampled run's (rounds, K) records over every client
+        history = result.history.dense(int(result.num_clients))
+        groups["sample_stats"] = _history_dataset(history, attrs)
     return groups
 
 

@@ -75,6 +75,7 @@ def plot_history(
         raise ValueError(
             "plot_history needs a PVIRunResult with a history (run at least one round)."
         )
+    history = history.dense()  # a sampled run's (rounds, K) records over its clients' ids
     elbo = np.asarray(history.elbo, dtype=float)
     free_energy = np.atleast_2d(np.asarray(history.free_energy, dtype=float))
     rejected = np.asarray(history.attempts) > np.asarray(history.accepted)

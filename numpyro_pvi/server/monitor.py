@@ -185,11 +185,20 @@ def lost(info: RoundInfo) -> np.ndarray:
     return (rejection > 0) | (~moved & (clamped > 0))
 
 
+def recorded_clients(info: RoundInfo) -> np.ndarray:
+    """The ids of the clients a round's per-client fields describe: ``info.clients``, or every
+    client (``0 .. M - 1``) where the record is dense."""
+    if info.clients is not None:
+        return np.asarray(info.clients, int)
+    return np.arange(np.size(info.attempts))
+
+
 def merged_clients(history: RoundInfo | None) -> np.ndarray:
     """``(M,)`` whether each client was merged (accepted, not clamped away) in some round of
-    ``history``."""
+    ``history`` (up to the largest id a sampled history recorded)."""
     if history is None or history.rejection is None:
         return np.zeros(0, bool)
+    history = history.dense()
     accepted = np.atleast_2d(np.asarray(history.accepted)) > 0
     rejection, clamped = (
         np.atleast_2d(np.asarray(history.rejection)),
@@ -214,7 +223,7 @@ class RunMonitor:
         self, server: Any, tol: float | None = None, history: RoundInfo | None = None
     ) -> None:
         self.server, self.tol, self.warned, self.still = server, tol, set(), 0
-        self.timeouts: np.ndarray | None = None  # consecutive rounds in which each client timed out
+        self.timeouts = np.zeros(0, int)  # consecutive rounds in which each client timed out
         # consecutive attempts in which each client's update raised or was NaN
         self.failures = np.zeros(0, int)
         self.failure_code = np.zeros(0, int)  # and the Rejection of its last failure
@@ -233,7 +242,7 @@ class RunMonitor:
         self.last: RoundInfo | None = None
         self.all_merged, self.clamped, self.falling, self.rounds = False, False, False, 0
         # the last round's mean tilted variance inflation; clients merged
-        self.inflation, self.num_merged = 1.0, 0
+        self.inflation, self.num_merged = 1.0, int(np.sum(self.merged))
         self.num_clients = 0
 
     def warn(self, cause: str, message: str) -> None:
@@ -255,7 +264,7 @@ class RunMonitor:
             and self.all_merged
             and not self.clamped
             and not self.falling
-            and bool(np.all(self.merged))
+            and self.num_merged == self.merged.size
             and not self.drifting
         )
 
@@ -307,15 +316,25 @@ class RunMonitor:
         DRIFT_FLOOR limits."""
         return coordinate_drift(list(self.moves), DRIFT_FLOOR * self._limit)
 
-    def after_round(self, info: RoundInfo, staleness: list, move: np.ndarray | None = None) -> None:
+    def after_round(
+        self,
+        info: RoundInfo,
+        staleness: list,
+        move: np.ndarray | None = None,
+        num_clients: int | None = None,
+    ) -> None:
         """Check one round (``staleness``: of the updates rejected as stale; ``move``:
-        :func:`q_move`)."""
+        :func:`q_move`; ``num_clients``: ``M``, default the size of a dense record). A sampled
+        round's record (``info.clients``) is checked in the time its ``K`` clients take."""
         self.last, self.rounds = info, self.rounds + 1
         if move is not None:
             self.moves.append(np.asarray(move))
+        ids = recorded_clients(info)
+        size = max(np.size(info.attempts) if num_clients is None else num_clients, ids.size)
+        size = max(size, int(ids.max(initial=-1)) + 1)
         attempts = np.asarray(info.attempts) > 0
         rejection, gone = np.asarray(info.rejection), lost(info)
-        budget = np.flatnonzero(rejection == Rejection.BUDGET)
+        budget = ids[rejection == Rejection.BUDGET]
         for client in budget.tolist():
             self.warn(
                 f"budget {client}",
@@ -334,13 +353,13 @@ class RunMonitor:
         self.clamped = bool(np.any(np.asarray(info.clamped)[attempts] > 0))
         # not clamped away
         merged_now = (np.asarray(info.accepted) > 0) & ~(gone & (rejection == 0))
-        self.merged = _grown(self.merged, attempts.size, False)
-        self.merged[: attempts.size] |= merged_now
-        self.num_merged = int(np.sum(self.merged))
-        self.num_clients = int(attempts.size)
+        self.merged = _grown(self.merged, size, False)
+        self.num_merged += int(np.sum(merged_now & ~self.merged[ids]))
+        self.merged[ids] |= merged_now
+        self.num_clients = int(size)
         if info.inflation is not None and np.any(attempts):
             self.inflation = float(np.mean(np.asarray(info.inflation)[attempts]))
-        self._failing(rejection, attempts)
+        self._failing(ids, size, rejection, attempts)
         self._elbo(float(info.elbo))
         troubled = info.num_rejected > 0 or np.asarray(info.clamped).sum() > 0
         self.still = self.still + 1 if info.change == 0.0 and troubled else 0
@@ -352,16 +371,16 @@ class RunMonitor:
                 "updates were rejected; RoundInfo.clamped counts steps halved to stay valid.",
             )
 
-    def _failing(self, rejection: np.ndarray, attempts: np.ndarray) -> None:
-        """Count each client's timeouts (rounds) and failed attempts (raised or NaN); warn naming
-        the clients."""
+    def _failing(
+        self, ids: np.ndarray, size: int, rejection: np.ndarray, attempts: np.ndarray
+    ) -> None:
+        """Count the timeouts (rounds) and failed attempts (raised or NaN) of the round's clients
+        ``ids`` (of ``size`` in all); warn naming the clients."""
         timed_out = rejection == Rejection.TIMEOUT
         # clients added since (a Flower site that joined mid-run) start with none
-        count = _grown(
-            np.zeros(0, int) if self.timeouts is None else self.timeouts, rejection.size, 0
-        )
-        self.timeouts = np.where(timed_out, count + 1, 0)
-        late = np.flatnonzero(self.timeouts >= STALL_ROUNDS)
+        self.timeouts = _grown(self.timeouts, size, 0)
+        self.timeouts[ids] = np.where(timed_out, self.timeouts[ids] + 1, 0)
+        late = ids[self.timeouts[ids] >= STALL_ROUNDS]
         if late.size:
             self.warn(
                 "timeouts",
@@ -370,13 +389,12 @@ class RunMonitor:
                 "or give the clients less local work.",
             )
         failed = (rejection == Rejection.RAISED) | (rejection == Rejection.NON_FINITE)
-        count, code = (
-            _grown(self.failures, rejection.size, 0),
-            _grown(self.failure_code, rejection.size, 0),
-        )
-        self.failures = np.where(attempts, np.where(failed, count + 1, 0), count)
-        self.failure_code = np.where(attempts & failed, rejection, code)
-        bad = np.flatnonzero(self.failures >= STALL_ROUNDS)
+        self.failures = _grown(self.failures, size, 0)
+        self.failure_code = _grown(self.failure_code, size, 0)
+        count, code = self.failures[ids], self.failure_code[ids]
+        self.failures[ids] = np.where(attempts, np.where(failed, count + 1, 0), count)
+        self.failure_code[ids] = np.where(attempts & failed, rejection, code)
+        bad = ids[self.failures[ids] >= STALL_ROUNDS]
         if bad.size:
             how = ", ".join(
                 f"{m}: {Rejection(int(self.failure_code[m])).name}" for m in bad.tolist()
@@ -469,7 +487,8 @@ class RunMonitor:
             )
         if tol is not None and self.clamped:
             attempted = np.asarray(info.attempts) > 0
-            clients = np.flatnonzero(attempted & (np.asarray(info.clamped) > 0)).tolist()
+            clamped = attempted & (np.asarray(info.clamped) > 0)
+            clients = recorded_clients(info)[clamped].tolist()
             return "clamped", (
                 f"The run did not converge in {self.rounds} rounds: the updates of client(s) "
                 f"{clients[:10]} in its last round were clamped "
@@ -578,10 +597,11 @@ def _reasons(codes: np.ndarray) -> str:
 
 
 def _grown(values: np.ndarray, size: int, fill: Any) -> np.ndarray:
-    """``values`` padded with ``fill`` to ``size`` entries (clients added since)."""
-    return np.concatenate([values, np.full(max(size - values.size, 0), fill, values.dtype)])[
-        : max(size, values.size)
-    ]
+    """``values`` padded with ``fill`` to ``size`` entries (clients added since); ``values``
+    themselves (no copy) if they have as many."""
+    if values.size >= size:
+        return values
+    return np.concatenate([values, np.full(size - values.size, fill, values.dtype)])
 
 
 def _span(elbo: Any) -> tuple[float, float]:

@@ -81,17 +81,9 @@ def play_round(
     state = state._replace(damping=server.damping.after_round(state.damping, value, backtracked))
     move = q_move(family, old_q, state.q)
     info = RoundInfo(
-        value,
-        *round.record(),
-        time.perf_counter() - start,
-        round.rejection,
-        round.moved,
-        largest(move),
-        round.bytes_received,
-        round.bytes_sent,
-        round.inflation,
+        value, time=time.perf_counter() - start, change=largest(move), **round.record()
     )
-    monitor.after_round(info, round.staleness, move)
+    monitor.after_round(info, round.staleness, move, num_clients)
     # an oscillating or falling run says so
     note = server.damping.warning(state.damping)
     if note is not None:

@@ -12,7 +12,9 @@ A server's ``run_round(state, round, num_clients)`` schedules clients through a 
   rounds and cancels what is left when it ends), never to the server: nothing leaks from one run
   into another.
 
-The round records what every client did (:class:`~numpyro_pvi.RoundInfo`'s per-client fields).
+The round records what every client did (:class:`~numpyro_pvi.RoundInfo`'s per-client fields), or,
+where the server drew the round's clients (:meth:`Round.sample`), what each of those did: a sampled
+round's bookkeeping costs ``O(K)``, not ``O(M)``.
 """
 
 from __future__ import annotations
@@ -135,44 +137,85 @@ class Round:
         self.concurrent = isinstance(steps.runner, ConcurrentRunner)
         self.in_flight = InFlight() if in_flight is None else in_flight
         self.owned = OwnedFactors() if owned is None else owned
-        self.free_energy, self.damping = np.full(num_clients, np.nan), np.zeros(num_clients)
-        self.attempts, self.accepted, self.clamped = (np.zeros(num_clients, int) for _ in range(3))
-        self.rejection, self.moved = np.zeros(num_clients, int), np.zeros(num_clients, bool)
-        self.bytes_received, self.bytes_sent = (
-            np.zeros(num_clients, np.int64),
-            np.zeros(num_clients, np.int64),
-        )
-        self.inflation = np.ones(num_clients)  # each client's last ClientResult.inflation
         # how stale each update the server rejected as stale was (in merges)
         self.staleness: list[int] = []
         self.hyper_grad: dict = {}  # client -> its last accepted hyperparameter gradient this round
-        # each client's term of the ELBO of the q it was sent this round, and the prior's terms
-        # (NaN where not reported: see numpyro_pvi.server.elbo)
-        self.elbo_terms, self.prior_term = np.full(num_clients, np.nan), np.nan
-        self.reported = np.zeros(num_clients, bool)
+        self.prior_term = np.nan  # the prior's terms of the round's ELBO (see elbo_terms)
+        # the clients the round records (None: all of them) and where each is in the record
+        self.sampled: np.ndarray | None = None
+        self.entry: dict[int, int] = {}
+        self.recording = False  # whether the per-client record below exists yet
 
-    def record(self) -> tuple:
-        """``(free_energy, attempts, accepted, damping, clamped)`` for
-        :class:`~numpyro_pvi.RoundInfo`."""
-        return self.free_energy, self.attempts, self.accepted, self.damping, self.clamped
+    def sample(self, clients: Any) -> None:
+        """The server drew this round's clients (client sampling): the round records theirs only
+        (:attr:`~numpyro_pvi.RoundInfo.clients`), at a cost in their number, not in ``M``.
+
+        **Example:** ``round.sample(ids)`` in a server's ``run_round``, before it runs ``ids``.
+        """
+        self.sampled = np.asarray(clients, int)
+        self.entry = {m: i for i, m in enumerate(self.sampled.tolist())}
+        self._start_record(self.sampled.size)
+
+    def _start_record(self, size: int) -> None:
+        """The per-client record, one entry per recorded client (what a client that does not run
+        holds)."""
+        self.free_energy, self.damping = np.full(size, np.nan), np.zeros(size)
+        self.attempts, self.accepted, self.clamped = (np.zeros(size, int) for _ in range(3))
+        self.rejection, self.moved = np.zeros(size, int), np.zeros(size, bool)
+        self.bytes_received, self.bytes_sent = np.zeros(size, np.int64), np.zeros(size, np.int64)
+        self.inflation = np.ones(size)  # each client's last ClientResult.inflation
+        # each client's term of the ELBO of the q it was sent this round (NaN where not reported:
+        # see numpyro_pvi.server.elbo)
+        self.elbo_terms, self.reported = np.full(size, np.nan), np.zeros(size, bool)
+        self.recording = True
+
+    def _ensure_record(self) -> None:
+        """Start the record of every client, unless the round was sampled (or started it)."""
+        if not self.recording:
+            self._start_record(self.num_clients)
+
+    def _entries(self, ids: list) -> Any:
+        """Where the clients ``ids`` are in the record (every client's, unless sampled)."""
+        self._ensure_record()
+        return ids if self.sampled is None else [self.entry[int(m)] for m in ids]
+
+    def record(self) -> dict:
+        """The per-client fields of :class:`~numpyro_pvi.RoundInfo`, and ``clients``, by name."""
+        self._ensure_record()
+        return dict(
+            free_energy=self.free_energy,
+            attempts=self.attempts,
+            accepted=self.accepted,
+            damping=self.damping,
+            clamped=self.clamped,
+            rejection=self.rejection,
+            moved=self.moved,
+            bytes_received=self.bytes_received,
+            bytes_sent=self.bytes_sent,
+            inflation=self.inflation,
+            clients=self.sampled,
+        )
 
     def reported_elbo(self) -> bool:
         """Whether every client reported its term of the ELBO of the ``q`` the round started from
         (a round of :class:`~numpyro_pvi.Synchronous` without ``clients_per_round``): the round's
         ELBO is then their sum and the prior's terms
         (:func:`~numpyro_pvi.server.elbo.round_elbo`)."""
-        return bool(self.num_clients > 0 and np.all(self.reported))
+        self._ensure_record()
+        return bool(self.sampled is None and self.num_clients > 0 and np.all(self.reported))
 
     def backtracked(self, rho: float) -> bool:
         """Whether a merge of this round had to backtrack: an update rejected as ``INVALID``, or one
         merged with a damping below ``rho`` (the damping the round started from)."""
+        self._ensure_record()
         below = (self.accepted > 0) & (self.damping < rho * (1 - 1e-6))
         return bool(np.any(self.rejection == Rejection.INVALID) or np.any(below))
 
     def every_client_merged(self) -> bool:
         """Whether every client ran and was merged in this round (a round
         :class:`~numpyro_pvi.HeavyBall` can use)."""
-        return bool(np.all(self.accepted > 0))
+        self._ensure_record()
+        return bool(self.sampled is None and np.all(self.accepted > 0))
 
     def note_stale(self, staleness: int) -> None:
         """The server rejects an update computed against a ``q`` ``staleness`` merges old."""
@@ -191,27 +234,29 @@ class Round:
         )
         up += nbytes(hyper) if out.hyper_grad else 0
         up += 0 if out.elbo_term is None else jnp.dtype(out.elbo_term.dtype).itemsize
-        self.bytes_received[ids] += down
-        self.bytes_sent[ids] += up
+        entries = self._entries(ids)
+        self.bytes_received[entries] += down
+        self.bytes_sent[entries] += up
 
     def _note(self, ids: list, out: ClientOutcome) -> np.ndarray:
         n = len(ids)  # the group may be padded with unused slots (not allowed, not recorded)
+        entries = self._entries(ids)
         accepted = np.asarray(out.accepted)[:n]
-        self.free_energy[ids], self.damping[ids] = (
+        self.free_energy[entries], self.damping[entries] = (
             np.asarray(out.free_energy)[:n],
             np.asarray(out.damping)[:n],
         )
-        self.attempts[ids] += 1
-        self.accepted[ids] += accepted
-        self.clamped[ids] += np.asarray(out.clamped)[:n]
-        self.rejection[ids], self.moved[ids] = (
+        self.attempts[entries] += 1
+        self.accepted[entries] += accepted
+        self.clamped[entries] += np.asarray(out.clamped)[:n]
+        self.rejection[entries], self.moved[entries] = (
             np.asarray(out.rejection)[:n],
             np.asarray(out.moved)[:n],
         )
-        self.inflation[ids] = np.asarray(out.inflation)[:n]
+        self.inflation[entries] = np.asarray(out.inflation)[:n]
         if out.elbo_term is not None:
-            self.elbo_terms[ids] = np.asarray(out.elbo_term)[:n]
-            self.reported[ids] = True
+            self.elbo_terms[entries] = np.asarray(out.elbo_term)[:n]
+            self.reported[entries] = True
             self.prior_term = float(np.asarray(out.prior_term)[0])
         if out.hyper_grad:
             for i, m in enumerate(ids):

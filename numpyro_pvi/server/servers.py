@@ -160,6 +160,7 @@ class Synchronous(Server):
     def run_round(self, state: Any, round: Round, num_clients: int) -> Any:
         if self.sampling.active(num_clients):
             ids = [int(m) for m in self.sampling.draw(round.sample_key, num_clients)]
+            round.sample(ids)
         else:
             ids = list(range(num_clients))
         state, _ = round(state, ids)
@@ -320,6 +321,7 @@ class Asynchronous(Server):
         # the drawn clients come online: they pull the current q
         if self.sampling.active(num_clients):
             online = self.sampling.draw(round.sample_key, num_clients)
+            round.sample(online)
             chosen = set(online.tolist())
             events = [(t, m) for t, m in events if m in chosen]
             server = server._replace(

@@ -203,8 +203,10 @@ def test_flower_client_sampling_matches_in_process_sampling(flower_run):
     (tolerance as above)."""
     strategy = flower_run[0]["sampled"]
     reference, other = _in_process(6, 7, server=pvi.Synchronous(DAMPING, **SAMPLED))
+    # each round records its 2 sampled sites, as in process
+    np.testing.assert_array_equal(strategy.history.clients, reference.history.clients)
     np.testing.assert_array_equal(strategy.history.attempts, reference.history.attempts)
-    np.testing.assert_array_equal(strategy.history.attempts.sum(1), 2)
+    np.testing.assert_array_equal(strategy.history.dense(4).attempts.sum(1), 2)
     for got, want, off in zip(
         jax.tree.leaves((strategy.state.q, strategy.state.factors)),
         jax.tree.leaves((reference.state.q, reference.state.factors)),
@@ -213,7 +215,8 @@ def test_flower_client_sampling_matches_in_process_sampling(flower_run):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
         # the seed matters: the test can fail
         assert np.max(np.abs(np.asarray(off) - np.asarray(want))) > 1e-2
-    unsampled = strategy.history.attempts.sum(0) == 0  # a site never drawn keeps a flat factor
+    # a site never drawn keeps a flat factor
+    unsampled = strategy.history.dense(4).attempts.sum(0) == 0
     for leaf in jax.tree.leaves(strategy.state.factors):
         np.testing.assert_array_equal(np.asarray(leaf)[unsampled], 0.0)
     np.testing.assert_allclose(

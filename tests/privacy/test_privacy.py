@@ -202,9 +202,7 @@ def test_a_run_resumed_without_its_history_spends_what_its_releases_spent(sample
         resumed = pvi.PVI(**first.config._asdict()).run(
             random.PRNGKey(1), 1, X, y=y, progress_bar=False, init_state=first.state
         )
-    made = np.sum(np.asarray(first.history.attempts), 0) + np.sum(
-        np.asarray(resumed.history.attempts), 0
-    )
+    made = np.sum(first.history.dense(3).attempts, 0) + np.sum(resumed.history.dense(3).attempts, 0)
     assert made.sum() == 2 * (ROUNDS + 1)
     np.testing.assert_array_equal(_releases(resumed), made)
     np.testing.assert_allclose(
@@ -419,7 +417,7 @@ def test_secret_client_sampling_credits_every_round_at_rate_k_over_m(sampled_run
 
 def test_secret_client_sampling_of_all_clients_is_the_unamplified_epsilon(sampled_run):
     result = sampled_run  # the same history read as K = M: every client took part in every round
-    every = result.history._replace(
+    every = result.history.dense(3)._replace(
         attempts=np.ones((ROUNDS, 3), int), rejection=np.zeros((ROUNDS, 3), int)
     )
     # and so the clients count

@@ -211,13 +211,13 @@ def round_info(
     )
 
 
-def watch(infos, tol, moves=None, history=None):
+def watch(infos, tol, moves=None, history=None, num_clients=None):
     """Feed ``infos`` to a RunMonitor: ``(converged, stopped_because, PVIWarning messages)``."""
     monitor = RunMonitor(pvi.Synchronous(), tol, history)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for r, info in enumerate(infos):
-            monitor.after_round(info, [], None if moves is None else moves[r])
+            monitor.after_round(info, [], None if moves is None else moves[r], num_clients)
         converged, reason = monitor.at_end()
     return converged, reason, caught_messages(caught)
 
@@ -228,7 +228,7 @@ SWINGS = [(-1.0) ** r * np.array([0.3, -0.2, 0.1, 0.0]) for r in range(8)]  # ba
 
 
 def stack(infos):
-    return pvi.RoundInfo(*(np.stack([np.asarray(x) for x in field]) for field in zip(*infos)))
+    return pvi.RoundInfo.stacked(infos)
 
 
 DRIFT = [np.array([0.04, -0.02, 0.01]) * 0.95**r for r in range(6)]
@@ -1135,9 +1135,39 @@ def test_client_sampling_is_not_converged_before_every_client_was_merged(linear_
     # run
     assert (result.history.change <= 0.5).any()
     assert result.converged is False and result.stopped_because == "unmerged_clients"
-    never = 50 - int((result.history.accepted.sum(0) > 0).sum())
+    assert result.history.clients.shape == (8, 1)  # a sampled round records its client only
+    never = 50 - int((result.history.dense(50).accepted.sum(0) > 0).sum())
     assert any(f"{never} of 50 clients were never merged" in m for m in caught_messages(caught))
     assert says_why(result, caught_messages(caught))
+
+
+def test_a_sampled_rounds_record_names_its_clients_by_id():
+    """Issue 27: a sampled round records its K clients only (``RoundInfo.clients``, ``(K,)``
+    fields); the monitor reads it in O(K) and still names clients by id. Client 737 of 1,000, drawn
+    in three rounds with two others and failing each time, is the one the warning names (not the
+    record's entries 1, 0, 2), and after a clean round the run is not converged: 992 clients were
+    never merged."""
+
+    def sampled(ids, rejection=0):
+        return round_info(0.001, num_clients=3, rejection=rejection)._replace(clients=np.array(ids))
+
+    raised = pvi.state.Rejection.RAISED
+    infos = [
+        sampled([3, 737, 12], [0, raised, 0]),
+        sampled([737, 40, 41], [raised, 0, 0]),
+        sampled([999, 500, 737], [0, 0, raised]),
+        sampled([1, 2, 3]),
+    ]
+    converged, reason, messages = watch(infos, 0.05, num_clients=1000)
+    assert any(
+        "Client(s) [737] failed in each of their last 3 updates (737: RAISED" in m for m in messages
+    )
+    assert converged is False and reason == "unmerged_clients"
+    assert any("992 of 1000 clients were never merged" in m for m in messages)
+    # the same rounds, dense over the 1,000 clients: the same verdict and warnings
+    dense = [info.dense(1000) for info in infos]
+    assert dense[0].attempts.shape == (1000,) and dense[0].rejection[737] == raised
+    assert watch(dense, 0.05) == (converged, reason, messages)
 
 
 class DriftingUpdate(ExactLinearUpdate):

@@ -8,6 +8,7 @@ import pytest
 from jax import enable_x64, random
 
 import numpyro_pvi as pvi
+from numpyro_pvi.state import CLIENT_FIELDS
 
 from fakes import UNEQUAL, ExactLinearUpdate
 from models import exact_linear_posterior, linear_model
@@ -28,7 +29,8 @@ def test_k_of_m_per_round_reaches_the_exact_posterior(linear_data, server):
     with enable_x64(True):
         data = tuple(jnp.asarray(a, jnp.float64) for a in linear_data)
         inference, result = _run(server, data, 8)
-        attempts = result.history.attempts
+        assert result.history.clients.shape == (8, 2)  # each round records its 2 clients
+        attempts = result.history.dense(4).attempts
         np.testing.assert_array_equal(attempts.sum(1), 2)  # 2 of the 4 clients run in every round
         # ... and every client was drawn in 8 rounds
         assert attempts.max() == 1 and (attempts.sum(0) > 0).all()
@@ -43,7 +45,7 @@ def test_k_of_m_per_round_reaches_the_exact_posterior(linear_data, server):
 
 def test_sampled_sets_are_seeded_and_reproducible(linear_data):
     runs = [
-        _run(pvi.Synchronous(0.5, clients_per_round=2), linear_data, 6, seed)[1].history.attempts
+        _run(pvi.Synchronous(0.5, clients_per_round=2), linear_data, 6, seed)[1].history.clients
         for seed in (0, 0, 1)
     ]
     np.testing.assert_array_equal(runs[0], runs[1])
@@ -74,12 +76,17 @@ def test_k_equal_to_m_is_bitwise_no_sampling(linear_data, make):
 
 def test_client_weights_draw_only_weighted_clients(linear_data):
     server = pvi.Synchronous(0.5, clients_per_round=2, client_weights=[0.0, 1.0, 3.0, 0.0])
-    history = _run(server, linear_data, 4)[1].history
+    sampled = _run(server, linear_data, 4)[1].history
+    np.testing.assert_array_equal(sampled.clients, [[1, 2]] * 4)
+    np.testing.assert_array_equal(sampled.attempts, [[1, 1]] * 4)
+    history = sampled.dense(4)
+    assert history.clients is None
     np.testing.assert_array_equal(history.attempts, [[0, 1, 1, 0]] * 4)
     # RoundInfo counts the messages: q and the cavity down (3 + 3x3 float32 each), the delta and the
     # free energy up; a client that did not run sent and received nothing
     np.testing.assert_array_equal(history.bytes_received, [[0, 96, 96, 0]] * 4)
     np.testing.assert_array_equal(history.bytes_sent, [[0, 52, 52, 0]] * 4)
+    assert np.isnan(history.free_energy[:, [0, 3]]).all() and (history.inflation == 1).all()
 
 
 @pytest.mark.parametrize(
@@ -147,6 +154,9 @@ def _sampled_round_work(num_clients, rounds=1):
     for _ in range(rounds):
         state, info = inference.update(state, problem)
         ran += int(info.attempts.sum())
+        # the shapes of the round's record: its sampled clients' ids and per-client fields
+        fields = [info.clients] + [getattr(info, name) for name in CLIENT_FIELDS]
+        seen["record"] = sorted({np.shape(x) for x in fields})
     return seen, ran
 
 
@@ -160,6 +170,7 @@ def test_a_sampled_rounds_work_does_not_grow_with_the_clients():
     seen, ran = small
     assert seen["groups"] == [[128]] and ran == 100
     assert seen["elbo"] == [[200]]
+    assert seen["record"] == [(100,)]  # RoundInfo: the K sampled clients' entries, not M
 
 
 def test_an_elbo_sample_of_every_client_is_the_pooled_elbo(linear_data):
