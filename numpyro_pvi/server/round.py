@@ -148,7 +148,7 @@ class Round:
 
     def sample(self, clients: Any) -> None:
         """The server drew this round's clients (client sampling): the round records theirs only
-        (:attr:`~numpyro_pvi.RoundInfo.clients`), at a cost in their number, not in ``M``.
+        (``RoundInfo.clients``), at a cost in their number, not in ``M``.
 
         **Example:** ``round.sample(ids)`` in a server's ``run_round``, before it runs ``ids``.
         """
