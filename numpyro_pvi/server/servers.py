@@ -128,8 +128,8 @@ class Synchronous(Server):
         or a cavity invalid is rejected.
     :param clients_per_round: ``K`` clients drawn per round (an int, or a float fraction of the
         clients; ``None``: all), without replacement, from the state's key
-        (:mod:`numpyro_pvi.server.sampling`); the others keep their factors. ``RoundInfo.attempts``
-        shows who ran.
+        (:mod:`numpyro_pvi.server.sampling`); the others keep their factors. A round's
+        ``RoundInfo`` records the drawn clients only (``RoundInfo.clients``).
     :param client_weights: the clients' relative probabilities of being drawn (default uniform).
 
     **Example:** ``pvi.PVI(..., server=pvi.Synchronous())``, ``pvi.Synchronous(damping=0.5)`` or
@@ -242,8 +242,9 @@ class Asynchronous(Server):
     :param clients_per_round: at most ``K`` clients online (in flight) at a time (an int, or a float
         fraction of the clients; ``None``: all). In process, each round draws ``K`` clients from the
         state's key; they pull the current ``q`` as they come online and only their updates finish
-        that round. With a concurrent backend (Ray) at most ``K`` updates run at once, each finished
-        one replaced by a client drawn from the idle ones, and a round is ``K`` merges.
+        that round (its ``RoundInfo`` records those ``K``, ``RoundInfo.clients``). With a concurrent
+        backend (Ray) at most ``K`` updates run at once, each finished one replaced by a client
+        drawn from the idle ones, and a round is ``K`` merges (recorded over every client).
     :param client_weights: the clients' relative probabilities of being drawn (default uniform).
 
     **Example:** ``pvi.PVI(..., server=pvi.Asynchronous(damping=0.5, speeds=[1, 1, 0.2]))``
