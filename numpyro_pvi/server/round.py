@@ -30,7 +30,7 @@ from numpyro_pvi.families import NatParams
 from numpyro_pvi.local_updates.base import Client
 from numpyro_pvi.model.clients import Bucket, SlotIndex, slot_index
 from numpyro_pvi.server.steps import Group, Steps
-from numpyro_pvi.state import ClientOutcome, PVIState, Rejection
+from numpyro_pvi.state import CLIENT_FIELDS, ClientOutcome, PVIState, Rejection
 
 
 class Pending(NamedTuple):
@@ -144,7 +144,8 @@ class Round:
         # the clients the round records (None: all of them) and where each is in the record
         self.sampled: np.ndarray | None = None
         self.entry: dict[int, int] = {}
-        self.recording = False  # whether the per-client record below exists yet
+        # RoundInfo's per-client fields by name, one entry per recorded client (None: not started)
+        self.log: dict[str, np.ndarray] | None = None
 
     def sample(self, clients: Any) -> None:
         """The server drew this round's clients (client sampling): the round records theirs only
@@ -159,19 +160,15 @@ class Round:
     def _start_record(self, size: int) -> None:
         """The per-client record, one entry per recorded client (what a client that does not run
         holds)."""
-        self.free_energy, self.damping = np.full(size, np.nan), np.zeros(size)
-        self.attempts, self.accepted, self.clamped = (np.zeros(size, int) for _ in range(3))
-        self.rejection, self.moved = np.zeros(size, int), np.zeros(size, bool)
-        self.bytes_received, self.bytes_sent = np.zeros(size, np.int64), np.zeros(size, np.int64)
-        self.inflation = np.ones(size)  # each client's last ClientResult.inflation
+        # (inflation: each client's last ClientResult.inflation)
+        self.log = {name: np.full(size, fill) for name, fill in CLIENT_FIELDS.items()}
         # each client's term of the ELBO of the q it was sent this round (NaN where not reported:
         # see numpyro_pvi.server.elbo)
         self.elbo_terms, self.reported = np.full(size, np.nan), np.zeros(size, bool)
-        self.recording = True
 
     def _ensure_record(self) -> None:
         """Start the record of every client, unless the round was sampled (or started it)."""
-        if not self.recording:
+        if self.log is None:
             self._start_record(self.num_clients)
 
     def _entries(self, ids: list) -> Any:
@@ -182,19 +179,7 @@ class Round:
     def record(self) -> dict:
         """The per-client fields of :class:`~numpyro_pvi.RoundInfo`, and ``clients``, by name."""
         self._ensure_record()
-        return dict(
-            free_energy=self.free_energy,
-            attempts=self.attempts,
-            accepted=self.accepted,
-            damping=self.damping,
-            clamped=self.clamped,
-            rejection=self.rejection,
-            moved=self.moved,
-            bytes_received=self.bytes_received,
-            bytes_sent=self.bytes_sent,
-            inflation=self.inflation,
-            clients=self.sampled,
-        )
+        return dict(self.log, clients=self.sampled)
 
     def reported_elbo(self) -> bool:
         """Whether every client reported its term of the ELBO of the ``q`` the round started from
@@ -208,14 +193,14 @@ class Round:
         """Whether a merge of this round had to backtrack: an update rejected as ``INVALID``, or one
         merged with a damping below ``rho`` (the damping the round started from)."""
         self._ensure_record()
-        below = (self.accepted > 0) & (self.damping < rho * (1 - 1e-6))
-        return bool(np.any(self.rejection == Rejection.INVALID) or np.any(below))
+        below = (self.log["accepted"] > 0) & (self.log["damping"] < rho * (1 - 1e-6))
+        return bool(np.any(self.log["rejection"] == Rejection.INVALID) or np.any(below))
 
     def every_client_merged(self) -> bool:
         """Whether every client ran and was merged in this round (a round
         :class:`~numpyro_pvi.HeavyBall` can use)."""
         self._ensure_record()
-        return bool(self.sampled is None and np.all(self.accepted > 0))
+        return bool(self.sampled is None and np.all(self.log["accepted"] > 0))
 
     def note_stale(self, staleness: int) -> None:
         """The server rejects an update computed against a ``q`` ``staleness`` merges old."""
@@ -235,25 +220,25 @@ class Round:
         up += nbytes(hyper) if out.hyper_grad else 0
         up += 0 if out.elbo_term is None else jnp.dtype(out.elbo_term.dtype).itemsize
         entries = self._entries(ids)
-        self.bytes_received[entries] += down
-        self.bytes_sent[entries] += up
+        self.log["bytes_received"][entries] += down
+        self.log["bytes_sent"][entries] += up
 
     def _note(self, ids: list, out: ClientOutcome) -> np.ndarray:
         n = len(ids)  # the group may be padded with unused slots (not allowed, not recorded)
         entries = self._entries(ids)
         accepted = np.asarray(out.accepted)[:n]
-        self.free_energy[entries], self.damping[entries] = (
+        self.log["free_energy"][entries], self.log["damping"][entries] = (
             np.asarray(out.free_energy)[:n],
             np.asarray(out.damping)[:n],
         )
-        self.attempts[entries] += 1
-        self.accepted[entries] += accepted
-        self.clamped[entries] += np.asarray(out.clamped)[:n]
-        self.rejection[entries], self.moved[entries] = (
+        self.log["attempts"][entries] += 1
+        self.log["accepted"][entries] += accepted
+        self.log["clamped"][entries] += np.asarray(out.clamped)[:n]
+        self.log["rejection"][entries], self.log["moved"][entries] = (
             np.asarray(out.rejection)[:n],
             np.asarray(out.moved)[:n],
         )
-        self.inflation[entries] = np.asarray(out.inflation)[:n]
+        self.log["inflation"][entries] = np.asarray(out.inflation)[:n]
         if out.elbo_term is not None:
             self.elbo_terms[entries] = np.asarray(out.elbo_term)[:n]
             self.reported[entries] = True

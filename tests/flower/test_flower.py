@@ -333,14 +333,14 @@ def test_flower_round_merges_good_deltas_and_rejects_the_rest(flower_task):
     steps = Steps(None, jax.jit(make_apply(family, server, None)), runner, None, None, None, None)
     round = FlowerRound(steps, family, random.PRNGKey(1), 4, 4)
     state = server.run_round(state, round, 4)
-    np.testing.assert_array_equal(round.accepted, [1, 0, 0, 0])
-    assert [pvi.state.Rejection(int(r)).name for r in round.rejection] == [
+    np.testing.assert_array_equal(round.log["accepted"], [1, 0, 0, 0])
+    assert [pvi.state.Rejection(int(r)).name for r in round.log["rejection"]] == [
         "NONE",
         "NON_FINITE",
         "RAISED",
         "TIMEOUT",
     ]
-    np.testing.assert_allclose(round.damping, [rho, 0, 0, 0])
+    np.testing.assert_allclose(round.log["damping"], [rho, 0, 0, 0])
     for got, want in zip(jax.tree.leaves(state.q), jax.tree.leaves(prior + rho * good)):
         np.testing.assert_allclose(got, want, rtol=1e-6)
     for got, want in zip(jax.tree.leaves(state.factors), jax.tree.leaves(good)):

@@ -216,8 +216,8 @@ def test_the_sites_check_of_their_cavities_backtracks_the_merge_as_the_server_wo
         state = server.run_round(state, round, 2)
         outcome[at_sites] = state, round, grid
     (reference, by_server, _), (state, by_sites, grid) = outcome[False], outcome[True]
-    np.testing.assert_allclose(by_server.damping, [0.5, 0.5])
-    np.testing.assert_allclose(by_sites.damping, by_server.damping)
+    np.testing.assert_allclose(by_server.log["damping"], [0.5, 0.5])
+    np.testing.assert_allclose(by_sites.log["damping"], by_server.log["damping"])
     # q alone would pass the full step
     assert family.is_valid(prior + sites.deltas[0] + sites.deltas[1])
     for got, want in zip(jax.tree.leaves(state.q), jax.tree.leaves(reference.q)):
@@ -245,8 +245,9 @@ def test_a_site_silent_in_the_check_blocks_the_merge(flower_task):
     steps = Steps(None, None, runner, *[None] * 4)
     round = SiteFactorsRound(steps, family, server, random.PRNGKey(1), 2, 2)
     after = server.run_round(state, round, 2)
-    assert [pvi.state.Rejection(int(r)).name for r in round.rejection] == ["INVALID", "INVALID"]
-    np.testing.assert_array_equal(round.accepted, [0, 0])
+    rejections = [pvi.state.Rejection(int(r)).name for r in round.log["rejection"]]
+    assert rejections == ["INVALID", "INVALID"]
+    np.testing.assert_array_equal(round.log["accepted"], [0, 0])
     for got, want in zip(jax.tree.leaves(after.q), jax.tree.leaves(sites.prior)):
         np.testing.assert_array_equal(got, want)
     for context in grid.contexts.values():
