@@ -29,6 +29,41 @@ def test_threefry_is_unrolled_on_cpu_and_hashes_the_same_bits():
         np.testing.assert_array_equal(np.asarray(out), np.asarray(expected, np.uint32))
 
 
+def _threefry_reference(key, count):
+    """Threefry-2x32 with 20 rounds in NumPy (Salmon et al. 2011), the hash JAX computes."""
+    rotations = ((13, 15, 26, 6), (17, 29, 16, 24))
+    k1, k2 = (np.uint64(k) for k in key)
+    ks = [k1, k2, k1 ^ k2 ^ np.uint64(0x1BD11BDA)]
+    mask = np.uint64(0xFFFFFFFF)
+    x = [(np.asarray(c, np.uint64) + ks[i]) & mask for i, c in enumerate(count)]
+    for group in range(5):
+        for r in rotations[group % 2]:
+            x[0] = (x[0] + x[1]) & mask
+            x[1] = x[0] ^ (((x[1] << np.uint64(r)) | (x[1] >> np.uint64(32 - r))) & mask)
+        x[0] = (x[0] + ks[(group + 1) % 3]) & mask
+        x[1] = (x[1] + ks[(group + 2) % 3] + np.uint64(group + 1)) & mask
+    return np.stack(x).astype(np.uint32)
+
+
+def test_the_unrolled_hash_is_threefry_for_every_shape_and_batch():
+    """The CPU lowering written as HLO operations (JAX's rule traced a Python function at every
+    call site) hashes like a NumPy Threefry-2x32 for counts of several shapes, under ``jit`` and
+    with the keys batched by ``vmap`` (each key broadcast against its counts)."""
+    assert unroll_threefry_on_cpu()
+    rng = np.random.default_rng(0)
+    words = lambda *shape: rng.integers(0, 2**32, shape, dtype=np.uint64).astype(np.uint32)  # noqa: E731
+    hashed = jax.jit(threefry_2x32)
+    for shape in [(2,), (6,), (3, 4)]:
+        key, count = words(2), words(*shape)
+        flat = count.reshape(-1)
+        expected = _threefry_reference(key, np.split(flat, 2)).reshape(-1)
+        np.testing.assert_array_equal(np.asarray(hashed(key, count)).reshape(-1), expected)
+    keys, counts = words(5, 2), words(5, 8)
+    batched = np.asarray(jax.jit(jax.vmap(threefry_2x32))(keys, counts))
+    for key, count, out in zip(keys, counts, batched):
+        np.testing.assert_array_equal(out, _threefry_reference(key, np.split(count, 2)).reshape(-1))
+
+
 def test_enable_compilation_cache_sets_jaxs_cache_idempotently_and_stores_programs(
     tmp_path, monkeypatch
 ):
