@@ -400,35 +400,37 @@ def _pooled_counted(inference, *data, **kwargs):
     return dataclasses.replace(problem, steps=problem.steps._replace(elbo=counted)), calls
 
 
-@pytest.mark.parametrize("local", [False, True], ids=["logistic", "local_latents"])
+@pytest.mark.parametrize("case", ["logistic", "local_latents", "two_buckets"])
 def test_a_synchronous_round_sums_its_clients_terms_to_the_elbo_of_the_q_it_started_from(
-    local, logistic_data
+    case, logistic_data
 ):
     """Synchronous rounds take RoundInfo.elbo from the clients' reports (their terms under the q
     they were sent, computed with their update) plus the server's prior terms: no pooled pass over
     the data, and the same number as the pooled pass (``PVI.evaluate``) on the round's starting q
     with the same draws, to float32 rounding (measured: relative 7e-9 logistic, 4e-8 with local
-    latents). On main RoundInfo.elbo was a pooled pass over the q *after* the round."""
+    latents). On main RoundInfo.elbo was a pooled pass over the q *after* the round. With clients
+    of uneven sizes in two buckets (each bucket's clients run in a program of their own, the prior's
+    term is computed once, in the merge), the same."""
     from numpyro_pvi.server.elbo import prior_elbo_term, round_elbo
 
+    local = case == "local_latents"
     model, data = (
-        (intercept_model, make_intercept_data())
-        if local
-        else (
-            logistic_model,
-            logistic_data,
-        )
+        (intercept_model, make_intercept_data()) if local else (logistic_model, logistic_data)
     )
     rows = data[0].shape[0]
+    parts = pvi.split_iid(random.PRNGKey(0), rows, 3)
+    if case == "two_buckets":  # one client of 380 rows, 20 of one row
+        parts = [np.arange(rows - 20)] + [np.array([m]) for m in range(rows - 20, rows)]
     inference = pvi.PVI(
         model,
         pvi.MeanFieldGaussian(),
-        pvi.split_iid(random.PRNGKey(0), rows, 3),
+        parts,
         pvi.GradientUpdate(optax.adam(0.05), num_steps=10),
         pvi.Synchronous(0.5),
         num_elbo_particles=32,
     )
     problem, calls = _pooled_counted(inference, data[0], y=data[1])
+    assert len(problem.buckets) == (2 if case == "two_buckets" else 1)
     start = inference.init(random.PRNGKey(1), problem)
     after, first = inference.update(start, problem)
     _, second = inference.update(after, problem)
@@ -441,9 +443,9 @@ def test_a_synchronous_round_sums_its_clients_terms_to_the_elbo_of_the_q_it_star
         return
     # the server's part needs no data: the prior's density in theta alone (w (3,), b; both N(0, 1))
     round_ = Round(
-        problem.steps, problem.buckets, random.PRNGKey(5), 3, problem.capacity, None, None
+        problem.steps, problem.buckets, random.PRNGKey(5), len(parts), problem.capacity, None, None
     )
-    inference.server.run_round(start, round_, 3)
+    inference.server.run_round(start, round_, len(parts))
     prior = prior_elbo_term(
         inference.family, start.q, lambda z: dist.Normal(0.0, 1.0).log_prob(z).sum(), 32
     )

@@ -102,11 +102,11 @@ def compile_steps(
     family = problem.family
     apply = jax.jit(make_apply(family, config.server, config.local_update))
     prior_logdensity = make_prior_logdensity(config.model, problem.sites, layout)
-    elbo_terms = _elbo_terms_fn(config, problem, prior_logdensity)
+    elbo_terms, prior_term = _elbo_terms_fn(config, problem, prior_logdensity)
 
     def run_group(state: PVIState, group: Group, key: jax.Array, pulled: NatParams) -> tuple:
         """One bucket's clients in one vmapped call, whether each one's cavity was valid, and
-        their terms of the ELBO of ``pulled`` with the prior's (``None`` if not recorded)."""
+        their terms of the ELBO of ``pulled`` (``None`` if not recorded)."""
         ids = group.ids
         keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(ids)
         cavity, cavity_ok = cavities(family, pulled, state.factors, ids)
@@ -116,14 +116,17 @@ def compile_steps(
             return result, cavity_ok, None
         return result, cavity_ok, elbo_terms(pulled, group, local, state.hyper)
 
-    def merge_groups(state: PVIState, groups: tuple, outs: list) -> tuple[PVIState, ClientOutcome]:
+    def merge_groups(
+        state: PVIState, groups: tuple, outs: list, pulled: NatParams
+    ) -> tuple[PVIState, ClientOutcome]:
         joined = lambda *xs: jnp.concatenate(xs) if len(xs) > 1 else xs[0]  # noqa: E731
         ids, allow, real = (
             joined(*(getattr(g, name) for g in groups)) for name in ("ids", "allow", "real")
         )
-        results, cavity_ok, elbos = zip(*outs)
-        # every group was sent the same q: the prior's term is the first group's
-        elbo = None if elbos[0] is None else (joined(*(e[0] for e in elbos)), elbos[0][1])
+        results, cavity_ok, terms = zip(*outs)
+        # every group was sent the same q: the prior's term once a round, here (not in every
+        # bucket's program), on the first group's data
+        elbo = None if terms[0] is None else (joined(*terms), prior_term(pulled, groups[0].clients))
         return apply(
             state, ids, jax.tree.map(joined, *results), allow, joined(*cavity_ok), real, elbo
         )
@@ -131,7 +134,8 @@ def compile_steps(
     def group_step(
         state: PVIState, groups: tuple, key: jax.Array, pulled: NatParams
     ) -> tuple[PVIState, ClientOutcome]:
-        return merge_groups(state, groups, [run_group(state, g, key, pulled) for g in groups])
+        outs = [run_group(state, g, key, pulled) for g in groups]
+        return merge_groups(state, groups, outs, pulled)
 
     if not config.backend.jit_group:
         return _steps(config, problem, prior_logdensity, rest, group_step, apply, runner)
@@ -176,7 +180,7 @@ def _compiled_group_step(
         if len(groups) == 1:
             return fused(state.factors, rest, groups, key, pulled)
         outs = [run_one(state, g, key, pulled) for g in groups]
-        return merge_all(state.factors, rest, groups, outs)
+        return merge_all(state.factors, rest, groups, outs, pulled)
 
     return compiled
 
@@ -341,23 +345,26 @@ def _prior_steps(
     return jax.jit(prior_init), jax.jit(prior_step)
 
 
-def _elbo_terms_fn(config: PVIConfig, problem: ClientProblem, prior_logdensity: Callable) -> Any:
-    """``(pulled, group, states, hyper) -> (terms, prior_term)``: the ELBO terms of a group's
-    clients under the ``q`` they were sent (:mod:`~numpyro_pvi.server.elbo`), computed with their
-    update; ``None`` when the server's rounds do not send every client the same ``q`` (the round's
-    ELBO is then a pooled pass, and nothing is compiled for it here)."""
+def _elbo_terms_fn(config: PVIConfig, problem: ClientProblem, prior_logdensity: Callable) -> tuple:
+    """``(elbo_terms, prior_term)``: ``(pulled, group, states, hyper) -> terms``, the ELBO terms of
+    a group's clients under the ``q`` they were sent (:mod:`~numpyro_pvi.server.elbo`), computed
+    with their update, and ``(pulled, clients) -> prior's term``; ``(None, None)`` when the
+    server's rounds do not send every client the same ``q`` (the round's ELBO is then a pooled
+    pass, and nothing is compiled for it here)."""
     if not config.server.synchronous_rounds:
-        return None
+        return None, None
     family, num_particles = problem.family, config.num_elbo_particles
     term = client_elbo_term(problem, num_particles)
 
-    def elbo_terms(pulled: NatParams, group: Group, states: Any, hyper: Any) -> tuple:
+    def elbo_terms(pulled: NatParams, group: Group, states: Any, hyper: Any) -> jax.Array:
         rows = jax.tree.map(lambda a: a[group.local], group.clients)
-        terms = jax.vmap(lambda i, c, s: term(pulled, i, c, s, hyper))(group.ids, rows, states)
-        prior = lambda z: prior_logdensity(z, group.clients)  # noqa: E731
-        return terms, prior_elbo_term(family, pulled, prior, num_particles)
+        return jax.vmap(lambda i, c, s: term(pulled, i, c, s, hyper))(group.ids, rows, states)
 
-    return jax.jit(elbo_terms)
+    def prior_term(pulled: NatParams, clients: Client) -> jax.Array:
+        prior = lambda z: prior_logdensity(z, clients)  # noqa: E731
+        return prior_elbo_term(family, pulled, prior, num_particles)
+
+    return jax.jit(elbo_terms), jax.jit(prior_term)
 
 
 def _elbo_fn(family: Any, problem: ClientProblem, prior_logdensity: Callable) -> Callable:
