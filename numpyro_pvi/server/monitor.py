@@ -330,8 +330,11 @@ class RunMonitor:
         if move is not None:
             self.moves.append(np.asarray(move))
         ids = recorded_clients(info)
-        size = max(np.size(info.attempts) if num_clients is None else num_clients, ids.size)
-        size = max(size, int(ids.max(initial=-1)) + 1)
+        # every recorded id has a slot (a sampled record's ids are distinct)
+        size = max(
+            np.size(info.attempts) if num_clients is None else num_clients,
+            int(ids.max(initial=-1)) + 1,
+        )
         attempts = np.asarray(info.attempts) > 0
         rejection, gone = np.asarray(info.rejection), lost(info)
         budget = ids[rejection == Rejection.BUDGET]
