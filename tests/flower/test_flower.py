@@ -5,11 +5,14 @@ in Flower's ``context.state`` and committed when the server merged the update) c
 round: q after three rounds depends on it.
 """
 
+import dataclasses
 import gc
 import importlib
 import json
 import re
+import time
 import warnings
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +30,8 @@ pytest.importorskip("ray")
 # on one worker
 pytestmark = pytest.mark.xdist_group("ray")
 
+from flwr.app import ConfigRecord, Message, MessageType, RecordDict  # noqa: E402
+from flwr.clientapp import ClientApp  # noqa: E402
 from flwr.serverapp import ServerApp  # noqa: E402
 
 from numpyro_pvi.flower import (  # noqa: E402
@@ -77,35 +82,43 @@ ALARMS = r"os\.fork\(\) was called|unclosed file|subprocess \d+ is still running
 
 
 @pytest.fixture(scope="module")
-def flower_run(by_value):
-    """The simulation's strategies, and the alarms (fork, ResourceWarning) it raised: every warning
-    is recorded, the others are raised again."""
+def engine(by_value):
+    """Every strategy of this module's tests on Flower's simulation engine (:func:`_engine_jobs`,
+    one simulation), and the alarms (fork, ResourceWarning) it raised: every warning is recorded,
+    the others are raised again."""
     # earlier tests' garbage (e.g. the Ray session of test_ray_backend.py) warns here, not below
     gc.collect()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        strategies = run_flower()
+        jobs = _engine_jobs()
+        _simulate(jobs)
         gc.collect()  # what the run left to the garbage collector warns inside the window
     alarms = [w for w in caught if re.search(ALARMS, str(w.message))]
     for w in caught:
         if w not in alarms:
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
-    return strategies, alarms
+    return {name: job.strategies for name, job in jobs.items()}, alarms
 
 
-def test_a_flower_run_raises_no_fork_or_resource_warning(flower_run):
+@pytest.fixture(scope="module")
+def flower_run(engine):
+    """The intercept model's strategies (``run_flower``) on the engine."""
+    return engine[0]["intercept"]
+
+
+def test_a_flower_run_raises_no_fork_or_resource_warning(engine):
     """Before: Flower's engine started Ray beside JAX's threads (JAX's fork hook: "os.fork() was
     called ... will likely lead to a deadlock", 5 times) and left Ray's /dev/null handles and
     daemons to the garbage collector (ResourceWarnings); pyproject.toml filtered them out of the
     tests. run_simulation starts Ray first (start_ray)."""
-    _, alarms = flower_run
+    _, alarms = engine
     assert not alarms, [f"{w.category.__name__}: {w.message}" for w in alarms]
 
 
 def run_flower():
-    """One Flower simulation: 4 virtual sites, each loading only its own groups (Ray actors on this
-    machine); the ServerApp runs a synchronous strategy, a sequential one, a sampling one and the
-    synchronous one with the factors kept at the sites, on the same sites."""
+    """``(sites' data, strategies)`` of the intercept model: 4 virtual sites, each loading only its
+    own groups; a synchronous strategy, a sequential one, a sampling one and the synchronous one
+    with the factors kept at the sites, run on the same sites."""
     X, y, parts = make_flower_data()
     strategies = {
         "sync": PVIStrategy(
@@ -129,15 +142,7 @@ def run_flower():
             factors="sites",
         ),
     }
-    _simulate(
-        intercept_model,
-        pvi.MeanFieldGaussian(),
-        LOCAL,
-        _sites_data(X, y, parts),
-        strategies.values(),
-        NUM_ROUNDS,
-    )
-    return strategies
+    return _sites_data(X, y, parts), strategies
 
 
 def _in_process(*seeds, server=None):
@@ -167,7 +172,7 @@ def test_flower_matches_in_process_vmap_run(flower_run):
     so the tolerance (1e-4 relative) separates "the same computation" from a different one by four
     orders of magnitude.
     """
-    state, (reference, other) = flower_run[0]["sync"].state, _in_process(2, 3)
+    state, (reference, other) = flower_run["sync"].state, _in_process(2, 3)
     for got, want, off in zip(
         jax.tree.leaves((state.q, state.factors)),
         jax.tree.leaves((reference.state.q, reference.state.factors)),
@@ -176,7 +181,7 @@ def test_flower_matches_in_process_vmap_run(flower_run):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
         # the seed matters: the test can fail
         assert np.max(np.abs(np.asarray(off) - np.asarray(want))) > 1e-2
-    history = flower_run[0]["sync"].history
+    history = flower_run["sync"].history
     assert history.accepted.shape == (NUM_ROUNDS, NUM_CLIENTS) and np.all(history.accepted == 1)
     np.testing.assert_allclose(history.free_energy, reference.history.free_energy, rtol=1e-4)
     np.testing.assert_allclose(history.damping, reference.history.damping)
@@ -186,7 +191,7 @@ def test_flower_sequential_matches_in_process_sequential(flower_run):
     """The sequential schedule (each site against the q its predecessor left) equals
     PVI(server=Sequential()) in process, with the same tolerance as above (measured: bitwise equal
     here too)."""
-    strategy, (reference,) = flower_run[0]["seq"], _in_process(4, server=pvi.Sequential())
+    strategy, (reference,) = flower_run["seq"], _in_process(4, server=pvi.Sequential())
     for got, want in zip(
         jax.tree.leaves((strategy.state.q, strategy.state.factors)),
         jax.tree.leaves((reference.state.q, reference.state.factors)),
@@ -201,7 +206,7 @@ def test_flower_client_sampling_matches_in_process_sampling(flower_run):
     """K = 2 of 4 sites per round, weighted: the strategy draws the in-process run's sites from the
     same key, only they get a message (``attempts``), and q and every factor equal the vmap run's
     (tolerance as above)."""
-    strategy = flower_run[0]["sampled"]
+    strategy = flower_run["sampled"]
     reference, other = _in_process(6, 7, server=pvi.Synchronous(DAMPING, **SAMPLED))
     # each round records its 2 sampled sites, as in process
     np.testing.assert_array_equal(strategy.history.clients, reference.history.clients)
@@ -232,7 +237,7 @@ def test_factors_at_the_sites_on_flowers_engine_give_the_server_runs_q(flower_ru
     ELBO equal the run with the factors at the server (``"sync"``, itself the in-process run's:
     above). Tolerance as above (measured bitwise equal over LocalGrid,
     ``tests/flower/test_site_factors.py``)."""
-    at_sites, at_server = flower_run[0]["sync_at_sites"], flower_run[0]["sync"]
+    at_sites, at_server = flower_run["sync_at_sites"], flower_run["sync"]
     assert at_sites.state.factors is None and at_server.state.factors is not None
     for got, want in zip(jax.tree.leaves(at_sites.state.q), jax.tree.leaves(at_server.state.q)):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
@@ -388,21 +393,33 @@ def test_a_sites_layout_lays_out_a_copy_of_the_servers_family():
         adopt_layout(site_families(), other)
 
 
-def test_flower_site_families_match_in_process(by_value):
+def _site_families_data():
+    """``(X, y, parts)``: 24 rows of a linear model with noise sd 0.7, split iid over 2 sites."""
+    X = random.normal(random.PRNGKey(4), (24, 2))
+    y = X @ jnp.array([1.0, -0.5]) + 0.7 * random.normal(random.PRNGKey(5), (24,))
+    return X, y, pvi.split_iid(random.PRNGKey(1), 24, 2)
+
+
+# any update shows the layout at work; Adam's compiles in a third of CVI's time on this family
+# (measured: 30 s against 88 s for the first in-process round, on this machine under load)
+FAMILIES_UPDATE = pvi.GradientUpdate(optax.adam(0.05), num_steps=10, num_particles=2)
+
+
+def _site_families_job():
+    X, y, parts = _site_families_data()
+    strategy = PVIStrategy(site_families(), 2, random.PRNGKey(2), pvi.Synchronous(DAMPING))
+    data = _sites_data(X, y, parts)
+    return _Job(normal_gamma_model, site_families(), FAMILIES_UPDATE, data, {"sync": strategy}, 2)
+
+
+def test_flower_site_families_match_in_process(engine):
     """SiteFamilies over Flower: the server's copy of the family is laid out from the sites' report
     (it has no data), q's leaves (one eta2 per block) equal the in-process vmap run's (same
     tolerance as above), and a site whose layout differs is refused by name."""
-    X = random.normal(random.PRNGKey(4), (24, 2))
-    y = X @ jnp.array([1.0, -0.5]) + 0.7 * random.normal(random.PRNGKey(5), (24,))
-    parts = pvi.split_iid(random.PRNGKey(1), 24, 2)
-    # any update shows the layout at work; Adam's compiles in a third of CVI's time on this family
-    # (measured: 30 s against 88 s for the first in-process round, on this machine under load)
-    update = pvi.GradientUpdate(optax.adam(0.05), num_steps=10, num_particles=2)
-    strategy = PVIStrategy(site_families(), 2, random.PRNGKey(2), pvi.Synchronous(DAMPING))
-    data = _sites_data(X, y, parts)
-    _simulate(normal_gamma_model, site_families(), update, data, [strategy], num_rounds=2)
+    X, y, parts = _site_families_data()
+    strategy = engine[0]["site_families"]["sync"]
     inference = pvi.PVI(
-        normal_gamma_model, site_families(), parts, update, pvi.Synchronous(DAMPING)
+        normal_gamma_model, site_families(), parts, FAMILIES_UPDATE, pvi.Synchronous(DAMPING)
     )
     reference = inference.run(random.PRNGKey(2), 2, X, y=y, progress_bar=False)
     assert len(strategy.state.q.eta2) == 2
@@ -417,29 +434,145 @@ def test_flower_site_families_match_in_process(by_value):
         site_families().with_layout([[["w", "tau"], 3]], {"w": (2,), "tau": ()})
 
 
-def _simulate(model, family, update, data, strategies, num_rounds):
-    """Flower's simulation engine: one site per entry ``(args, kwargs)`` of ``data``, each running
-    ``update`` on ``model`` with ``family``; the strategies run one after the other on them, each
-    for ``num_rounds`` rounds (the PVIWarnings of short runs silenced)."""
+class _Job(NamedTuple):
+    """One set of sites on the engine: their model, family, local update and data (an ``(args,
+    kwargs)`` a site), and the strategies run on them one after the other, each for
+    ``num_rounds`` rounds."""
+
+    model: object
+    family: object
+    update: object
+    data: list
+    strategies: dict
+    num_rounds: int
+
+
+def _engine_jobs():
+    """Every engine test's sites and strategies, by name (each built beside its test)."""
+    data, strategies = run_flower()
+    return {
+        "intercept": _Job(
+            intercept_model, pvi.MeanFieldGaussian(), LOCAL, data, strategies, NUM_ROUNDS
+        ),
+        "site_families": _site_families_job(),
+        "servers": _servers_job(),
+        "asynchronous": _asynchronous_job(),
+        "dp": _dp_job(),
+    }
+
+
+# a message's record naming its set of sites; the query that asks a node its partition id
+SITE_SET, WHOAMI = "test-site-set", "whoami"
+
+
+def _simulate(jobs):
+    """Flower's simulation engine, once for several sets of sites (``{name: _Job}``): as many
+    virtual sites as the largest set has; each set runs on the sites of partition ids ``0 ..
+    len(job.data) - 1``, answered by its own :func:`client_app` (:class:`_SiteSets`), and the
+    sets' strategies run one after the other (the PVIWarnings of short runs silenced).
+
+    One simulation for the module, not one per test: each starts Ray and an actor that imports
+    JAX and the library at its first message (measured: a 16-round run and a 1-round run of the
+    asynchronous test's sites cost the same 11 s of CPU, 4.7 s of it an empty simulation's)."""
+    num_nodes = max(len(job.data) for job in jobs.values())
     app = ServerApp()
 
     @app.main()
     def main(grid, context):
-        for strategy in strategies:
-            strategy.start(grid, num_rounds=num_rounds, timeout=600)
+        partitions = _partitions(grid, num_nodes)
+        for name, job in jobs.items():
+            nodes = {node for node, m in partitions.items() if m < len(job.data)}
+            for strategy in job.strategies.values():
+                strategy.start(
+                    _SiteSetGrid(grid, name, nodes), num_rounds=job.num_rounds, timeout=600
+                )
 
-    def load_data(context):
-        return data[int(context.node_config["partition-id"])]
-
-    site_app = client_app(model, family, update, load_data)
+    sites = _SiteSets(
+        {
+            name: client_app(job.model, job.family, job.update, _loader(job.data))
+            for name, job in jobs.items()
+        }
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", pvi.PVIWarning)
         run_simulation(
             app,
-            site_app,
-            num_supernodes=len(data),
+            sites,
+            num_supernodes=num_nodes,
             backend_config={"init_args": {"num_cpus": 1}, "client_resources": {"num_cpus": 1}},
         )
+
+
+def _loader(data):
+    def load_data(context):
+        return data[int(context.node_config["partition-id"])]
+
+    return load_data
+
+
+def _partitions(grid, num_nodes):
+    """``{node id: partition id}`` of the engine's sites, asked of each (a ``WHOAMI`` query)."""
+    while len(nodes := list(grid.get_node_ids())) < num_nodes:
+        time.sleep(0.1)
+    asks = [
+        Message(
+            RecordDict({SITE_SET: ConfigRecord({"name": WHOAMI})}),
+            dst_node_id=node,
+            message_type=MessageType.QUERY,
+        )
+        for node in nodes
+    ]
+    replies = list(grid.send_and_receive(asks, timeout=600))
+    assert len(replies) == num_nodes and not any(r.has_error() for r in replies)
+    return {
+        r.metadata.src_node_id: int(r.content.config_records[SITE_SET]["partition-id"])
+        for r in replies
+    }
+
+
+class _SiteSetGrid:
+    """Flower's grid as one set of sites sees it: only the nodes ``nodes``, and every message sent
+    names the set (a ``SITE_SET`` record, which the sites' apps do not read). Everything else is
+    the engine's grid."""
+
+    def __init__(self, grid, name, nodes):
+        self.grid, self.name, self.nodes = grid, name, nodes
+
+    def get_node_ids(self):
+        return [node for node in self.grid.get_node_ids() if node in self.nodes]
+
+    def _named(self, messages):
+        messages = list(messages)
+        for message in messages:
+            message.content[SITE_SET] = ConfigRecord({"name": self.name})
+        return messages
+
+    def push_messages(self, messages):
+        return self.grid.push_messages(self._named(messages))
+
+    def send_and_receive(self, messages, timeout=None):
+        return self.grid.send_and_receive(self._named(messages), timeout=timeout)
+
+    def __getattr__(self, name):
+        return getattr(self.grid, name)
+
+
+class _SiteSets(ClientApp):
+    """The sites of every set in one ``ClientApp``: a message goes to the :func:`client_app` of the
+    set it names, with a run id of the set's own (a site caches its problem and compiled update
+    per run and node; the context's state, the site's, is the engine's)."""
+
+    def __init__(self, apps):
+        super().__init__()
+        self.apps = apps
+
+    def __call__(self, message, context):
+        name = str(message.content.config_records[SITE_SET]["name"])
+        if name == WHOAMI:
+            partition = ConfigRecord({"partition-id": int(context.node_config["partition-id"])})
+            return Message(RecordDict({SITE_SET: partition}), reply_to=message)
+        run_id = context.run_id + list(self.apps).index(name)
+        return self.apps[name](message, dataclasses.replace(context, run_id=run_id))
 
 
 def _stand_in(model):
@@ -460,7 +593,19 @@ SERVERS_ON_THE_ENGINE = {
 }
 
 
-def test_servers_a_halfnormal_prior_and_a_hyperparameter_on_flowers_engine(by_value):
+def _servers_job():
+    from models import halfnormal_offset_model
+
+    data, _ = _three_sites(halfnormal_offset_model, SMALL_UPDATE)
+    stand_in = _stand_in(halfnormal_offset_model)
+    strategies = {
+        name: PVIStrategy(pvi.MeanFieldGaussian(), 3, random.PRNGKey(2), server, **stand_in)
+        for name, server in SERVERS_ON_THE_ENGINE.items()
+    }
+    return _Job(halfnormal_offset_model, pvi.MeanFieldGaussian(), SMALL_UPDATE, data, strategies, 2)
+
+
+def test_servers_a_halfnormal_prior_and_a_hyperparameter_on_flowers_engine(engine):
     """On Flower's simulation engine (Ray actors, Flower's own messaging), not only LocalGrid: the
     default ``Synchronous()`` (HeavyBall), ``Synchronous(AdaptiveDamping())``, ``Sequential()`` and
     ``Continual()`` run a model with a non-Gaussian prior (``sigma ~ HalfNormal(1)``: the strategy
@@ -474,19 +619,7 @@ def test_servers_a_halfnormal_prior_and_a_hyperparameter_on_flowers_engine(by_va
     from models import halfnormal_offset_model
 
     data, _ = _three_sites(halfnormal_offset_model, SMALL_UPDATE)
-    stand_in = _stand_in(halfnormal_offset_model)
-    strategies = {
-        name: PVIStrategy(pvi.MeanFieldGaussian(), 3, random.PRNGKey(2), server, **stand_in)
-        for name, server in SERVERS_ON_THE_ENGINE.items()
-    }
-    _simulate(
-        halfnormal_offset_model,
-        pvi.MeanFieldGaussian(),
-        SMALL_UPDATE,
-        data,
-        strategies.values(),
-        num_rounds=2,
-    )
+    strategies = engine[0]["servers"]
     for name, server in SERVERS_ON_THE_ENGINE.items():
         inference = pvi.PVI(
             halfnormal_offset_model,
@@ -669,19 +802,26 @@ def test_a_halfnormal_prior_over_flower_messages_gives_the_in_process_q(flower_t
     assert min(moved) > 1e-3 and np.all(np.abs(strategy.state.prior_factor.eta2[-1]) > 1e-3)
 
 
-def _assert_the_in_process_dp_run(strategy, data):
-    """``strategy``'s q and factors are the in-process DP run's on ``data`` (2 rounds, same seeds;
-    the LocalGrid tests' tolerance), each site reported 2 releases of 10 rows, and
-    ``strategy.privacy_spent`` gives ``result.privacy_spent``'s epsilons, positive, with either
-    client sampling rule (1e-9: the same counts into the same accountant)."""
+@pytest.fixture(scope="module")
+def dp_run():
+    """The in-process DP run on the three linear sites (``SMALL_DP_UPDATE``, the default
+    ``Synchronous()``, 2 rounds, seed 2): the reference of both DP tests below."""
     from models import linear_model
 
+    data, _ = _three_sites(linear_model, SMALL_DP_UPDATE)
     inference = pvi.PVI(
         linear_model, pvi.MeanFieldGaussian(), pvi.ClientData(data), SMALL_DP_UPDATE
     )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", pvi.PVIWarning)  # 2 rounds: far from converged
-        run = inference.run(random.PRNGKey(2), 2, progress_bar=False)
+        return inference.run(random.PRNGKey(2), 2, progress_bar=False)
+
+
+def _assert_the_in_process_dp_run(strategy, run):
+    """``strategy``'s q and factors are the in-process DP run's (``dp_run``: 2 rounds, same seeds;
+    the LocalGrid tests' tolerance), each site reported 2 releases of 10 rows, and
+    ``strategy.privacy_spent`` gives ``result.privacy_spent``'s epsilons, positive, with either
+    client sampling rule (1e-9: the same counts into the same accountant)."""
     factors = jax.tree.map(lambda f: f[:3], run.state.factors)
     for got, want in zip(
         jax.tree.leaves((strategy.state.q, strategy.state.factors)),
@@ -695,7 +835,7 @@ def _assert_the_in_process_dp_run(strategy, data):
         assert np.all(spent > 0)
 
 
-def test_dp_updates_over_flower_messages_give_the_in_process_q_and_epsilon(flower_task):
+def test_dp_updates_over_flower_messages_give_the_in_process_q_and_epsilon(flower_task, dp_run):
     """DP-SGD at the sites over Flower: q and the factors are the in-process run's (same seeds, to
     float rounding as in the tests above), and ``strategy.privacy_spent`` -- from the release and
     row counts the sites report and the strategy's history (before: no way to account a Flower run)
@@ -706,12 +846,12 @@ def test_dp_updates_over_flower_messages_give_the_in_process_q_and_epsilon(flowe
     """
     from models import linear_model
 
-    data, site = _three_sites(linear_model, SMALL_DP_UPDATE)
+    _, site = _three_sites(linear_model, SMALL_DP_UPDATE)
     strategy = PVIStrategy(pvi.MeanFieldGaussian(), 3, random.PRNGKey(2))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", pvi.PVIWarning)
         strategy.start(LocalGrid(site, 3), num_rounds=2, timeout=60)
-    _assert_the_in_process_dp_run(strategy, data)
+    _assert_the_in_process_dp_run(strategy, dp_run)
     with pytest.raises(TypeError, match="not differentially private"):
         strategy.privacy_spent(SMALL_UPDATE, 1e-5)
 
@@ -775,13 +915,14 @@ def test_asynchronous_over_flower_messages_reaches_the_exact_posterior(flower_ta
     deterministic on a Gaussian likelihood); after 3 rounds the mean is still 0.013 sds off and
     the covariance 0.14. The tolerances (0.01, 0.02) sit between the two.
     """
-    from models import linear_model, make_linear_data
+    from models import linear_model
 
-    X, y = (a[:40] for a in make_linear_data())
-    data = _sites_data(X, y, pvi.split_iid(random.PRNGKey(1), 40, 3))
-    update = pvi.NaturalGradientUpdate(step_size=1.0, num_particles=32)
+    X, y, data = _asynchronous_sites()
     site = Site(
-        linear_model, pvi.FullRankGaussian(), update, lambda c: data[c.node_config["partition-id"]]
+        linear_model,
+        pvi.FullRankGaussian(),
+        EXACT_UPDATE,
+        lambda c: data[c.node_config["partition-id"]],
     )
     strategy = PVIStrategy(pvi.FullRankGaussian(), 3, random.PRNGKey(0), pvi.Asynchronous(0.5))
     grid = LocalGrid(site, 3)
@@ -794,7 +935,27 @@ def test_asynchronous_over_flower_messages_reaches_the_exact_posterior(flower_ta
     _assert_the_exact_linear_posterior(strategy.state.q, X, y)
 
 
-def test_asynchronous_on_flowers_engine_reaches_the_exact_posterior(by_value):
+def _asynchronous_sites():
+    """``(X, y, data)``: 40 rows of the linear data split iid over 3 sites."""
+    from models import make_linear_data
+
+    X, y = (a[:40] for a in make_linear_data())
+    return X, y, _sites_data(X, y, pvi.split_iid(random.PRNGKey(1), 40, 3))
+
+
+# the exact (CVI, step 1) update of the conjugate linear model
+EXACT_UPDATE = pvi.NaturalGradientUpdate(step_size=1.0, num_particles=32)
+
+
+def _asynchronous_job():
+    from models import linear_model
+
+    _, _, data = _asynchronous_sites()
+    strategy = PVIStrategy(pvi.FullRankGaussian(), 3, random.PRNGKey(0), pvi.Asynchronous(0.5))
+    return _Job(linear_model, pvi.FullRankGaussian(), EXACT_UPDATE, data, {"async": strategy}, 16)
+
+
+def test_asynchronous_on_flowers_engine_reaches_the_exact_posterior(engine):
     """``Asynchronous(0.5)`` on Flower's simulation engine (Ray actors answering Flower's
     push/pull messages): the arrival order is the engine's, so q is compared with the exact
     posterior of the conjugate linear model, a fixed point of every site's exact (CVI, step 1)
@@ -806,28 +967,24 @@ def test_asynchronous_on_flowers_engine_reaches_the_exact_posterior(by_value):
     q's change still halving each round (0.0088, 0.0032 in rounds 7 and 8), so this runs 16 rounds,
     eight more halvings.
     """
-    from models import linear_model, make_linear_data
-
-    X, y = (a[:40] for a in make_linear_data())
-    data = _sites_data(X, y, pvi.split_iid(random.PRNGKey(1), 40, 3))
-    update = pvi.NaturalGradientUpdate(step_size=1.0, num_particles=32)
-    strategy = PVIStrategy(pvi.FullRankGaussian(), 3, random.PRNGKey(0), pvi.Asynchronous(0.5))
-    _simulate(linear_model, pvi.FullRankGaussian(), update, data, [strategy], num_rounds=16)
+    X, y, _ = _asynchronous_sites()
+    strategy = engine[0]["asynchronous"]["async"]
     np.testing.assert_array_equal(strategy.history.accepted.sum(1), 3)
     _assert_the_exact_linear_posterior(strategy.state.q, X, y)
 
 
-def test_dp_updates_on_flowers_engine_give_the_in_process_q_and_epsilon(by_value):
-    """``DPGradientUpdate`` sites on Flower's simulation engine, the default ``Synchronous()``:
-    the in-process run's q, factors and epsilons (``_assert_the_in_process_dp_run``)."""
+def _dp_job():
     from models import linear_model
 
     data, _ = _three_sites(linear_model, SMALL_DP_UPDATE)
     strategy = PVIStrategy(pvi.MeanFieldGaussian(), 3, random.PRNGKey(2))
-    _simulate(
-        linear_model, pvi.MeanFieldGaussian(), SMALL_DP_UPDATE, data, [strategy], num_rounds=2
-    )
-    _assert_the_in_process_dp_run(strategy, data)
+    return _Job(linear_model, pvi.MeanFieldGaussian(), SMALL_DP_UPDATE, data, {"sync": strategy}, 2)
+
+
+def test_dp_updates_on_flowers_engine_give_the_in_process_q_and_epsilon(engine, dp_run):
+    """``DPGradientUpdate`` sites on Flower's simulation engine, the default ``Synchronous()``:
+    the in-process run's q, factors and epsilons (``_assert_the_in_process_dp_run``)."""
+    _assert_the_in_process_dp_run(engine[0]["dp"]["sync"], dp_run)
 
 
 @pytest.mark.parametrize("case", ["converges", "far", "stalled"])
