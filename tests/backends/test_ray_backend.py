@@ -372,16 +372,25 @@ def test_ray_synchronous_run_with_hyperparameters_equals_vmap(backend, two_clien
     np.testing.assert_allclose(ray_run.state.q.eta2, vmap_run.state.q.eta2, rtol=1e-4, atol=1e-6)
 
 
-def test_ray_site_families_equal_vmap(backend, two_client_data):
+def test_ray_site_families_equal_vmap(backend):
     """SiteFamilies (a full-rank Gaussian block and a Gamma block) on Ray actors: the vmap run's q,
     every leaf.
 
     The block layout is read from the model on the driver; the actors receive the laid-out family
     with the problem.
+
+    The data, update, server and seed are tests/flower/test_flower.py's SiteFamilies test's, and
+    the clients are of equal size: the actors compile the Flower sites' program (the same HLO,
+    checked) and the in-process run is that test's, each compiled once per test run (JAX's
+    persistent cache), and the second actor loads the first's (the sequential server sends it its
+    first update when the first actor's is done).
     """
     import optax
 
-    X, y = two_client_data
+    # 24 rows of a linear model with noise sd 0.7, split iid over 2 clients of 12
+    X = random.normal(random.PRNGKey(4), (24, 2))
+    y = X @ jnp.array([1.0, -0.5]) + 0.7 * random.normal(random.PRNGKey(5), (24,))
+    parts = pvi.split_iid(random.PRNGKey(1), 24, 2)
     runs = []
     for where in ["vmap", backend]:
         family = pvi.SiteFamilies({"w": pvi.FullRankGaussian(), "tau": pvi.Gamma()})
@@ -390,9 +399,9 @@ def test_ray_site_families_equal_vmap(backend, two_client_data):
         # load)
         update = pvi.GradientUpdate(optax.adam(0.05), num_steps=10, num_particles=2)
         inference = pvi.PVI(
-            normal_gamma_model, family, TWO_CLIENTS, update, pvi.Sequential(), backend=where
+            normal_gamma_model, family, parts, update, pvi.Sequential(), backend=where
         )
-        runs.append(inference.run(random.PRNGKey(1), 2, X, y=y, progress_bar=False))
+        runs.append(inference.run(random.PRNGKey(2), 2, X, y=y, progress_bar=False))
     # one eta2 per block
     assert isinstance(runs[1].state.q.eta2, tuple) and len(runs[1].state.q.eta2) == 2
     for a, b in zip(jax.tree.leaves(runs[0].state.q), jax.tree.leaves(runs[1].state.q)):

@@ -29,7 +29,8 @@ from models import logistic_model  # noqa: E402
 NUM_ROUNDS, NUM_STEPS, SEED, ROWS = 3, 10, 0, 40
 
 
-def _in_process(logistic_data, seed):
+def _in_process(logistic_data, *seeds):
+    """The in-process (vmap) runs with these seeds (one PVI: its compiled round is shared)."""
     X, y = (np.asarray(a[: 2 * ROWS]) for a in logistic_data)
     inference = pvi.PVI(
         logistic_model,
@@ -41,7 +42,10 @@ def _in_process(logistic_data, seed):
     )
     with warnings.catch_warnings():  # three short rounds: far from converged on purpose
         warnings.simplefilter("ignore", pvi.PVIWarning)
-        return inference.run(random.PRNGKey(seed), NUM_ROUNDS, X, y=y, progress_bar=False)
+        return [
+            inference.run(random.PRNGKey(seed), NUM_ROUNDS, X, y=y, progress_bar=False)
+            for seed in seeds
+        ]
 
 
 def _group_alive(pgid):
@@ -79,7 +83,7 @@ def test_a_deployment_on_localhost_gives_the_in_process_q(tmp_path, logistic_dat
             time.sleep(0.1)
     assert len(federation.pids) == 4 and not [g for g in federation.pids if _group_alive(g)]
     q = pvi.load(checkpoint).q
-    reference, other = (_in_process(logistic_data, s).state.q for s in (SEED, SEED + 1))
+    reference, other = (run.state.q for run in _in_process(logistic_data, SEED, SEED + 1))
     for got, want, off in zip(*(jax.tree.leaves(t) for t in (q, reference, other))):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
         assert np.max(np.abs(np.asarray(off) - np.asarray(want))) > 1e-2  # the seed matters
