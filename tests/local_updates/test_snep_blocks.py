@@ -37,13 +37,22 @@ from models import (
 
 
 def test_poisson_gamma_sequential_is_the_exact_posterior():
-    """3 sequential rounds (vmap backend). The natural-gradient start of a first visit is exact for
-    a conjugate likelihood and the Stein control variates are nearly exact at the fixed point, so
-    SNEP must stay there. Measured over seeds 0-4: |mean error| <= 0.0003 sd, sd within 0.26 %;
-    asserted at 0.001 sd and 0.8 % (3x). A posterior that counts one client's data twice or drops
-    the smallest client is 9x the tolerance away or more (checked below)."""
+    """3 sequential rounds. The natural-gradient start of a first visit is exact for a conjugate
+    likelihood and the Stein control variates are nearly exact at the fixed point, so SNEP must
+    stay there. Measured over seeds 0-4: |mean error| <= 0.0003 sd, sd within 0.26 % (on either
+    backend); asserted at 0.001 sd and 0.8 % (3x). A posterior that counts one client's data twice
+    or drops the smallest client is 9x the tolerance away or more (checked below).
+
+    Every Poisson-Gamma test here runs on the loop backend: its one compiled SNEP
+    ``client_update`` (6-7 s of XLA) serves the four servers, where the vmap backend compiles it
+    again into each server's group step (the step's inputs include the server's state). What is
+    particular to a server (its schedule, its merge and state) is the same on both backends. The
+    vmap backend's SNEP programs in mean parameters are the SiteFamilies test's (one client,
+    unbatched) and the Dirichlet test's (five clients, batched)."""
     y = poisson_data()
-    result = poisson_pvi(pvi.Sequential()).run(random.PRNGKey(0), 3, y=y, progress_bar=False)
+    result = poisson_pvi(pvi.Sequential(), "loop").run(
+        random.PRNGKey(0), 3, y=y, progress_bar=False
+    )
     mean_error, sd_error = gamma_errors(result.state.q, y)
     assert mean_error < 0.001 and sd_error < 0.008
     assert int(result.history.clamped.sum()) == 0 and bool(result.state.client_states.visited.all())
@@ -75,15 +84,8 @@ def test_poisson_gamma_asynchronous_and_continual_are_the_exact_posterior(server
     one continual pass. EP's conjugate factor is the client's likelihood whatever its cavity, so
     both end at the exact posterior. Measured over seeds 0-2 (by hand, as this test with the seed
     varied): |mean error| <= 0.0053 sd, sd within 0.18 %; asserted at 0.016 sd and 0.6 % (3x), with
-    no rejection or clamp.
-
-    The loop backend, as in the synchronous test above: its one compiled ``client_update`` (the
-    SNEP program, 6-7 s of XLA here) serves all three servers, where the vmap backend compiles it
-    again into each server's group step (the step's inputs include the server's own state). What
-    is particular to a server (its schedule, its merge and state) is the same on both backends; the
-    vmap backend's SNEP programs are the sequential and Dirichlet tests'. Measured on the loop
-    backend over seeds 0-2: |mean error| <= 0.0034 sd, sd within 0.17 % (vmap: 0.0036 sd, 0.16
-    %)."""
+    no rejection or clamp. Loop backend (see the sequential test); measured on it over seeds 0-2:
+    |mean error| <= 0.0034 sd, sd within 0.17 % (vmap: 0.0036 sd, 0.16 %)."""
     y = poisson_data()
     result = poisson_pvi(server, "loop").run(random.PRNGKey(0), rounds, y=y, progress_bar=False)
     mean_error, sd_error = gamma_errors(result.state.q, y)
