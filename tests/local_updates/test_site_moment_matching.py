@@ -123,6 +123,8 @@ def test_gamma_sample_grad_is_the_implicit_derivative_at_large_shapes():
 
     from numpyro_pvi.families.concentrated import gamma_sample_grad
 
+    # compiled, as the sites call it (eagerly, each of its operations compiles one of its own)
+    gamma_sample_grad = jax.jit(gamma_sample_grad)
     for a in [1e4, 1e6, 1e8]:
         x = jax.random.gamma(random.PRNGKey(0), a, (64,))
         x64, h = np.asarray(x, np.float64), np.sqrt(a) * 1e-3

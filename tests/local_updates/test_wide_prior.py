@@ -8,10 +8,11 @@ CVI with ``step_size=0.5`` jumped to an intercept near 2000 on its first step an
 (all later steps invalid).
 
 Tolerances (both tests): over NUTS seeds 0-2 (500 warm-up + 500 draws, one chain) the NUTS means
-differed by up to 0.12 posterior sd and the sds by up to 9 %; over run seeds 0-4 EP's means were
-within 0.115 sd of the seed-0 NUTS reference (sds 0.94-1.07 of it) and CVI's within 0.071 sd (sds
-0.97-1.04), seed-to-seed spread <= 0.01 sd. The tolerances, 0.25 NUTS sd for means and 15 % for sds,
-are about twice NUTS's own Monte Carlo spread; the stalled runs were 12-850 sd off.
+differed by up to 0.12 posterior sd and the sds by up to 9 %; over run seeds 0-4 EP's means
+(2 rounds) were within 0.067 sd of the seed-0 NUTS reference (sds 0.947-1.070 of it) and CVI's
+(6 rounds) within 0.071 sd (sds 0.97-1.04), seed-to-seed spread <= 0.01 sd. The tolerances, 0.25
+NUTS sd for means and 15 % for sds, are about twice NUTS's own Monte Carlo spread; the stalled runs
+were 12-850 sd off.
 """
 
 import jax
@@ -64,10 +65,14 @@ def assert_matches(loc, sd, reference):
 
 
 def test_ep_from_a_wide_prior_reaches_nuts(nb_data):
+    """2 rounds (a round after the first costs 3 s of CPU): EP is at its fixed point from the
+    second on. Measured: each mean's error against NUTS changed by at most 0.005 NUTS sd from
+    round 2 to round 3 (run seeds 0-4) and by at most 0.008 sd from round 3 to round 6 (seed 0)."""
     X, y = nb_data
-    result, loc, sd = run(nb_model, pvi.MomentMatchingUpdate(), X, y, seed=0)
+    result, loc, sd = run(nb_model, pvi.MomentMatchingUpdate(), X, y, seed=0, rounds=2)
     assert_matches(loc, sd, REFERENCES[nb_model])
-    # The stalled version clamped every client's step away in every round (6 a client); now none is.
+    # The stalled version clamped every client's step away in every round; now none is after the
+    # first.
     assert result.history.clamped[1:].sum() == 0
     assert np.isfinite(result.history.elbo).all()
 
