@@ -52,7 +52,9 @@ def test_shards_with_scaled_likelihoods_average_to_the_whole_clients_update(line
     averaged = pvi.DPLocalAveraging(inner, num_shards=4, clip_norm=1e9, noise_multiplier=0.0)
     client_problem, client, q = _setup(averaged, X1, y)
     family = client_problem.family
-    whole = family.loc_scale(q + _delta(inner, client_problem, client, q, random.PRNGKey(1)))
+    whole = family.loc_scale(
+        q + jax.jit(lambda k: _delta(inner, client_problem, client, q, k))(random.PRNGKey(1))
+    )
     shards = family.loc_scale(
         q + jax.jit(lambda k: _delta(averaged, client_problem, client, q, k))(random.PRNGKey(2))
     )
@@ -66,32 +68,33 @@ def test_shards_with_scaled_likelihoods_average_to_the_whole_clients_update(line
 
 @pytest.fixture(scope="module")
 def quick(linear_data):
+    """The noisy and the noiseless averaging (4 shards clipped to C = 0.05, 5 steps each) on client
+    0, and both's deltas at 500 keys (the shards' fits use the same keys: only the noise differs),
+    computed by one program for the tests below."""
     inner = pvi.GradientUpdate(optax.adam(2e-2), num_steps=5)
     kwargs = dict(num_shards=4, clip_norm=0.05)
     noisy, exact = (pvi.DPLocalAveraging(inner, noise_multiplier=s, **kwargs) for s in (2.0, 0.0))
-    return noisy, exact, _setup(exact, *linear_data)
+    client_problem, client, q = _setup(exact, *linear_data)
+
+    def deltas(key):
+        return [jnp.concatenate(_delta(u, client_problem, client, q, key)) for u in (noisy, exact)]
+
+    keys = random.split(random.PRNGKey(4), 500)
+    return noisy, [np.asarray(d) for d in jax.jit(jax.vmap(deltas))(keys)]
 
 
 def test_each_shard_is_clipped(quick):
-    _, exact, (client_problem, client, q) = quick
-    deltas = jax.jit(
-        jax.vmap(lambda k: jnp.concatenate(_delta(exact, client_problem, client, q, k)))
-    )(random.split(random.PRNGKey(3), 8))
-    norms = np.linalg.norm(np.asarray(deltas), axis=1)
+    _, (_, deltas) = quick
+    norms = np.linalg.norm(deltas, axis=1)
     assert np.all(norms <= 0.05 * (1 + 1e-5))  # a mean of vectors of norm <= C
     # near C: every shard's delta (far longer than C) was clipped, all alike
     assert np.all(norms > 0.5 * 0.05)
 
 
 def test_noise_sd_is_noise_multiplier_times_the_sensitivity(quick):
-    noisy, exact, (client_problem, client, q) = quick
+    noisy, (with_noise, without) = quick
     assert noisy.sensitivity == pytest.approx(2 * 0.05 / 4)
-
-    def difference(key):  # the shards' fits use the same keys: only the noise differs
-        a, b = (jnp.concatenate(_delta(u, client_problem, client, q, key)) for u in (noisy, exact))
-        return a - b
-
-    noise = np.asarray(jax.jit(jax.vmap(difference))(random.split(random.PRNGKey(4), 500)))
+    noise = with_noise - without
     # 500 x 6 draws: the sample sd is within ~1.3 % of the truth (1 sd)
     np.testing.assert_allclose(noise.std(), 2.0 * noisy.sensitivity, rtol=0.05)
 
