@@ -116,8 +116,10 @@ def test_bad_arguments_are_named():
 
 # ---------------------------------------------------------------- any family the wrapped update
 # supports
-def _cvi(num_particles=16):
-    return pvi.NaturalGradientUpdate(step_size=1.0, num_particles=num_particles)
+def _cvi(num_particles=16, laplace_fallback=True):
+    return pvi.NaturalGradientUpdate(
+        step_size=1.0, num_particles=num_particles, laplace_fallback=laplace_fallback
+    )
 
 
 def test_conjugate_shards_release_the_whole_clients_delta_and_the_exact_posterior():
@@ -126,11 +128,15 @@ def test_conjugate_shards_release_the_whole_clients_delta_and_the_exact_posterio
     whole client's non-private delta, its conjugate statistics ``(sum y_m, -n_m)`` (empty shards
     included), and one round gives the exact Gamma posterior (float32 rounding: ~1e-6 relative)."""
     y = random.poisson(random.PRNGKey(0), 3.0, (40,)).astype(jnp.float32)
-    averaged = pvi.DPLocalAveraging(_cvi(), num_shards=4, clip_norm=1e9, noise_multiplier=0.0)
+    # every shard's step is exact and taken whole (clamped 0, asserted): without the Laplace
+    # fallback, which such a step never takes, the round compiles in ~25 % less time
+    inner = _cvi(laplace_fallback=False)
+    averaged = pvi.DPLocalAveraging(inner, num_shards=4, clip_norm=1e9, noise_multiplier=0.0)
     parts = [np.arange(0, 12), np.arange(12, 40)]
     result = pvi.PVI(poisson_model, pvi.Gamma(), parts, averaged, pvi.Synchronous(1.0)).run(
         random.PRNGKey(3), 1, y=y, progress_bar=False
     )
+    assert int(np.sum(result.history.clamped)) == 0
     # one round from t_m = 0 with damping 1: each factor is the released delta
     factors = result.state.factors
     np.testing.assert_allclose(factors.eta1[:2, 0], [float(y[p].sum()) for p in parts], rtol=1e-5)
