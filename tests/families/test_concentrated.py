@@ -37,8 +37,15 @@ def test_drawing_alone_compiles_no_sample_derivative():
 
 def test_the_draws_derivative_is_the_implicit_reparameterisation_slope():
     key, a = jax.random.PRNGKey(1), jnp.array([0.7, 3.0, 2e4])
-    draws = gamma_draws(key, a, (8, 3))
-    grad = jax.grad(lambda a: jnp.sum(gamma_draws(key, a, (8, 3))))(a)
-    np.testing.assert_allclose(grad, jnp.sum(gamma_sample_grad(a, draws), axis=0), rtol=1e-6)
+
+    @jax.jit  # one program (eagerly, each of its ~80 operations compiled one of its own)
+    def draws_and_slopes(key, a):
+        draws = gamma_draws(key, a, (8, 3))
+        grad = jax.grad(lambda a: jnp.sum(gamma_draws(key, a, (8, 3))))(a)
+        slope = jnp.sum(gamma_sample_grad(a, draws), axis=0)
+        return draws, grad, slope, jax.random.gamma(key, jnp.broadcast_to(a, (8, 3)))
+
+    draws, grad, slope, gamma = draws_and_slopes(key, a)
+    np.testing.assert_allclose(grad, slope, rtol=1e-6)
     # and the draws are jax.random.gamma's, unchanged
-    np.testing.assert_array_equal(draws, jax.random.gamma(key, jnp.broadcast_to(a, (8, 3))))
+    np.testing.assert_array_equal(draws, gamma)

@@ -191,20 +191,28 @@ def test_site_update_of_a_gaussian_log_density_is_that_gaussian(family):
         loc, scale = random_loc_scale(family, jax.random.PRNGKey(5))
         half = jax.random.normal(jax.random.PRNGKey(6), (20000, DIM))
         eps = jnp.concatenate([half, -half])
-        grads = jax.vmap(jax.grad(family.to_dist(target).log_prob))(
-            family.unwhiten(loc, scale, eps)
-        )
-        hess = family.stein_hessian(grads, eps, scale)
-        got = family.site_update(grads.mean(0), hess, loc)
+
+        @jax.jit  # one program (eagerly, each of its operations compiles one of its own)
+        def sites(target, loc, scale, eps):
+            log_prob = family.to_dist(target).log_prob
+            grads = jax.vmap(jax.grad(log_prob))(family.unwhiten(loc, scale, eps))
+            hess = family.stein_hessian(grads, eps, scale)
+            got = family.site_update(grads.mean(0), hess, loc)
+            # with the Hessian itself, antithetic pairs make it exact
+            q = family.from_loc_scale(loc, scale)
+            exact = expected_site(
+                family,
+                q,
+                eps[::1000],
+                jax.vmap(jax.grad(log_prob)),
+                jax.vmap(jax.hessian(log_prob)),
+            )
+            return got, exact
+
+        got, exact = sites(target, loc, scale, eps)
         # MC: ~1/sqrt(4e4)
         np.testing.assert_allclose(got.eta2, target.eta2, atol=0.05 * np.abs(target.eta2).max())
         np.testing.assert_allclose(got.eta1, target.eta1, atol=0.05 * np.abs(target.eta1).max())
-        # with the Hessian itself, antithetic pairs make it exact
-        q = family.from_loc_scale(loc, scale)
-        log_prob = family.to_dist(target).log_prob
-        exact = expected_site(
-            family, q, eps[::1000], jax.vmap(jax.grad(log_prob)), jax.vmap(jax.hessian(log_prob))
-        )
         np.testing.assert_allclose(exact.eta2, target.eta2, rtol=1e-8, atol=1e-12)
         np.testing.assert_allclose(exact.eta1, target.eta1, rtol=1e-8, atol=1e-10)
 
@@ -333,19 +341,25 @@ def test_site_from_draws_is_expected_site_and_match_moments_control_variate(fami
         )
         f = lambda z: -0.5 * jnp.sum((z - 1.0) ** 2 / jnp.arange(1.0, DIM + 1))  # noqa: E731
         zeta = family.draw(nat, jax.random.PRNGKey(2), 16)
-        site = family.site_from_draws(
-            nat,
-            zeta,
-            jax.vmap(f)(zeta),
-            jax.vmap(jax.grad(f))(zeta),
-            jax.vmap(jax.hessian(f))(zeta),
-        )
+        weights = jax.nn.softmax(jax.random.normal(jax.random.PRNGKey(3), (zeta.shape[0],)))
+
+        @jax.jit  # one program (eagerly, each of its operations compiles one of its own)
+        def sites(nat, zeta, weights):
+            site = family.site_from_draws(
+                nat,
+                zeta,
+                jax.vmap(f)(zeta),
+                jax.vmap(jax.grad(f))(zeta),
+                jax.vmap(jax.hessian(f))(zeta),
+            )
+            uniform = jnp.full(zeta.shape[0], 1.0 / zeta.shape[0])
+            matched = family.moments(family.match_moments(nat, zeta, weights))
+            return site, family.match_moments(nat, zeta, uniform), matched
+
+        site, same, (mean, cov) = sites(nat, zeta, weights)
         np.testing.assert_allclose(site.eta1, 1.0 / jnp.arange(1.0, DIM + 1), rtol=1e-8)
-        same = family.match_moments(nat, zeta, jnp.full(zeta.shape[0], 1.0 / zeta.shape[0]))
         for a, b in zip(jax.tree.leaves(same), jax.tree.leaves(nat)):
             np.testing.assert_allclose(a, b, rtol=1e-8, atol=1e-10)
-        weights = jax.nn.softmax(jax.random.normal(jax.random.PRNGKey(3), (zeta.shape[0],)))
-        mean, cov = family.moments(family.match_moments(nat, zeta, weights))
         loc = family.loc_scale(nat)[0]
         d = zeta - loc
         expected_mean = loc + (weights - 1.0 / zeta.shape[0]) @ d
@@ -395,22 +409,28 @@ def test_site_families_lay_out_blocks_and_map_over_them():
     )
     assert bool(family.is_valid(q)) and not bool(family.is_valid(q - q))
     value = jnp.array([0.3, 1.0, 2.0, 1.5])
-    parts = [
-        MEAN_FIELD.to_dist(family.split(q)[0]),
-        FULL_RANK.to_dist(family.split(q)[1]),
-        pvi.Gamma().to_dist(family.split(q)[2]),
-    ]
-    expected = sum(d.log_prob(v) for d, v in zip(parts, [value[:1], value[1:3], value[3:]]))
-    np.testing.assert_allclose(family.to_dist(q).log_prob(value), expected, rtol=1e-6)
-    kl = dist.kl_divergence(family.to_dist(q), family.to_dist(p))
-    parts_p = [
-        MEAN_FIELD.to_dist(family.split(p)[0]),
-        FULL_RANK.to_dist(family.split(p)[1]),
-        pvi.Gamma().to_dist(family.split(p)[2]),
-    ]
-    np.testing.assert_allclose(
-        kl, sum(dist.kl_divergence(a, b) for a, b in zip(parts, parts_p)), rtol=1e-6
-    )
+
+    def blocks(nat):
+        return [
+            MEAN_FIELD.to_dist(family.split(nat)[0]),
+            FULL_RANK.to_dist(family.split(nat)[1]),
+            pvi.Gamma().to_dist(family.split(nat)[2]),
+        ]
+
+    @jax.jit  # one program (eagerly, each of its operations compiles one of its own)
+    def densities(q, p, value):
+        parts, parts_p = blocks(q), blocks(p)
+        expected = sum(d.log_prob(v) for d, v in zip(parts, [value[:1], value[1:3], value[3:]]))
+        return (
+            family.to_dist(q).log_prob(value),
+            expected,
+            dist.kl_divergence(family.to_dist(q), family.to_dist(p)),
+            sum(dist.kl_divergence(a, b) for a, b in zip(parts, parts_p)),
+        )
+
+    log_prob, expected, kl, kl_parts = densities(q, p, value)
+    np.testing.assert_allclose(log_prob, expected, rtol=1e-6)
+    np.testing.assert_allclose(kl, kl_parts, rtol=1e-6)
     assert isinstance(family.to_dist(q), BlockDistribution) and family.to_dist(q).has_rsample
     marg = family.marginals(q)
     np.testing.assert_allclose(marg.mean, [0.0, 1.0, 1.0, 1.5], rtol=1e-6)

@@ -35,45 +35,59 @@ def _f32(cov):
     return 0.5 * (cov + cov.T)
 
 
+@jax.jit
+def _whitened_and_numpyros(loc, white, chol, cavity_loc, other, covs, keys):
+    """The whitened guide's and the cavities' covariances, KLs, log densities and draws, next to
+    NumPyro's ``MultivariateNormal`` of the float32 covariances ``covs`` (guide, cavity, other
+    cavity): one program for every seed (eagerly, each operation compiled one of its own)."""
+    guide_cov, cov, other_cov = covs
+    guide = CavityWhitenedNormal(loc, white, chol)
+    cavity = PrecisionMultivariateNormal(cavity_loc, chol)
+    other_cavity = PrecisionMultivariateNormal(cavity_loc, other)
+    mvn_guide, mvn_cavity = MultivariateNormal(loc, guide_cov), MultivariateNormal(cavity_loc, cov)
+    x = guide.sample(keys[0], (5,))
+    return dict(
+        covariances=(guide.covariance_matrix, cavity.covariance_matrix),
+        # the O(D^2) path (the guide whitened by this very cavity) and the general one (another
+        # precision factor)
+        kl=(kl_divergence(guide, cavity), kl_divergence(mvn_guide, mvn_cavity)),
+        kl_other=(
+            kl_divergence(guide, other_cavity),
+            kl_divergence(mvn_guide, MultivariateNormal(cavity_loc, other_cov)),
+        ),
+        kl_self=kl_divergence(
+            CavityWhitenedNormal(cavity_loc, jnp.eye(loc.shape[0]), chol), cavity
+        ),
+        log_prob=(guide.log_prob(x), mvn_guide.log_prob(x)),
+        cavity_log_prob=(cavity.log_prob(x), mvn_cavity.log_prob(x)),
+        draws=guide.sample(keys[1], (100_000,)),
+    )
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_kl_log_prob_and_moments_equal_numpyros_multivariate_normal(seed):
     keys = random.split(random.PRNGKey(seed), 7)
     dim = 6
     chol, white, other = (_random_tril(k, dim) for k in keys[:3])
     loc, cavity_loc = random.normal(keys[3], (dim,)), random.normal(keys[4], (dim,))
-    guide = CavityWhitenedNormal(loc, white, chol)
-    cavity = PrecisionMultivariateNormal(cavity_loc, chol)
     cov = np.linalg.inv(np.asarray(chol @ chol.T, np.float64))
     guide_cov = np.linalg.inv(
         np.asarray(chol @ jnp.linalg.inv(white) @ jnp.linalg.inv(white).T @ chol.T, np.float64)
     )
-    np.testing.assert_allclose(guide.covariance_matrix, guide_cov, rtol=1e-4, atol=1e-5)
-    np.testing.assert_allclose(cavity.covariance_matrix, cov, rtol=1e-4, atol=1e-5)
-    mvn_guide, mvn_cavity = (
-        MultivariateNormal(loc, _f32(guide_cov)),
-        MultivariateNormal(cavity_loc, _f32(cov)),
+    other_cov = np.linalg.inv(np.asarray(other @ other.T, np.float64))
+    got = _whitened_and_numpyros(
+        loc, white, chol, cavity_loc, other, tuple(map(_f32, (guide_cov, cov, other_cov))), keys[5:]
     )
-    # the O(D^2) path (the guide whitened by this very cavity) and the general one (another
-    # precision factor)
-    np.testing.assert_allclose(
-        kl_divergence(guide, cavity), kl_divergence(mvn_guide, mvn_cavity), rtol=1e-4
-    )
-    other_cavity = PrecisionMultivariateNormal(cavity_loc, other)
-    other_cov = _f32(np.linalg.inv(np.asarray(other @ other.T, np.float64)))
-    np.testing.assert_allclose(
-        kl_divergence(guide, other_cavity),
-        kl_divergence(mvn_guide, MultivariateNormal(cavity_loc, other_cov)),
-        rtol=1e-4,
-    )
-    assert float(
-        kl_divergence(CavityWhitenedNormal(cavity_loc, jnp.eye(dim), chol), cavity)
-    ) == pytest.approx(0.0, abs=1e-5)
-    x = guide.sample(keys[5], (5,))
-    np.testing.assert_allclose(guide.log_prob(x), mvn_guide.log_prob(x), rtol=1e-5)
-    np.testing.assert_allclose(cavity.log_prob(x), mvn_cavity.log_prob(x), rtol=1e-5)
+    np.testing.assert_allclose(got["covariances"][0], guide_cov, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(got["covariances"][1], cov, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(*got["kl"], rtol=1e-4)
+    np.testing.assert_allclose(*got["kl_other"], rtol=1e-4)
+    assert float(got["kl_self"]) == pytest.approx(0.0, abs=1e-5)
+    np.testing.assert_allclose(*got["log_prob"], rtol=1e-5)
+    np.testing.assert_allclose(*got["cavity_log_prob"], rtol=1e-5)
     # draws: 100,000 of them match the covariance to within its Monte Carlo error (~0.5 % of the sds
     # here)
-    draws = np.asarray(guide.sample(keys[6], (100_000,)), np.float64)
+    draws = np.asarray(got["draws"], np.float64)
     np.testing.assert_allclose(np.cov(draws.T), guide_cov, atol=0.03 * np.max(np.diag(guide_cov)))
 
 

@@ -1,3 +1,5 @@
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -32,46 +34,90 @@ def _setup(family, X, y):
     return cp, client, (loc, u)
 
 
+class Computed(NamedTuple):
+    """One setup's direct and factorised results: the direct per-row gradients (float64 norms),
+    the two clip norms (about half the rows clipped; none), the chosen rows, and what
+    ``row_squared_norms`` and ``clipped_sum`` (at each clip norm) return."""
+
+    direct: list
+    norms: np.ndarray
+    clip_norms: np.ndarray
+    chosen: np.ndarray
+    got_norms: np.ndarray
+    got_sums: list
+
+
+def _compute(cp, client, params, eps, chosen):
+    """:class:`Computed` in two programs: the direct per-row gradients (the reference), then
+    ``row_squared_norms`` and ``clipped_sum`` (one program, run at each clip norm; not op by op)."""
+    direct = jax.jit(lambda p, e: dp_clipping.row_gradients(cp, p, e, client))(params, eps)
+    direct = [np.asarray(g, np.float64) for g in jax.tree.leaves(direct)]
+    norms = np.sqrt(sum(np.sum(g.reshape(g.shape[0], -1) ** 2, axis=1) for g in direct))
+    clip_norms = np.array([0.5 * np.median(norms[np.asarray(client.mask)]), 1e9], np.float32)
+
+    @jax.jit
+    def factorised(params, eps, chosen, clip_norm):
+        return dp_clipping.row_squared_norms(cp, params, eps, client), dp_clipping.clipped_sum(
+            cp, params, eps, client, chosen, clip_norm
+        )
+
+    got_norms, got_sums = factorised(params, eps, chosen, clip_norms[0])
+    got_sums = [got_sums, factorised(params, eps, chosen, clip_norms[1])[1]]
+    return Computed(direct, norms, clip_norms, np.asarray(chosen), np.asarray(got_norms), got_sums)
+
+
+def _check_clipped_sums(computed):
+    """Each clip norm's ``clipped_sum`` against clipping the direct gradients row by row and summing
+    the chosen rows (exact up to float32 rounding)."""
+    for clip_norm, got in zip(computed.clip_norms, computed.got_sums):
+        factors = np.where(
+            computed.chosen,
+            np.minimum(1.0, float(clip_norm) / np.maximum(computed.norms, 1e-30)),
+            0.0,
+        )
+        expected = [np.tensordot(factors, g, axes=1) for g in computed.direct]
+        for e, g in zip(expected, jax.tree.leaves(got)):
+            np.testing.assert_allclose(g, e, rtol=2e-4, atol=2e-4 * np.max(np.abs(e)))
+
+
+@pytest.fixture(scope="module")
+def gaussian(linear_data):
+    """``(family, num_draws) -> (client, Computed)`` on the linear data, at ``num_draws`` standard
+    normal draws; each computed once for the module's tests."""
+    built = {}
+
+    def compute(family, num_draws):
+        name = type(family).__name__
+        if name not in built:
+            built[name] = _setup(family, *linear_data)
+        if (name, num_draws) not in built:
+            cp, client, params = built[name]
+            eps = random.normal(random.PRNGKey(3), (num_draws, cp.dim))
+            chosen = client.mask & random.bernoulli(random.PRNGKey(4), 0.5, client.mask.shape)
+            built[name, num_draws] = client, _compute(cp, client, params, eps, chosen)
+        return built[name, num_draws]
+
+    return compute
+
+
 @pytest.mark.parametrize("family", [pvi.MeanFieldGaussian(), pvi.FullRankGaussian()])
 @pytest.mark.parametrize("num_draws", [1, 3])
 def test_the_factorised_clipped_sum_equals_clipping_the_direct_per_row_gradients(
-    linear_data, family, num_draws
+    gaussian, family, num_draws
 ):
     """``clipped_sum`` (per-row gradients in zeta, closed-form or pulled-back norms, one reweighted
     backward pass) against the direct computation: ``jax.vmap(jax.grad)`` of every row's data term
     in ``(loc, u)``, clipped row by row and summed over the chosen rows. Exact up to float32
     rounding."""
-    X, y = linear_data
-    cp, client, params = _setup(family, X, y)
-    eps = random.normal(random.PRNGKey(3), (num_draws, cp.dim))
-    chosen = client.mask & random.bernoulli(random.PRNGKey(4), 0.5, client.mask.shape)
-    direct = dp_clipping.row_gradients(cp, params, eps, client)
-    norms = np.sqrt(
-        sum(np.sum(np.asarray(g, np.float64).reshape(g.shape[0], -1) ** 2, axis=1) for g in direct)
-    )
-    # about half the rows clipped; none
-    for clip_norm in (0.5 * np.median(norms[np.asarray(client.mask)]), 1e9):
-        factors = np.where(
-            np.asarray(chosen), np.minimum(1.0, clip_norm / np.maximum(norms, 1e-30)), 0.0
-        )
-        expected = [np.tensordot(factors, np.asarray(g), axes=1) for g in direct]
-        got = jax.jit(
-            lambda p, c=clip_norm: dp_clipping.clipped_sum(cp, p, eps, client, chosen, c)
-        )(params)
-        for e, g in zip(expected, got):
-            np.testing.assert_allclose(g, e, rtol=2e-4, atol=2e-4 * np.max(np.abs(e)))
+    _check_clipped_sums(gaussian(family, num_draws)[1])
 
 
 @pytest.mark.parametrize("family", [pvi.MeanFieldGaussian(), pvi.FullRankGaussian()])
-def test_row_norms_from_zeta_gradients_equal_the_direct_norms(linear_data, family):
-    X, y = linear_data
-    cp, client, params = _setup(family, X, y)
-    eps = random.normal(random.PRNGKey(6), (2, cp.dim))
-    got = dp_clipping.row_squared_norms(cp, params, eps, client)
-    direct = dp_clipping.row_gradients(cp, params, eps, client)
-    expected = sum(jnp.sum(g.reshape(g.shape[0], -1) ** 2, axis=1) for g in direct)
-    np.testing.assert_allclose(got, expected, rtol=1e-4)
-    assert np.all(np.asarray(got)[~np.asarray(client.mask)] == 0)  # padded rows weigh nothing
+def test_row_norms_from_zeta_gradients_equal_the_direct_norms(gaussian, family):
+    client, computed = gaussian(family, 3)  # the draws of the test above
+    np.testing.assert_allclose(computed.got_norms, computed.norms**2, rtol=1e-4)
+    # padded rows weigh nothing
+    assert np.all(computed.got_norms[~np.asarray(client.mask)] == 0)
 
 
 # ---------------------------------------------------------------- the generic path (any
@@ -81,6 +127,8 @@ def test_row_norms_from_zeta_gradients_equal_the_direct_norms(linear_data, famil
 
 
 def _generic_setup(model, family, q_of, data):
+    """Client 0 and its :class:`Computed` at the guide's params of ``q_of(family)`` and three draws'
+    keys."""
     update = pvi.DPGradientUpdate(
         optax.adam(1e-2), num_steps=1, batch_size=50, clip_norm=1.0, noise_multiplier=0.0
     )
@@ -88,7 +136,10 @@ def _generic_setup(model, family, q_of, data):
     cp = problem.client_problem
     client = jax.tree.map(lambda a: a[0], problem.clients)
     assert not np.all(client.mask)  # padded rows
-    return cp, client, cp.family.reparameterised(cp.dim).init(q_of(family))
+    params = cp.family.reparameterised(cp.dim).init(q_of(family))
+    eps = random.split(random.PRNGKey(10), 3)  # one key per draw
+    chosen = client.mask & random.bernoulli(random.PRNGKey(12), 0.5, client.mask.shape)
+    return client, _compute(cp, client, params, eps, chosen)
 
 
 def _normal_gamma_q(family):
@@ -118,34 +169,12 @@ def generic(request):
 
 
 def test_generic_row_norms_equal_the_direct_norms(generic):
-    cp, client, params = generic
-    eps = random.split(random.PRNGKey(10), 3)  # one key per draw
-    got = jax.jit(lambda p: dp_clipping.row_squared_norms(cp, p, eps, client))(params)
-    direct = jax.jit(lambda p: dp_clipping.row_gradients(cp, p, eps, client))(params)
-    expected = sum(jnp.sum(g.reshape(g.shape[0], -1) ** 2, axis=1) for g in jax.tree.leaves(direct))
-    np.testing.assert_allclose(got, expected, rtol=1e-4)
-    assert np.all(np.asarray(got)[~np.asarray(client.mask)] == 0)  # padded rows weigh nothing
-    assert np.all(np.asarray(got)[np.asarray(client.mask)] > 0)
+    client, computed = generic
+    got, mask = computed.got_norms, np.asarray(client.mask)
+    np.testing.assert_allclose(got, computed.norms**2, rtol=1e-4)
+    assert np.all(got[~mask] == 0)  # padded rows weigh nothing
+    assert np.all(got[mask] > 0)
 
 
 def test_generic_clipped_sum_equals_clipping_the_direct_per_row_gradients(generic):
-    cp, client, params = generic
-    eps = random.split(random.PRNGKey(11), 2)
-    chosen = client.mask & random.bernoulli(random.PRNGKey(12), 0.5, client.mask.shape)
-    direct = jax.tree.leaves(
-        jax.jit(lambda p: dp_clipping.row_gradients(cp, p, eps, client))(params)
-    )
-    norms = np.sqrt(
-        sum(np.sum(np.asarray(g, np.float64).reshape(g.shape[0], -1) ** 2, axis=1) for g in direct)
-    )
-    # about half the rows clipped; none
-    for clip_norm in (0.5 * np.median(norms[np.asarray(client.mask)]), 1e9):
-        factors = np.where(
-            np.asarray(chosen), np.minimum(1.0, clip_norm / np.maximum(norms, 1e-30)), 0.0
-        )
-        expected = [np.tensordot(factors, np.asarray(g), axes=1) for g in direct]
-        got = jax.jit(
-            lambda p, c=clip_norm: dp_clipping.clipped_sum(cp, p, eps, client, chosen, c)
-        )(params)
-        for e, g in zip(expected, jax.tree.leaves(got)):
-            np.testing.assert_allclose(g, e, rtol=2e-4, atol=2e-4 * np.max(np.abs(e)))
+    _check_clipped_sums(generic[1])

@@ -191,7 +191,9 @@ def test_a_client_that_times_out_is_counted_once_by_budget_and_privacy_spent(lin
     assert np.all(result.privacy_spent(DELTA) <= 2.0)
 
 
-def test_a_run_resumed_without_its_history_spends_what_its_releases_spent(sampled_run, linear_data):
+def test_a_run_resumed_without_its_history_spends_what_its_releases_spent(
+    sampled_inference, sampled_run, linear_data
+):
     # before: privacy_spent read the history only, so a run resumed from a checkpoint without
     # init_history reported epsilon 0 for the rounds before the checkpoint
     X, y = linear_data
@@ -199,7 +201,7 @@ def test_a_run_resumed_without_its_history_spends_what_its_releases_spent(sample
     first = sampled_run
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", pvi.PVIWarning)
-        resumed = pvi.PVI(**first.config._asdict()).run(
+        resumed = sampled_inference.run(
             random.PRNGKey(1), 1, X, y=y, progress_bar=False, init_state=first.state
         )
     made = np.sum(first.history.dense(3).attempts, 0) + np.sum(resumed.history.dense(3).attempts, 0)
@@ -375,19 +377,25 @@ def test_client_sampled_epsilon_equals_dp_accountings_and_is_amplified():
 
 
 @pytest.fixture(scope="module")
-def sampled_run(linear_data):
+def sampled_inference():
     """Synchronous PVI drawing 2 of the 3 clients a round, DP-SGD, no budget."""
-    X, y = linear_data
     update = pvi.DPGradientUpdate(
         optax.adam(1e-2), num_steps=STEPS, batch_size=BATCH, clip_norm=1.0, noise_multiplier=SIGMA
     )
-    inference = pvi.PVI(
+    return pvi.PVI(
         linear_model,
         pvi.MeanFieldGaussian(),
         PARTS,
         update,
         pvi.Synchronous(damping=0.5, clients_per_round=2),
     )
+
+
+@pytest.fixture(scope="module")
+def sampled_run(sampled_inference, linear_data):
+    """5 rounds of ``sampled_inference``."""
+    X, y = linear_data
+    inference = sampled_inference
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", pvi.PVIWarning)
         return inference.run(random.PRNGKey(0), ROUNDS, X, y=y, progress_bar=False)
