@@ -93,15 +93,22 @@ def test_entropy_matches_monte_carlo(name):
     # Gamma/Beta/Dirichlet block's own values). The collapsed q (sds 3e-5 of the moderate ones) is
     # the issue-23 case: on float32 NumPyro's Gamma entropy read thousands of nats too high there
     # (and differently under jit), lifting the ELBO above log p(y).
+    family = _q(name, 1.0)[0]
+
+    @jax.jit
+    def draws_log_q_and_entropy(q):
+        # one compiled program per dtype (q is its argument): q's draws, their log density and, as
+        # the ELBO reads it, the entropy
+        q_dist = family.to_dist(q)
+        draws = q_dist.sample(random.PRNGKey(0), (DRAWS,))
+        return jax.vmap(q_dist.log_prob)(draws), q_dist.entropy()
+
     for concentration, x64 in [(1.0, False), (1e9, False), (1e9, True)]:
         with enable_x64(x64):
             family, q = _q(name, concentration)
-            q_dist = family.to_dist(q)
-            draws = q_dist.sample(random.PRNGKey(0), (DRAWS,))
-            log_q = np.asarray(jax.jit(jax.vmap(q_dist.log_prob))(draws), np.float64)
-            # as the ELBO reads it
-            entropy = float(jax.jit(lambda q, f=family: f.to_dist(q).entropy())(q))
-            eager = float(q_dist.entropy())
+            log_q, entropy = draws_log_q_and_entropy(q)
+            log_q, entropy = np.asarray(log_q, np.float64), float(entropy)
+            eager = float(family.to_dist(q).entropy())
         assert np.all(np.isfinite(log_q))
         standard_error = np.std(log_q) / np.sqrt(DRAWS)
         rounding = 1e-4 * max(1.0, abs(entropy))

@@ -52,6 +52,13 @@ def run_pvi(data, seed, server, rounds=10, backend="vmap", num_steps=300):
     )
 
 
+@pytest.fixture(scope="module")
+def synchronous_run(data):
+    """The Synchronous(0.5) run of test_random_intercepts_match_global_vi (key 1, 16 rounds of 300
+    steps): built once, read by the tests of what a run leaves."""
+    return run_pvi(data, 1, pvi.Synchronous(0.5), 16)
+
+
 def local_guides(state):
     """Every group's (loc, scale) from its client's private guide, in pooled group order (padding
     dropped)."""
@@ -65,8 +72,11 @@ def local_guides(state):
 @pytest.mark.parametrize(
     "server, rounds", [(pvi.Sequential(), 10), (pvi.Synchronous(0.5), 16)], ids=str
 )
-def test_random_intercepts_match_global_vi(data, server, rounds):
-    inference, result = run_pvi(data, 1, server, rounds)
+def test_random_intercepts_match_global_vi(data, request, server, rounds):
+    if isinstance(server, pvi.Synchronous):  # the shared run
+        inference, result = request.getfixturevalue("synchronous_run")
+    else:
+        inference, result = run_pvi(data, 1, server, rounds)
     assert result.history.accepted.all()
     p = SVI_PARAMS
     loc, scale = inference.family.loc_scale(result.state.q)
@@ -107,9 +117,9 @@ def test_local_guides_stay_on_the_client(data):
     assert problem.sites.dim == 2 and state.factors.eta1.shape == (3, 2)
 
 
-def test_posterior_samples_and_predictive_per_client(data):
+def test_posterior_samples_and_predictive_per_client(data, synchronous_run):
     x, y = data
-    inference, result = run_pvi(data, 0, pvi.Synchronous(0.5), rounds=3, num_steps=200)
+    inference, result = synchronous_run
     samples = result.sample_posterior(random.PRNGKey(0), 500, client=0)
     # client 0 holds 3 groups
     assert samples["b"].shape == (500,) and samples["u"].shape == (500, 3)
@@ -133,7 +143,7 @@ def test_posterior_samples_and_predictive_per_client(data):
 
 def test_loop_backend_agrees_with_vmap(data):
     states = [
-        run_pvi(data, 3, pvi.Synchronous(0.5), rounds=2, backend=b, num_steps=50)[1].state
+        run_pvi(data, 1, pvi.Synchronous(0.5), rounds=2, backend=b)[1].state
         for b in ("vmap", "loop")
     ]
     np.testing.assert_allclose(states[0].q.eta1, states[1].q.eta1, rtol=1e-4, atol=1e-4)
