@@ -91,22 +91,21 @@ def conjugate_run(linear_data):
 
 @pytest.mark.parametrize(
     "server, rounds",
-    [
-        (pvi.Sequential(), 3),
-        (pvi.Sequential(damping=0.5), 8),
-        (pvi.Synchronous(1.0), 3),
-        (pvi.Synchronous(damping=0.5), 8),
-    ],
+    [(pvi.Sequential(), 3), (pvi.Synchronous(damping=0.5), 8)],
     ids=str,
 )
 def test_gradient_pvi_reaches_the_exact_conjugate_posterior(
     linear_data, conjugate_run, server, rounds
 ):
+    """Noisy (gradient) local updates under a sequential and a damped synchronous server. The
+    servers' algebra for each damping (Sequential and Synchronous at 1 and 0.5) is checked exactly,
+    with exact local updates, in tests/server/test_servers.py."""
     mean, cov = exact_linear_posterior(*linear_data)
     inference, result = conjugate_run(server, rounds)
     assert result.history.accepted.all()
-    # over seeds 0-7 the worst errors of the four servers were 0.046 sd (mean) and 0.071
-    # (covariance)
+    # over seeds 0-7 the worst errors were 0.029 sd (mean) and 0.064 (covariance) for Sequential(),
+    # 0.016 and 0.053 for Synchronous(0.5) (Sequential(0.5) and Synchronous(1.0), no longer run
+    # here: 0.046 and 0.071 at worst)
     assert_close_to(*q_moments(inference, result.state), mean, cov, mean_tol=0.1, cov_tol=0.12)
 
 

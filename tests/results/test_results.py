@@ -37,12 +37,15 @@ def schools(sigma, y=None):
         numpyro.sample("y", dist.Normal(theta, sigma), obs=y)
 
 
-@pytest.fixture(scope="module")
-def result():
-    update = pvi.GradientUpdate(
+def update():
+    return pvi.GradientUpdate(
         optax.adam(optax.exponential_decay(5e-2, 300, 0.1)), num_steps=300, num_particles=4
     )
-    inference = pvi.PVI(schools, pvi.MeanFieldGaussian(), PARTS, update, pvi.Sequential())
+
+
+@pytest.fixture(scope="module")
+def result():
+    inference = pvi.PVI(schools, pvi.MeanFieldGaussian(), PARTS, update(), pvi.Sequential())
     return inference.run(random.PRNGKey(0), 6, SIGMA, y=Y, progress_bar=False)
 
 
@@ -124,11 +127,11 @@ def test_to_arviz_has_the_deterministic_sites(result):
 
 def test_federated_clients_pooled_order_is_client_by_client():
     """With ``ClientData`` there are no pooled data: the guide's rows and ``to_arviz``'s are client
-    0's, then client 1's, ... (here the schools in the order PARTS lists them)."""
+    0's, then client 1's, ... (here the schools in the order PARTS lists them). Two rounds of the
+    shared run's configuration (its compiled round serves this one)."""
     order = np.concatenate(PARTS)
     clients = pvi.ClientData([((SIGMA[p],), {"y": Y[p]}) for p in PARTS])
-    update = pvi.GradientUpdate(optax.adam(5e-2), num_steps=100, num_particles=2)
-    result = pvi.PVI(schools, pvi.MeanFieldGaussian(), clients, update, pvi.Sequential()).run(
+    result = pvi.PVI(schools, pvi.MeanFieldGaussian(), clients, update(), pvi.Sequential()).run(
         random.PRNGKey(0), 2, progress_bar=False
     )
     drawn = Predictive(
