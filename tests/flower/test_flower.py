@@ -516,7 +516,9 @@ def _loader(data):
 
 def _partitions(grid, num_nodes):
     """``{node id: partition id}`` of the engine's sites, asked of each (a ``WHOAMI`` query)."""
+    deadline = time.monotonic() + 600
     while len(nodes := list(grid.get_node_ids())) < num_nodes:
+        assert time.monotonic() < deadline, f"{len(nodes)} of {num_nodes} sites connected"
         time.sleep(0.1)
     asks = [
         Message(
