@@ -409,7 +409,7 @@ def _site_families_job():
     X, y, parts = _site_families_data()
     strategy = PVIStrategy(site_families(), 2, random.PRNGKey(2), pvi.Sequential())
     data = _sites_data(X, y, parts)
-    return _Job(normal_gamma_model, site_families(), FAMILIES_UPDATE, data, {"sync": strategy}, 2)
+    return _Job(normal_gamma_model, site_families(), FAMILIES_UPDATE, data, {"seq": strategy}, 2)
 
 
 def test_flower_site_families_match_in_process(engine):
@@ -421,7 +421,7 @@ def test_flower_site_families_match_in_process(engine):
     test's: the sites' program (the Ray actors' HLO) and the in-process run are compiled once per
     test run (JAX's persistent cache)."""
     X, y, parts = _site_families_data()
-    strategy = engine[0]["site_families"]["sync"]
+    strategy = engine[0]["site_families"]["seq"]
     inference = pvi.PVI(
         normal_gamma_model, site_families(), parts, FAMILIES_UPDATE, pvi.Sequential()
     )
@@ -570,7 +570,8 @@ class _SiteSets(ClientApp):
 
     The engine sends the ``ClientApp`` with every message: once Ray runs, the apps (their models
     and data, pickled by value) go to Ray's object store once and a message carries their
-    reference (measured: 20 ms a message to pickle the apps, 0.2 ms the reference)."""
+    reference (measured: the driver pickled for 4.2 s over the module's 565 messages, 0.16 s with
+    the reference)."""
 
     def __init__(self, apps, stored=None):
         super().__init__()
@@ -637,8 +638,8 @@ def test_servers_a_halfnormal_prior_and_a_hyperparameter_on_flowers_engine(engin
     and hyperparameter (same seeds); in the synchronous ones the round's ELBO too.
 
     Tolerances are the LocalGrid tests' (1e-4 relative for states, 1e-5 for the ELBO): the sites
-    compute the same programs on the same draws (measured: bitwise equal over LocalGrid). The
-    hyperparameter and t_0 moved from their start (the server's steps ran), t_0 is not zero, the
+    compute the same programs on the same draws. The hyperparameter and every leaf of t_0 moved
+    from their start (the server's steps ran), t_0 is not zero, the
     synchronous rounds' ELBO is finite (before: NaN over Flower), and another seed moves the
     default server's q by far more than the tolerance."""
     from models import halfnormal_offset_model
@@ -665,7 +666,7 @@ def test_servers_a_halfnormal_prior_and_a_hyperparameter_on_flowers_engine(engin
             np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5, err_msg=name)
         assert abs(float(state.hyper["offset"])) > 1e-3, name  # from 0
         start = inference.init(random.PRNGKey(2)).prior_factor
-        assert max(np.max(np.abs(a - b)) for a, b in zip(start, state.prior_factor)) > 1e-3, name
+        assert min(np.max(np.abs(a - b)) for a, b in zip(start, state.prior_factor)) > 1e-3, name
         assert np.all(np.abs(state.prior_factor.eta2[-1]) > 1e-3), name
         if isinstance(server, pvi.Synchronous):
             # the round's ELBO from the sites' reports (their terms under the q they were sent and
