@@ -639,9 +639,9 @@ def test_servers_a_halfnormal_prior_and_a_hyperparameter_on_flowers_engine(engin
 
     Tolerances are the LocalGrid tests' (1e-4 relative for states, 1e-5 for the ELBO): the sites
     compute the same programs on the same draws. The hyperparameter and every leaf of t_0 moved
-    from their start (the server's steps ran), t_0 is not zero, the
-    synchronous rounds' ELBO is finite (before: NaN over Flower), and another seed moves the
-    default server's q by far more than the tolerance."""
+    from their start (the server's steps ran), t_0 is not zero, the synchronous rounds' ELBO is
+    finite (before: NaN over Flower), and another seed moves the default server's q by far more
+    than the tolerance."""
     from models import halfnormal_offset_model
 
     data, _ = _three_sites(halfnormal_offset_model, SMALL_UPDATE)
