@@ -88,9 +88,9 @@ def backend(ray_cluster):
     come first, then the 2-client ones (a problem with fewer clients kills the surplus actors). An
     asynchronous run abandons the updates in flight at its end, and the next problem's runner kills
     their actors and starts new ones: the 4-client asynchronous test (K = 2 of 4 in flight) comes
-    last of its kind (the 2-client tests take the other two), and the 2-client asynchronous tests
-    come after the test of ``close()`` (which starts new actors anyway), the last of them
-    abandoning its actors to the fixture's teardown."""
+    last of its kind (the 2-client tests take the other two), the 2-client one that ends with
+    ``close()`` closes its own abandoned actors, and the last test abandons its actors to the
+    fixture's teardown."""
     backend = CountingRayBackend()
     yield backend
     backend.close()
@@ -250,7 +250,7 @@ def test_ray_faults_are_rejected_and_recovered(backend, linear_data):
     np.testing.assert_array_equal(info.accepted, [1, 1, 1, 1])
     np.testing.assert_allclose(inference.family.loc_scale(state.q)[0], mean, rtol=1e-4)
     # close() and the actors it kills:
-    # test_close_kills_every_actor_and_the_next_update_starts_new_ones (last)
+    # test_a_second_run_merges_nothing_from_the_first_and_close_kills_every_actor
 
 
 def test_a_timeout_rejects_and_restarts_but_does_not_count_compilation(
@@ -410,32 +410,6 @@ def test_ray_site_families_equal_vmap(backend):
     np.testing.assert_array_equal(runs[0].history.rejection, runs[1].history.rejection)
 
 
-def test_close_kills_every_actor_and_the_next_update_starts_new_ones(backend, two_client_data):
-    """close() kills every actor (freeing their CPU shares); the next update starts new ones from
-    the clients' data (two, which the asynchronous tests below take)."""
-    X, y = two_client_data
-    inference = pvi.PVI(
-        linear_model,
-        pvi.FullRankGaussian(),
-        TWO_CLIENTS,
-        ExactLinearUpdate(),
-        pvi.Synchronous(1.0),
-        backend=backend,
-    )
-    state, _ = inference.update(inference.init(random.PRNGKey(0), X, y=y), X, y=y)
-    old = list(backend.actors)
-    backend.close()
-    assert backend.actors == []
-    state, info = inference.update(state, X, y=y)
-    np.testing.assert_array_equal(info.accepted, [1, 1])
-    assert len(backend.actors) == 2 and not set(map(id, backend.actors)) & set(map(id, old))
-    np.testing.assert_allclose(
-        inference.family.loc_scale(state.q)[0], exact_linear_posterior(X, y)[0], rtol=1e-4
-    )
-    with pytest.raises(ray.exceptions.RayActorError):
-        ray.get(old[0].ping.remote(), timeout=30)
-
-
 class MarkerUpdate(ExactLinearUpdate):
     """Leaves q as it is (delta 0) and reports as its free energy the marker q.eta1[0] it was
     computed against, after `seconds` (so that updates are still in flight when a run ends)."""
@@ -459,9 +433,17 @@ class MarkerUpdate(ExactLinearUpdate):
         return client_update
 
 
-def test_a_second_run_merges_nothing_from_the_first(backend, two_client_data):
+def test_a_second_run_merges_nothing_from_the_first_and_close_kills_every_actor(
+    backend, two_client_data
+):
     """Updates still in flight when an asynchronous run ends belong to that run: the next run never
-    merges them."""
+    merges them. Then close() kills every actor (freeing their CPU shares), those computing an
+    update the run abandoned too, and the next update starts new ones from the clients' data.
+
+    (Merged from "a second run merges nothing from the first" and "close kills every actor and the
+    next update starts new ones": the next problem would kill the actors of the abandoned updates
+    and start new ones, and the test of close() started its own to kill: two actor processes
+    fewer.)"""
     X, y = two_client_data
     inference = pvi.PVI(
         linear_model,
@@ -478,12 +460,34 @@ def test_a_second_run_merges_nothing_from_the_first(backend, two_client_data):
     second = inference.run(random.PRNGKey(2), 2, X, y=y, init_state=marked(2.0), progress_bar=False)
     seen = second.history.free_energy[second.history.attempts > 0]
     assert seen.size > 0 and np.all(seen == 2.0), seen  # 1.0 would be an update of the first run
+    # close() kills every actor, the next update (another problem) starts new ones
+    old = list(backend.actors)
+    assert len(old) == 2
+    backend.close()
+    assert backend.actors == []
+    exact = pvi.PVI(
+        linear_model,
+        pvi.FullRankGaussian(),
+        TWO_CLIENTS,
+        ExactLinearUpdate(),
+        pvi.Synchronous(1.0),
+        backend=backend,
+    )
+    state, info = exact.update(exact.init(random.PRNGKey(0), X, y=y), X, y=y)
+    np.testing.assert_array_equal(info.accepted, [1, 1])
+    assert len(backend.actors) == 2 and not set(map(id, backend.actors)) & set(map(id, old))
+    np.testing.assert_allclose(
+        exact.family.loc_scale(state.q)[0], exact_linear_posterior(X, y)[0], rtol=1e-4
+    )
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(old[0].ping.remote(), timeout=30)
 
 
 def test_ray_asynchronous_with_a_5x_slower_client(backend, two_client_data):
     """Asynchronous rounds do not wait for a slow client: the fast one merges update after update
-    while the slow one computes. The module's last test of the actors: the updates in flight at
-    its end are abandoned, and their actors left to the fixture's teardown."""
+    while the slow one computes. The module's last test of the actors (the two that close()'s test
+    started): the updates in flight at its end are abandoned, their actors left to the fixture's
+    teardown."""
     X, y = two_client_data
     # client 0 (20 rows) is much slower than the other
     update = FaultyUpdate(size=20, mode="sleep", seconds=0.5)

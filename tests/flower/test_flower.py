@@ -409,7 +409,7 @@ def _site_families_job():
     X, y, parts = _site_families_data()
     strategy = PVIStrategy(site_families(), 2, random.PRNGKey(2), pvi.Sequential())
     data = _sites_data(X, y, parts)
-    return _Job(normal_gamma_model, site_families(), FAMILIES_UPDATE, data, {"sync": strategy}, 2)
+    return _Job(normal_gamma_model, site_families(), FAMILIES_UPDATE, data, {"seq": strategy}, 2)
 
 
 def test_flower_site_families_match_in_process(engine):
@@ -421,7 +421,7 @@ def test_flower_site_families_match_in_process(engine):
     test's: the sites' program (the Ray actors' HLO) and the in-process run are compiled once per
     test run (JAX's persistent cache)."""
     X, y, parts = _site_families_data()
-    strategy = engine[0]["site_families"]["sync"]
+    strategy = engine[0]["site_families"]["seq"]
     inference = pvi.PVI(
         normal_gamma_model, site_families(), parts, FAMILIES_UPDATE, pvi.Sequential()
     )
@@ -516,7 +516,9 @@ def _loader(data):
 
 def _partitions(grid, num_nodes):
     """``{node id: partition id}`` of the engine's sites, asked of each (a ``WHOAMI`` query)."""
+    deadline = time.monotonic() + 600
     while len(nodes := list(grid.get_node_ids())) < num_nodes:
+        assert time.monotonic() < deadline, f"{len(nodes)} of {num_nodes} sites connected"
         time.sleep(0.1)
     asks = [
         Message(
@@ -564,13 +566,31 @@ class _SiteSetGrid:
 class _SiteSets(ClientApp):
     """The sites of every set in one ``ClientApp``: a message goes to the :func:`client_app` of the
     set it names, with a run id of the set's own (a site caches its problem and compiled update
-    per run and node; the context's state, the site's, is the engine's)."""
+    per run and node; the context's state, the site's, is the engine's).
 
-    def __init__(self, apps):
+    The engine sends the ``ClientApp`` with every message: once Ray runs, the apps (their models
+    and data, pickled by value) go to Ray's object store once and a message carries their
+    reference (measured: the driver pickled for 4.2 s over the module's 565 messages, 0.16 s with
+    the reference)."""
+
+    def __init__(self, apps, stored=None):
         super().__init__()
-        self.apps = apps
+        self.apps, self.stored = apps, stored
+
+    def __reduce__(self):
+        import ray
+
+        if not ray.is_initialized():
+            return _SiteSets, (self.apps,)
+        if self.stored is None:
+            self.stored = ray.put(self.apps)
+        return _SiteSets, (None, self.stored)
 
     def __call__(self, message, context):
+        if self.apps is None:
+            import ray
+
+            self.apps = ray.get(self.stored)
         name = str(message.content.config_records[SITE_SET]["name"])
         if name == WHOAMI:
             partition = ConfigRecord({"partition-id": int(context.node_config["partition-id"])})
@@ -618,10 +638,10 @@ def test_servers_a_halfnormal_prior_and_a_hyperparameter_on_flowers_engine(engin
     and hyperparameter (same seeds); in the synchronous ones the round's ELBO too.
 
     Tolerances are the LocalGrid tests' (1e-4 relative for states, 1e-5 for the ELBO): the sites
-    compute the same programs on the same draws (measured: bitwise equal over LocalGrid). The
-    hyperparameter and t_0 moved from their start (the server's steps ran), t_0 is not zero, the
-    synchronous rounds' ELBO is finite (before: NaN over Flower), and another seed moves the
-    default server's q by far more than the tolerance."""
+    compute the same programs on the same draws. The hyperparameter and every leaf of t_0 moved
+    from their start (the server's steps ran), t_0 is not zero, the synchronous rounds' ELBO is
+    finite (before: NaN over Flower), and another seed moves the default server's q by far more
+    than the tolerance."""
     from models import halfnormal_offset_model
 
     data, _ = _three_sites(halfnormal_offset_model, SMALL_UPDATE)
@@ -646,7 +666,7 @@ def test_servers_a_halfnormal_prior_and_a_hyperparameter_on_flowers_engine(engin
             np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5, err_msg=name)
         assert abs(float(state.hyper["offset"])) > 1e-3, name  # from 0
         start = inference.init(random.PRNGKey(2)).prior_factor
-        assert max(np.max(np.abs(a - b)) for a, b in zip(start, state.prior_factor)) > 1e-3, name
+        assert min(np.max(np.abs(a - b)) for a, b in zip(start, state.prior_factor)) > 1e-3, name
         assert np.all(np.abs(state.prior_factor.eta2[-1]) > 1e-3), name
         if isinstance(server, pvi.Synchronous):
             # the round's ELBO from the sites' reports (their terms under the q they were sent and

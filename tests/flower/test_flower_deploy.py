@@ -30,7 +30,9 @@ NUM_ROUNDS, NUM_STEPS, SEED, ROWS = 3, 10, 0, 40
 
 
 def _in_process(logistic_data, *seeds):
-    """The in-process (vmap) runs with these seeds (one PVI: its compiled round is shared)."""
+    """The in-process runs with these seeds (one PVI: its compiled round is shared), on the
+    ``"loop"`` backend: one jitted ``client_update`` per client, the program a site compiles (the
+    same HLO, checked)."""
     X, y = (np.asarray(a[: 2 * ROWS]) for a in logistic_data)
     inference = pvi.PVI(
         logistic_model,
@@ -38,7 +40,7 @@ def _in_process(logistic_data, *seeds):
         [np.arange(ROWS), np.arange(ROWS, 2 * ROWS)],
         pvi.GradientUpdate(optax.adam(0.05), num_steps=NUM_STEPS, num_particles=2),
         pvi.Synchronous(0.5),
-        backend="vmap",
+        backend="loop",
     )
     with warnings.catch_warnings():  # three short rounds: far from converged on purpose
         warnings.simplefilter("ignore", pvi.PVIWarning)
@@ -57,17 +59,18 @@ def _group_alive(pgid):
 
 
 def test_a_deployment_on_localhost_gives_the_in_process_q(tmp_path, logistic_data):
-    """Same seeds: the deployed q equals the in-process (vmap) run's to float32 rounding.
+    """Same seeds: the deployed q equals the in-process run's to float32 rounding.
 
     Before: ``flwr run`` failed with flwr 1.42 ("uv sync failed", exit code 608: the SuperLink
     installed the app's dependencies at run time), and each site started a process per message.
 
-    The sites run ``client_update`` unbatched on their own rows, the vmap backend batched, so XLA
-    may round differently (tests/flower/test_flower.py measured the Flower simulation bitwise equal
-    to the
-    vmap run); a run with another seed differs by more than 1e-2 (asserted below), so 1e-4
-    separates "the same computation" from a different one.
+    The in-process run is the ``"loop"`` backend's, computed first: its clients run the program
+    the sites then compile (the same HLO), which the SuperNodes load from JAX's persistent cache
+    (tests/flower/test_flower.py compares Flower with the batched ``"vmap"`` run: bitwise equal).
+    A run with another seed differs by more than 1e-2 (asserted below), so 1e-4 separates "the
+    same computation" from a different one.
     """
+    reference, other = (run.state.q for run in _in_process(logistic_data, SEED, SEED + 1))
     X, y = (np.asarray(a) for a in logistic_data)
     sites = [(X[:ROWS], y[:ROWS]), (X[ROWS : 2 * ROWS], y[ROWS : 2 * ROWS])]
     app, paths, checkpoint = write_flower_app(tmp_path, sites, NUM_ROUNDS, NUM_STEPS, SEED)
@@ -83,7 +86,6 @@ def test_a_deployment_on_localhost_gives_the_in_process_q(tmp_path, logistic_dat
             time.sleep(0.1)
     assert len(federation.pids) == 4 and not [g for g in federation.pids if _group_alive(g)]
     q = pvi.load(checkpoint).q
-    reference, other = (run.state.q for run in _in_process(logistic_data, SEED, SEED + 1))
     for got, want, off in zip(*(jax.tree.leaves(t) for t in (q, reference, other))):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
         assert np.max(np.abs(np.asarray(off) - np.asarray(want))) > 1e-2  # the seed matters
