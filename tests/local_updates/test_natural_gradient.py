@@ -164,19 +164,32 @@ def test_cvi_from_a_wide_prior_on_a_poisson_log_link_reaches_nuts(server, tol):
     assert result.history.clamped[0].sum() > 0 and result.history.clamped[1:].sum() == 0
 
 
-def gamma_sites(family, q, f, num_sites=200, pairs=16):
-    """``num_sites`` sites of ``f(theta, c)`` from ``2 pairs`` draws each, ``c ~ N(0, 1)`` (another
-    block's draw)."""
+@jax.jit
+def _gamma_sites(q, coefficients, keys, pairs=16):
+    a, b, d, g, e = coefficients
+
+    def f(theta, c):
+        t = theta[0]
+        return a * jnp.log(t) - (b + d * c) * t - g * t**2 + e * c
 
     def one(key):
+        family = pvi.Gamma()
         theta = family.draw(q, key, pairs)
         c = random.normal(random.fold_in(key, 1), (theta.shape[0],))
         values, grads = jax.vmap(jax.value_and_grad(f))(theta, c)
         site = family.site_from_draws(q, theta, values, grads, jax.vmap(jax.hessian(f))(theta, c))
         return jnp.stack([site.eta1[0], site.eta2[0]])
 
-    # one compiled program (eagerly, each of its ~200 operations compiles one of its own)
-    return np.asarray(jax.jit(jax.vmap(one))(random.split(random.PRNGKey(0), num_sites)))
+    return jax.vmap(one)(keys)
+
+
+def gamma_sites(q, coefficients, num_sites=200):
+    """``num_sites`` Gamma sites of ``f(theta, c) = a log t - (b + d c) t - g t^2 + e c`` (``t =
+    theta[0]``, ``(a, b, d, g, e) = coefficients``) from 32 draws each (16 antithetic pairs), ``c ~
+    N(0, 1)`` (another block's draw). One compiled program serves every ``q`` and ``f`` (eagerly,
+    each of its ~200 operations compiles one of its own; one per ``f``, each compiled again)."""
+    keys = random.split(random.PRNGKey(0), num_sites)
+    return np.asarray(_gamma_sites(q, jnp.asarray(coefficients, jnp.float32), keys))
 
 
 def test_gamma_site_is_exact_where_conjugate_and_unbiased_otherwise():
@@ -189,16 +202,12 @@ def test_gamma_site_is_exact_where_conjugate_and_unbiased_otherwise():
     concentrated = family.from_params(jnp.array([80.0]), jnp.array([40.0]))
     # Conjugate, the other block additive: exact (sds 6e-4, 3e-4; least squares: 97, 49 with a bias
     # of 8 and 4).
-    got = gamma_sites(
-        family, concentrated, lambda t, c: 20.0 * jnp.log(t[0]) - 25.0 * t[0] + 3.0 * c
-    )
+    got = gamma_sites(concentrated, [20.0, 25.0, 0.0, 0.0, 3.0])  # 20 log t - 25 t + 3 c
     np.testing.assert_allclose(got, np.broadcast_to([20.0, -25.0], got.shape), rtol=1e-3)
     # Conjugate, the other block in the coefficient (a Normal likelihood's precision t times a
     # residual sum of squares): sds 6.1, 3.1 against least squares' 129, 66. Asserted: the mean
     # within 3 se, sds below 10 and 5.
-    got = gamma_sites(
-        family, concentrated, lambda t, c: 20.0 * jnp.log(t[0]) - (25.0 + 2.0 * c) * t[0]
-    )
+    got = gamma_sites(concentrated, [20.0, 25.0, 2.0, 0.0, 0.0])  # 20 log t - (25 + 2 c) t
     assert np.all(np.abs(got.mean(0) - [20.0, -25.0]) < 3 * got.std(0) / np.sqrt(len(got)))
     assert got.std(0)[0] < 10.0 and got.std(0)[1] < 5.0
     # Not conjugate: f = -t^2 under Gamma(4, 2), whose site F^-1 d E_q[f] / d eta is known in closed
@@ -215,7 +224,7 @@ def test_gamma_site_is_exact_where_conjugate_and_unbiased_otherwise():
         jnp.concatenate([q.eta1, q.eta2])
     )
     exact = np.linalg.solve(fisher, np.concatenate([grad.eta1, grad.eta2]))
-    got = gamma_sites(family, q, lambda t, c: -(t[0] ** 2))
+    got = gamma_sites(q, [0.0, 0.0, 0.0, 1.0, 0.0])  # -t^2
     assert np.all(np.abs(got.mean(0) - exact) < 3 * got.std(0) / np.sqrt(len(got))), (
         got.mean(0),
         exact,
@@ -340,12 +349,17 @@ def test_laplace_coordinates_of_every_exponential_family_round_trip():
         (dirichlet, (jnp.array([3.0, 1.5, 2.0, 1.0, 2.0, 5.0]),)),
     ]
     for family, params in cases:
-        nat = family.from_params(*params)
-        x = family.laplace_start(nat)
-        log_density = lambda v: family.laplace_log_density(nat, v)[1]  # noqa: E731, B023
-        np.testing.assert_allclose(jax.jit(jax.grad(log_density))(x), 0.0, atol=1e-5)
-        np.testing.assert_allclose(
-            -jax.jit(jax.hessian(log_density))(x), family.laplace_precision(nat), atol=1e-4
-        )
-        got = family.to_params(family.from_laplace(x, family.laplace_precision(nat)))
+        # one compiled program per family (eagerly, each of its operations compiles one of its own)
+        @jax.jit
+        def coordinates(params, family=family):
+            nat = family.from_params(*params)
+            x = family.laplace_start(nat)
+            log_density = lambda v: family.laplace_log_density(nat, v)[1]  # noqa: E731
+            precision = family.laplace_precision(nat)
+            got = family.to_params(family.from_laplace(x, precision))
+            return jax.grad(log_density)(x), jax.hessian(log_density)(x), precision, got
+
+        grad, hessian, precision, got = coordinates(params)
+        np.testing.assert_allclose(grad, 0.0, atol=1e-5)
+        np.testing.assert_allclose(-hessian, precision, atol=1e-4)
         np.testing.assert_allclose(np.concatenate(got), np.concatenate(params), rtol=1e-5)
