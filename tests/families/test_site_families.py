@@ -278,8 +278,9 @@ def test_posterior_samples_guide_and_arviz(normal_gamma_data, gradient_result):
         and draws["tau"].shape == (50,)
         and bool(jnp.all(draws["tau"] > 0))
     )
-    idata = gradient_result.to_arviz(num_samples=200)
-    assert idata.posterior["tau"].shape[-1] == 50 or idata.posterior["tau"].size == 200
+    # the draws above, split over 4 chains (the same key and number: their programs again)
+    idata = gradient_result.to_arviz(num_samples=2000, rng_key=random.PRNGKey(8))
+    assert idata.posterior["tau"].shape == (4, 500)
 
 
 def test_asynchronous_server_reaches_the_same_fixed_point(data):

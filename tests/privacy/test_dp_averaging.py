@@ -30,31 +30,39 @@ def _delta(update, client_problem, client, q, key):
     return update.bind(client_problem)(key, client, q, q, update.init_state(client_problem)).delta
 
 
-def test_one_shard_without_noise_is_the_wrapped_update(linear_data):
-    inner = pvi.GradientUpdate(optax.adam(2e-2), num_steps=100, num_particles=2)
-    averaged = pvi.DPLocalAveraging(inner, num_shards=1, clip_norm=1e9, noise_multiplier=0.0)
-    client_problem, client, q = _setup(averaged, *linear_data)
+# the wrapped update of the two tests below (one compiled program of it, shared)
+INNER = pvi.GradientUpdate(optax.adam(2e-2), num_steps=400, num_particles=4)
+
+
+@pytest.fixture(scope="module")
+def one_coordinate(linear_data):
+    """Client 0 of the linear regression on its first coordinate (``_setup``) and the wrapped
+    update's delta there, ``key -> delta``, compiled once for both tests."""
+    X, y = linear_data
+    client_problem, client, q = _setup(INNER, X[:, :1], y)
+    whole = jax.jit(lambda k: _delta(INNER, client_problem, client, q, k))
+    return client_problem, client, q, whole
+
+
+def test_one_shard_without_noise_is_the_wrapped_update(one_coordinate):
+    client_problem, client, q, whole = one_coordinate
+    averaged = pvi.DPLocalAveraging(INNER, num_shards=1, clip_norm=1e9, noise_multiplier=0.0)
     key = random.PRNGKey(0)
     got = jax.jit(lambda k: _delta(averaged, client_problem, client, q, k))(key)
     # shard s runs with split(key, num_shards + 1)[s]
-    want = jax.jit(lambda k: _delta(inner, client_problem, client, q, k))(random.split(key, 2)[0])
+    want = whole(random.split(key, 2)[0])
     for a, b in zip(got, want):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
 
 
-def test_shards_with_scaled_likelihoods_average_to_the_whole_clients_update(linear_data):
+def test_shards_with_scaled_likelihoods_average_to_the_whole_clients_update(one_coordinate):
     """One coordinate, Gaussian likelihood: each shard's tilted posterior has natural parameters
     ``cavity + S * stats_s``, so the mean of the shards' deltas is the whole client's (exactly, for
     exact fits)."""
-    X, y = linear_data
-    X1 = X[:, :1]
-    inner = pvi.GradientUpdate(optax.adam(2e-2), num_steps=400, num_particles=4)
-    averaged = pvi.DPLocalAveraging(inner, num_shards=4, clip_norm=1e9, noise_multiplier=0.0)
-    client_problem, client, q = _setup(averaged, X1, y)
+    client_problem, client, q, whole = one_coordinate
+    averaged = pvi.DPLocalAveraging(INNER, num_shards=4, clip_norm=1e9, noise_multiplier=0.0)
     family = client_problem.family
-    whole = family.loc_scale(
-        q + jax.jit(lambda k: _delta(inner, client_problem, client, q, k))(random.PRNGKey(1))
-    )
+    whole = family.loc_scale(q + whole(random.PRNGKey(1)))
     shards = family.loc_scale(
         q + jax.jit(lambda k: _delta(averaged, client_problem, client, q, k))(random.PRNGKey(2))
     )
