@@ -125,13 +125,14 @@ SVI_LOGISTIC = {
 def test_one_partition_equals_numpyro_svi(logistic_data, family):
     fam = pvi.MeanFieldGaussian() if family == "mf" else pvi.FullRankGaussian()
     inference = pvi.PVI(
-        logistic_model, fam, None, gradient_update(num_steps=3000), pvi.Sequential()
+        logistic_model, fam, None, gradient_update(num_steps=1500, lr=5e-2), pvi.Sequential()
     )
     result = inference.run(
         random.PRNGKey(1), 1, *logistic_data[:1], y=logistic_data[1], progress_bar=False
     )
-    # both sides are noisy: SVI vs SVI at other seeds differs by up to 0.036 sd / 0.051; PVI vs SVI
-    # over seeds 0-7 by up to 0.059 sd / 0.077
+    # both sides are noisy: SVI vs SVI at other seeds differs by up to 0.036 sd / 0.051; PVI (1,500
+    # steps from lr 5e-2) vs SVI over seeds 0-7 by up to 0.056 sd / 0.064 (mean field) and 0.055 /
+    # 0.075 (full rank); 3,000 steps from 2e-2 gave 0.059 / 0.077, 2,000 from 2e-2 0.067 / 0.37
     assert_close_to(
         *q_moments(inference, result.state), *SVI_LOGISTIC[family], mean_tol=0.12, cov_tol=0.12
     )
@@ -192,12 +193,14 @@ def test_a_constrained_site_lives_in_unconstrained_space(linear_data):
     inference = pvi.PVI(
         scale_model, pvi.MeanFieldGaussian(), PARTS, gradient_update(), pvi.Sequential()
     )
-    result = inference.run(random.PRNGKey(3), 4, X, y=y, progress_bar=False)
+    result = inference.run(random.PRNGKey(3), 3, X, y=y, progress_bar=False)
     assert result.history.accepted.all()
     mean, cov = q_moments(inference, result.state)
     # NUTS in PVI's flat space (w, log sigma), from tests/references.py. The posterior is nearly
     # uncorrelated here, so mean-field VI matches NUTS's means and sds; PVI's means carry ~0.03 sd
-    # of seed spread, the reference's MC error is below 0.01 sd (ESS > 10,000)
+    # of seed spread, the reference's MC error is below 0.01 sd (ESS > 10,000). Measured after 3
+    # rounds over seeds 0-7: means within 0.033 sd, sds within 3.3 %, sigma 4.3 % off NOISE (after
+    # 1 round: 0.9-1.3 sd)
     ref_sd = SCALE_MODEL_SD
     assert np.max(np.abs(mean - SCALE_MODEL_MEAN) / ref_sd) < 0.1
     np.testing.assert_allclose(np.sqrt(np.diag(cov)), ref_sd, rtol=0.1)

@@ -70,7 +70,7 @@ def local_guides(state):
 
 
 @pytest.mark.parametrize(
-    "server, rounds", [(pvi.Sequential(), 10), (pvi.Synchronous(0.5), 16)], ids=str
+    "server, rounds", [(pvi.Sequential(), 6), (pvi.Synchronous(0.5), 16)], ids=str
 )
 def test_random_intercepts_match_global_vi(data, request, server, rounds):
     if isinstance(server, pvi.Synchronous):  # the shared run
@@ -85,9 +85,11 @@ def test_random_intercepts_match_global_vi(data, request, server, rounds):
         np.array([p["b_auto_scale"], p["w_auto_scale"]]),
     )
     # SVI vs SVI (seeds 1-3 vs 0): globals within 0.06 sd and 3.1 %, group intercepts within 0.03 sd
-    # and 2.8 %. PVI (seeds 0-3) vs SVI seed 0: Sequential globals within 0.065 sd and 2.4 %,
-    # intercepts 0.074 sd and 5.1 %; Synchronous(0.5) globals within 0.06 sd and 3.5 %, intercepts
-    # 0.067 sd and 4.3 % (after 10 rounds it lagged at up to 0.145 sd: hence 16)
+    # and 2.8 %. PVI (seeds 0-3) vs SVI seed 0: Sequential after 6 rounds globals within 0.077 sd
+    # and 3.4 %, intercepts 0.094 sd and 4.1 % (rounds 4-10 all at this noise floor; after 10
+    # rounds 0.065 sd / 2.4 % and 0.074 sd / 5.1 %; after 3, 0.12 sd); Synchronous(0.5) globals
+    # within 0.06 sd and 3.5 %, intercepts 0.067 sd and 4.3 % (after 10 rounds it lagged at up to
+    # 0.145 sd: hence 16)
     assert np.max(np.abs(np.asarray(loc) - ref_loc) / ref_scale) < 0.2
     np.testing.assert_allclose(np.asarray(scale), ref_scale, rtol=0.1)
     u_loc, u_scale = local_guides(result.state)

@@ -69,13 +69,14 @@ def test_gamma_prior_one_partition_equals_svi_with_autonormal(gamma_data):
     inference = pvi.PVI(gamma_model, pvi.MeanFieldGaussian(), None, update, pvi.Sequential())
     # t_0 is refitted to the current q at the start of every round: a few rounds reach the joint
     # fixed point
-    result = inference.run(random.PRNGKey(0), 5, x, y=y, progress_bar=False)
+    result = inference.run(random.PRNGKey(0), 3, x, y=y, progress_bar=False)
     # sigma's prior is carried by t_0
     assert float(jnp.abs(result.state.prior_factor.eta2[1])) > 0.1
     assert float(result.state.prior_factor.eta2[0]) == 0.0  # mu's Normal prior is exact, not in t_0
     loc, scale = inference.family.loc_scale(result.state.q)
     # SVI vs SVI over seeds 0-3 differs by up to 0.045 sd (means) and 5.5 % (scales); PVI (seeds
-    # 0-5) vs SVI (seed 0) by up to 0.052 sd and 2.7 %
+    # 0-5) vs SVI (seed 0) after 3 rounds by up to 0.056 sd and 2.1 % (after 5: 0.052 sd and 2.7 %;
+    # after 1: 0.33-1.9 sd)
     assert np.max(np.abs(np.asarray(loc) - ref_loc) / ref_scale) < 0.15
     np.testing.assert_allclose(np.asarray(scale), ref_scale, rtol=0.1)
     assert bool(jnp.all(result.sample_posterior(random.PRNGKey(1), 100)["sigma"] > 0))
