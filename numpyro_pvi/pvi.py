@@ -378,7 +378,8 @@ class PVI:
                 "was made "
                 "for."
             )
-        expected = jax.tree.map(jnp.shape, _flat_factor(problem.family, problem.sites.dim))
+        # q's shapes are the prior's (q starts as the prior plus t_0): no trace every round
+        expected = jax.tree.map(jnp.shape, problem.prior)
         if jax.tree.map(jnp.shape, state.q) != expected:
             raise ValueError(
                 f"The state's q has shapes {jax.tree.map(jnp.shape, state.q)}, but this model's "

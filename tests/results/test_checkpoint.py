@@ -210,6 +210,10 @@ def test_a_checkpoint_knows_what_it_was_made_for(sequential_run, linear_data, tm
         other_model.update(pvi.load(path), X, y=y)
     with pytest.raises(ValueError, match=r"sites: made for \[w \[3\]\], now \[w \[6\]\]"):
         inference.update(pvi.load(path), jnp.concatenate([X, X], axis=1), y=y)
+    with pytest.raises(ValueError, match=r"q has shapes .*\(3,\).* need .*\(6,\)"):
+        # a state built by hand records nothing: its q's shapes are checked against the model's
+        unstamped = pvi.load(path)._replace(made_for=pvi.state.MadeFor())
+        inference.update(unstamped, jnp.concatenate([X, X], axis=1), y=y)
     with pytest.raises(ValueError, match="client slots: made for 2, now 3"):
         pvi.PVI(
             linear_model,
