@@ -215,23 +215,14 @@ def svi_child(config, num_rounds):
     process: ``svi.run`` as one compiled loop (``progress_bar=False``) or NumPyro's default (a
     progress bar: a Python loop over the compiled step)."""
     import jax
-    import numpyro
-    import numpyro.distributions as dist
     import optax
     from jax import monitoring, random
     from numpyro.infer import SVI, TraceMeanField_ELBO
     from numpyro.infer.autoguide import AutoDiagonalNormal
+    from rounds import svi_model as model  # the model with NumPyro's own mini-batching
 
     _, (X,), data = logistic_problem("logistic-100")
     y = data["y"]
-
-    def model(X, y, batch_size):
-        w = numpyro.sample("w", dist.Normal(0.0, 1.0).expand([X.shape[1]]).to_event(1))
-        b = numpyro.sample("b", dist.Normal(0.0, 1.0))
-        with numpyro.plate("data", X.shape[0], subsample_size=batch_size):
-            Xb, yb = numpyro.subsample(X, event_dim=1), numpyro.subsample(y, event_dim=0)
-            numpyro.sample("y", dist.Bernoulli(logits=Xb @ w + b), obs=yb)
-
     compiles = []
     monitoring.register_event_duration_secs_listener(
         lambda event, seconds, **kw: (
