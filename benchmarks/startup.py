@@ -23,6 +23,10 @@ seconds compare, the wall-clock ones do not):
   ``Synchronous(1.0)``).
 * ``bnn``: a 64-32-32-10 Bayesian neural network on scikit-learn's ``load_digits`` with 10
   label-skewed clients, ``Sequential``, 100 steps of batches of 64 per visit.
+* ``ray-10``: ``logistic``'s configuration with 10 clients of 1,000 rows on
+  ``RayBackend(num_workers=2, cpus_per_client=0.2)`` (Ray started by the run, so its start is in
+  ``init``): every actor compiles its client's update (the same program); in the ``cache`` mode
+  they load it from the persistent cache.
 * ``svi-compiled`` and ``svi-progress``: NumPyro ``SVI`` on ``logistic-100``'s data doing its
   rounds' steps (20 rounds: 20,000 steps of batches of 100 rows, ``numpyro.plate(...,
   subsample_size=100)``, 10 particles, ``AutoDiagonalNormal``, Adam 1e-2), ``svi.run`` as one
@@ -71,6 +75,7 @@ CONFIGS = [
     "cvi-poisson",
     "ep-linear",
     "bnn",
+    "ray-10",
     "svi-compiled",
     "svi-progress",
 ]
@@ -87,6 +92,7 @@ def logistic_problem(config):
     from jax import random
 
     import numpyro_pvi as pvi
+    from numpyro_pvi.backends.ray import RayBackend
 
     def model(X, y=None):
         w = numpyro.sample("w", dist.Normal(0.0, 1.0).expand([X.shape[1]]).to_event(1))
@@ -116,6 +122,7 @@ def logistic_problem(config):
             parts,
             pvi.GradientUpdate(optax.adam(1e-2), num_steps=steps, num_particles=10, batch_size=100),
             pvi.Synchronous(1.0),
+            backend=RayBackend(num_workers=2, cpus_per_client=0.2) if name == "ray" else "vmap",
         )
 
     return build, (X,), {"y": y}
@@ -258,7 +265,7 @@ def child(config, num_rounds, cache):
         jax.config.update("jax_compilation_cache_dir", cache)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-    if config.startswith(("logistic", "dirichlet", "fullrank")):
+    if config.startswith(("logistic", "dirichlet", "fullrank", "ray")):
         build, args, kwargs = logistic_problem(config)
     elif config.endswith("poisson"):
         build, args, kwargs = poisson_problem(config)

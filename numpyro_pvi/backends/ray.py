@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from numpyro_pvi.backends.base import ClientRunner, failed_result, stack, take
+from numpyro_pvi.compilation import enable_compilation_cache
 from numpyro_pvi.local_updates.base import Client, ClientProblem, ClientResult
 from numpyro_pvi.state import Rejection
 
@@ -90,8 +91,15 @@ class RayBackend:
     :param float timeout: seconds to wait for one client update (``None``: no limit). It does not
         count the actor's compilation: a new or restarted actor first compiles its update (ahead of
         time, within ``compile_timeout``), and only then is its update timed.
-    :param float cpus_per_client: the CPU share each actor reserves (several actors share a core).
+    :param float cpus_per_client: the CPU share each actor reserves (several actors share a core);
+        the clients' shares must fit in the Ray cluster's CPUs (else a ``ValueError`` at the first
+        round: Ray would wait for CPUs to start the actors beyond them).
     :param float compile_timeout: seconds to wait for an actor's compilation (``None``: no limit).
+
+    Each actor compiles its client's update in its own process. With JAX's persistent compilation
+    cache enabled in the driver (:func:`~numpyro_pvi.enable_compilation_cache`, before the problem's
+    first round), the actors keep their programs in the same directory (created on their node if
+    missing), so that a later run's actors load them instead of compiling.
 
     **Example:** ``pvi.PVI(..., backend=RayBackend(num_workers=2))``; ``backend.close()`` frees
     the actors' CPU shares when the inference is done.
@@ -160,6 +168,8 @@ class RayRunner:
         self.backend, self.ray, self.timeout = backend, backend.ray, backend.timeout
         self.actor_class = self.ray.remote(num_cpus=backend.cpus_per_client)(ClientActor)
         self.local_update, self.problem = local_update, problem
+        # the driver's persistent compilation cache, which the actors use too (None: none)
+        self.cache_dir = jax.config.jax_compilation_cache_dir
         self.clients: Client | None = None  # the data the actors hold
         self.digests: list[str] = []
         self.actors: list = []
@@ -175,12 +185,14 @@ class RayRunner:
     def _spawn(self, m: int) -> Any:
         self.compiled.discard(m)
         self.abandoned.discard(m)
-        return self.actor_class.remote(self.local_update, self.problem, self._own(m))
+        return self.actor_class.remote(
+            self.local_update, self.problem, self._own(m), self.cache_dir
+        )
 
     def _load(self, actor: Any, m: int) -> Any:
         """Give a live actor client ``m``'s data and update; returns the reference to wait for."""
         self.compiled.discard(m)
-        return actor.load.remote(self.local_update, self.problem, self._own(m))
+        return actor.load.remote(self.local_update, self.problem, self._own(m), self.cache_dir)
 
     def _own(self, m: int) -> Client:
         return unpad(jax.device_get(take(self.clients, m)), self.problem.is_row)
@@ -190,8 +202,10 @@ class RayRunner:
         data)."""
         if clients is self.clients and self.actors:
             return
+        num_actors = int(np.sum(np.asarray(clients.size) > 0))
+        self._check_cpus(num_actors)
         self.clients = clients
-        digests = [digest(self._own(m)) for m in range(int(np.sum(np.asarray(clients.size) > 0)))]
+        digests = [digest(self._own(m)) for m in range(num_actors)]
         started = []  # the references to wait for: new actors' pings and live actors' loads
         for m, old in enumerate(self.digests[: len(digests)]):
             if old != digests[m] and m in self.abandoned:
@@ -223,6 +237,20 @@ class RayRunner:
                 "the model's module (define the model in __main__, or register its module with "
                 f"ray.cloudpickle.register_pickle_by_value, or set a runtime_env): {e}"
             ) from e
+
+    def _check_cpus(self, num_actors: int) -> None:
+        """Name CPU shares the cluster cannot hold: Ray would wait, without a word, for CPUs to
+        start the actors beyond them."""
+        share = self.backend.cpus_per_client
+        cpus = self.ray.cluster_resources().get("CPU", 0.0)
+        if num_actors * share > cpus + 1e-9:
+            raise ValueError(
+                f"RayBackend: {num_actors} client actors of cpus_per_client={share} need "
+                f"{num_actors * share:g} CPUs, but the Ray cluster has {cpus:g}: Ray would wait "
+                f"for CPUs to start the others. Pass RayBackend(cpus_per_client="
+                f"{cpus / num_actors:.3g}) or less (actors then share the cores), or start Ray "
+                "with more CPUs (nodes) first."
+            )
 
     def __call__(
         self,
@@ -326,12 +354,27 @@ class ClientActor:
     """A Ray actor: one client's data and its jitted ``client_update`` (built in the actor's
     process)."""
 
-    def __init__(self, local_update: Any, problem: ClientProblem, client: Client) -> None:
-        self.load(local_update, problem, client)
+    def __init__(
+        self,
+        local_update: Any,
+        problem: ClientProblem,
+        client: Client,
+        cache_dir: str | None = None,
+    ) -> None:
+        self.load(local_update, problem, client, cache_dir)
 
-    def load(self, local_update: Any, problem: ClientProblem, client: Client) -> bool:
+    def load(
+        self,
+        local_update: Any,
+        problem: ClientProblem,
+        client: Client,
+        cache_dir: str | None = None,
+    ) -> bool:
         """Hold ``client`` and its update for ``problem`` instead (the process, with JAX imported,
-        is kept)."""
+        is kept); with ``cache_dir`` (the driver's), keep compiled programs in that persistent
+        cache."""
+        if cache_dir is not None:
+            enable_compilation_cache(cache_dir)
         self.client = jax.tree.map(jnp.asarray, client)
         self.client_update = jax.jit(local_update.bind(problem))
         return True

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import random
+from jax.experimental.compilation_cache import compilation_cache
 
 import numpyro_pvi as pvi
 from numpyro_pvi.backends.ray import RayBackend, RayRunner, digest, start_ray, unpad
@@ -581,3 +582,56 @@ def test_start_ray_silences_only_rays_start_up_notices():
         start_ray(fake, 2, namespace="pvi")
     assert [str(w.message) for w in caught] == ["a warning of the user's own"]
     assert fake.kwargs["num_cpus"] == 2 and fake.kwargs["namespace"] == "pvi"
+
+
+def test_actors_keep_their_programs_in_the_drivers_compilation_cache(
+    ray_cluster, two_client_data, tmp_path
+):
+    """With JAX's persistent cache enabled in the driver, the actors compile their updates into the
+    same directory (so a later run's actors load them): it holds the two clients' ``client_update``
+    programs (20 and 28 rows: two programs), which under Ray only the actors compile."""
+    X, y = two_client_data
+    before = (
+        jax.config.jax_compilation_cache_dir,
+        jax.config.jax_persistent_cache_min_compile_time_secs,
+    )
+    backend = RayBackend()
+    try:
+        cache = pvi.enable_compilation_cache(tmp_path / "cache")
+        inference = pvi.PVI(
+            linear_model,
+            pvi.FullRankGaussian(),
+            TWO_CLIENTS,
+            ExactLinearUpdate(),
+            pvi.Synchronous(1.0),
+            backend=backend,
+        )
+        inference.update(inference.init(random.PRNGKey(0), X, y=y), X, y=y)
+        programs = [path.name.split("-")[0] for path in cache.iterdir()]
+        assert programs.count("jit_client_update") == 2, sorted(programs)
+    finally:
+        backend.close()
+        compilation_cache.reset_cache()
+        jax.config.update("jax_compilation_cache_dir", before[0])
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", before[1])
+
+
+def test_cpu_shares_beyond_the_cluster_are_named_before_an_actor_starts(ray_cluster, linear_data):
+    """Four clients of a whole CPU each on the 2-CPU cluster: Ray would start two actors and wait,
+    silently, for CPUs to start the other two; the first round raises instead, naming the shares
+    that fit, and starts no actor."""
+    X, y = linear_data
+    backend = RayBackend(cpus_per_client=1.0)
+    inference = pvi.PVI(
+        linear_model,
+        pvi.FullRankGaussian(),
+        UNEQUAL,
+        ExactLinearUpdate(),
+        pvi.Synchronous(1.0),
+        backend=backend,
+    )
+    state = inference.init(random.PRNGKey(0), X, y=y)
+    match = r"4 client actors of cpus_per_client=1.0 need 4 CPUs, but the Ray cluster has 2.*0\.5"
+    with pytest.raises(ValueError, match=match):
+        inference.update(state, X, y=y)
+    assert backend.actors == []
