@@ -98,6 +98,20 @@ def backend(ray_cluster):
     backend.close()
 
 
+def exact_pvi(partitions, backend, server=None):
+    """The module's usual problem on ``backend``: the conjugate linear model, full rank, with the
+    exact local update (each client's factor exact in one update), ``Synchronous(1.0)`` unless
+    another ``server`` is given."""
+    return pvi.PVI(
+        linear_model,
+        pvi.FullRankGaussian(),
+        partitions,
+        ExactLinearUpdate(),
+        server or pvi.Synchronous(1.0),
+        backend=backend,
+    )
+
+
 def compile_in_every_actor(problem, state):
     """One update per client actor, waited for: asynchronous rounds then start with every client
     compiled.
@@ -159,14 +173,7 @@ def test_actors_hold_their_own_rows_and_the_current_data(backend, linear_data):
     add_client": they built the same runs.)"""
     X, y = linear_data
     clients = pvi.ClientData([((X[p],), {"y": y[p]}) for p in UNEQUAL[:3]])
-    inference = pvi.PVI(
-        linear_model,
-        pvi.FullRankGaussian(),
-        clients,
-        ExactLinearUpdate(),
-        pvi.Synchronous(1.0),
-        backend=backend,
-    )
+    inference = exact_pvi(clients, backend)
 
     def held_by_actors_is(problem):
         expected = [
@@ -193,14 +200,7 @@ def test_actors_hold_their_own_rows_and_the_current_data(backend, linear_data):
     # the same clients with other values (equal shapes), in another problem: the actors are given
     # the new data, and keep their processes (a new one would import JAX again: seconds of CPU each)
     processes = ray.get([a.__ray_call__.remote(lambda self: os.getpid()) for a in backend.actors])
-    other = pvi.PVI(
-        linear_model,
-        pvi.FullRankGaussian(),
-        UNEQUAL,
-        ExactLinearUpdate(),
-        pvi.Synchronous(1.0),
-        backend=backend,
-    )
+    other = exact_pvi(UNEQUAL, backend)
     for scale in (2.0, 1.0):
         new = other.build(X * scale, y=y)
         other.update(other.init(random.PRNGKey(0), new), new)
@@ -236,14 +236,7 @@ def test_ray_faults_are_rejected_and_recovered(backend, linear_data):
         np.testing.assert_array_equal(info.accepted, expected)
         assert bool(inference.family.is_valid(state.q))
     # a killed actor is restarted from its data: its client misses one round, then catches up
-    inference = pvi.PVI(
-        linear_model,
-        pvi.FullRankGaussian(),
-        UNEQUAL,
-        ExactLinearUpdate(),
-        pvi.Synchronous(1.0),
-        backend=backend,
-    )
+    inference = exact_pvi(UNEQUAL, backend)
     state, info = inference.update(inference.init(random.PRNGKey(0), X, y=y), X, y=y)
     ray.kill(backend.actors[3])
     state, info = inference.update(state, X, y=y)
@@ -266,14 +259,7 @@ def test_a_timeout_rejects_and_restarts_but_does_not_count_compilation(
     # given this test's update, compile it again). The runner of each new problem reads the
     # backend's timeout (restored after the test)
     monkeypatch.setattr(backend, "timeout", 0.3)
-    inference = pvi.PVI(
-        linear_model,
-        pvi.FullRankGaussian(),
-        UNEQUAL,
-        ExactLinearUpdate(),
-        pvi.Synchronous(1.0),
-        backend=backend,
-    )
+    inference = exact_pvi(UNEQUAL, backend)
     result = inference.run(random.PRNGKey(0), 2, X, y=y, progress_bar=False)
     assert backend.runners[-1].timeout == 0.3
     np.testing.assert_array_equal(result.history.accepted, np.ones((2, 4), int))
@@ -305,14 +291,7 @@ def test_a_timeout_rejects_and_restarts_but_does_not_count_compilation(
 
 def test_ray_asynchronous_samples_at_most_k_clients_in_flight(backend, linear_data):
     X, y = linear_data
-    inference = pvi.PVI(
-        linear_model,
-        pvi.FullRankGaussian(),
-        UNEQUAL,
-        ExactLinearUpdate(),
-        pvi.Asynchronous(1.0, clients_per_round=2),
-        backend=backend,
-    )
+    inference = exact_pvi(UNEQUAL, backend, pvi.Asynchronous(1.0, clients_per_round=2))
     result = inference.run(random.PRNGKey(0), 6, X, y=y, progress_bar=False)
     runner = backend.runners[-1]
     # at most K at once; the run's end abandons the rest
@@ -467,14 +446,7 @@ def test_a_second_run_merges_nothing_from_the_first_and_close_kills_every_actor(
     assert len(old) == 2
     backend.close()
     assert backend.actors == []
-    exact = pvi.PVI(
-        linear_model,
-        pvi.FullRankGaussian(),
-        TWO_CLIENTS,
-        ExactLinearUpdate(),
-        pvi.Synchronous(1.0),
-        backend=backend,
-    )
+    exact = exact_pvi(TWO_CLIENTS, backend)
     state, info = exact.update(exact.init(random.PRNGKey(0), X, y=y), X, y=y)
     np.testing.assert_array_equal(info.accepted, [1, 1])
     assert len(backend.actors) == 2 and not set(map(id, backend.actors)) & set(map(id, old))
@@ -598,14 +570,7 @@ def test_actors_keep_their_programs_in_the_drivers_compilation_cache(
     backend = RayBackend()
     try:
         cache = pvi.enable_compilation_cache(tmp_path / "cache")
-        inference = pvi.PVI(
-            linear_model,
-            pvi.FullRankGaussian(),
-            TWO_CLIENTS,
-            ExactLinearUpdate(),
-            pvi.Synchronous(1.0),
-            backend=backend,
-        )
+        inference = exact_pvi(TWO_CLIENTS, backend)
         inference.update(inference.init(random.PRNGKey(0), X, y=y), X, y=y)
         programs = [path.name.split("-")[0] for path in cache.iterdir()]
         assert programs.count("jit_client_update") == 2, sorted(programs)
@@ -622,14 +587,7 @@ def test_cpu_shares_beyond_the_cluster_are_named_before_an_actor_starts(ray_clus
     that fit, and starts no actor."""
     X, y = linear_data
     backend = RayBackend(cpus_per_client=1.0)
-    inference = pvi.PVI(
-        linear_model,
-        pvi.FullRankGaussian(),
-        UNEQUAL,
-        ExactLinearUpdate(),
-        pvi.Synchronous(1.0),
-        backend=backend,
-    )
+    inference = exact_pvi(UNEQUAL, backend)
     state = inference.init(random.PRNGKey(0), X, y=y)
     match = r"4 client actors of cpus_per_client=1.0 need 4 CPUs, but the Ray cluster has 2.*0\.5"
     with pytest.raises(ValueError, match=match):
