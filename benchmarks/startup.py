@@ -216,6 +216,31 @@ def bnn_problem():
     return build, (X,), {"y": y}
 
 
+def record_compilations():
+    """The list that a ``jax.monitoring`` listener fills with ``(name, seconds)``, one per
+    executable XLA builds from now on."""
+    from jax import monitoring
+
+    compiles = []
+
+    def listener(event, seconds, **kw):
+        if event == COMPILE_EVENT:
+            compiles.append((kw.get("fun_name", "?"), seconds))
+
+    monitoring.register_event_duration_secs_listener(listener)
+    return compiles
+
+
+def compilation_summary(compiles, first):
+    """How many compilations, their seconds, and the three slowest of the ``first`` ones."""
+    slowest = sorted(compiles[:first], key=lambda c: -c[1])[:3]
+    return dict(
+        compiles=len(compiles),
+        compile_s=sum(s for _, s in compiles),
+        slowest=[f"{name} {seconds:.2f}" for name, seconds in slowest],
+    )
+
+
 def svi_child(config, num_rounds):
     """NumPyro ``SVI`` doing the steps of ``logistic-100``'s ``num_rounds`` rounds (100 clients x
     10 steps a round, batches of 100 rows, 10 particles, Adam 1e-2) on the same data, in a fresh
@@ -223,41 +248,26 @@ def svi_child(config, num_rounds):
     progress bar: a Python loop over the compiled step)."""
     import jax
     import optax
-    from jax import monitoring, random
+    from jax import random
     from numpyro.infer import SVI, TraceMeanField_ELBO
     from numpyro.infer.autoguide import AutoDiagonalNormal
     from rounds import svi_model as model  # the model with NumPyro's own mini-batching
 
     _, (X,), data = logistic_problem("logistic-100")
     y = data["y"]
-    compiles = []
-    monitoring.register_event_duration_secs_listener(
-        lambda event, seconds, **kw: (
-            compiles.append((kw.get("fun_name", "?"), seconds)) if event == COMPILE_EVENT else None
-        )
-    )
+    compiles = record_compilations()
     steps = num_rounds * 100 * 10
     start = time.perf_counter()
     svi = SVI(model, AutoDiagonalNormal(model), optax.adam(1e-2), TraceMeanField_ELBO(10))
     result = svi.run(random.PRNGKey(2), steps, X, y, 100, progress_bar=config == "svi-progress")
     jax.block_until_ready(result.params)
-    slowest = sorted(compiles, key=lambda c: -c[1])[:3]
-    print(
-        json.dumps(
-            dict(
-                rounds=time.perf_counter() - start,
-                steps=steps,
-                compiles=len(compiles),
-                compile_s=sum(s for _, s in compiles),
-                slowest=[f"{name} {seconds:.2f}" for name, seconds in slowest],
-            )
-        )
-    )
+    result = dict(rounds=time.perf_counter() - start, steps=steps)
+    print(json.dumps(result | compilation_summary(compiles, len(compiles))))
 
 
 def child(config, num_rounds, cache):
     import jax
-    from jax import monitoring, random
+    from jax import random
 
     if config.startswith("svi"):
         return svi_child(config, num_rounds)
@@ -271,13 +281,7 @@ def child(config, num_rounds, cache):
         build, args, kwargs = poisson_problem(config)
     else:
         build, args, kwargs = {"ep-linear": ep_problem}.get(config, bnn_problem)()
-    compiles = []
-
-    def listener(event, seconds, **kw):
-        if event == COMPILE_EVENT:
-            compiles.append((kw.get("fun_name", "?"), seconds))
-
-    monitoring.register_event_duration_secs_listener(listener)
+    compiles = record_compilations()
     start, cpu_start = time.perf_counter(), time.process_time()
     inference = build()
     state = inference.init(random.PRNGKey(2), *args, **kwargs)
@@ -291,7 +295,6 @@ def child(config, num_rounds, cache):
         times.append(time.perf_counter() - start)
         cpu.append(time.process_time() - cpu_start)
         counts.append(len(compiles))
-    slowest = sorted(compiles[: counts[0] if counts else len(compiles)], key=lambda c: -c[1])[:3]
     if times:
         result.update(
             round1=times[0],
@@ -302,11 +305,7 @@ def child(config, num_rounds, cache):
             compiles1=counts[0],
             compile_s1=sum(s for _, s in compiles[: counts[0]]),
         )
-    result.update(
-        compiles=len(compiles),
-        compile_s=sum(s for _, s in compiles),
-        slowest=[f"{name} {seconds:.2f}" for name, seconds in slowest],
-    )
+    result.update(compilation_summary(compiles, counts[0] if counts else len(compiles)))
     print(json.dumps(result))
 
 
