@@ -97,9 +97,10 @@ class RayBackend:
     :param float compile_timeout: seconds to wait for an actor's compilation (``None``: no limit).
 
     Each actor compiles its client's update in its own process. With JAX's persistent compilation
-    cache enabled in the driver (:func:`~numpyro_pvi.enable_compilation_cache`, before the problem's
-    first round), the actors keep their programs in the same directory (created on their node if
-    missing), so that a later run's actors load them instead of compiling.
+    cache enabled in the driver (:func:`~numpyro_pvi.enable_compilation_cache`) when an actor is
+    started or given a problem (at the problem's first round), the actor keeps its programs in the
+    same directory (created on its node if missing), so that a later run's actors load them
+    instead of compiling.
 
     **Example:** ``pvi.PVI(..., backend=RayBackend(num_workers=2))``; ``backend.close()`` frees
     the actors' CPU shares when the inference is done.
@@ -168,8 +169,6 @@ class RayRunner:
         self.backend, self.ray, self.timeout = backend, backend.ray, backend.timeout
         self.actor_class = self.ray.remote(num_cpus=backend.cpus_per_client)(ClientActor)
         self.local_update, self.problem = local_update, problem
-        # the driver's persistent compilation cache, which the actors use too (None: none)
-        self.cache_dir = jax.config.jax_compilation_cache_dir
         self.clients: Client | None = None  # the data the actors hold
         self.digests: list[str] = []
         self.actors: list = []
@@ -183,16 +182,20 @@ class RayRunner:
         self.abandoned: set = set()
 
     def _spawn(self, m: int) -> Any:
+        """Start an actor for client ``m`` (using the driver's persistent compilation cache, if
+        any)."""
         self.compiled.discard(m)
         self.abandoned.discard(m)
         return self.actor_class.remote(
-            self.local_update, self.problem, self._own(m), self.cache_dir
+            self.local_update, self.problem, self._own(m), jax.config.jax_compilation_cache_dir
         )
 
     def _load(self, actor: Any, m: int) -> Any:
         """Give a live actor client ``m``'s data and update; returns the reference to wait for."""
         self.compiled.discard(m)
-        return actor.load.remote(self.local_update, self.problem, self._own(m), self.cache_dir)
+        # the driver's persistent compilation cache (None: none), which the actor uses too
+        cache_dir = jax.config.jax_compilation_cache_dir
+        return actor.load.remote(self.local_update, self.problem, self._own(m), cache_dir)
 
     def _own(self, m: int) -> Client:
         return unpad(jax.device_get(take(self.clients, m)), self.problem.is_row)
