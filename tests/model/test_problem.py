@@ -127,6 +127,41 @@ def test_a_fresh_configuration_compiles_at_most_five_programs_by_round_one_and_n
     assert np.all(np.isfinite(first.history.elbo)) and np.all(np.isfinite(second.history.elbo))
 
 
+def test_a_full_round_over_two_buckets_compiles_one_program_and_a_sampled_round_one_per_bucket():
+    """A skewed split (one client of 200 rows, 20 of one row: two size buckets): a round over every
+    client runs both buckets and the merge in one compiled ``group_step``; a round over a sample of
+    the clients runs each bucket's sample in its own ``run_group`` (compiled once per bucket and
+    padded size, whichever buckets a sample touches) and merges them in ``merge_groups``."""
+    # shapes no other test uses (7 features, 221 rows)
+    X = random.normal(random.PRNGKey(12), (221, 7))
+    y = (X[:, 0] > 0).astype(jnp.float32)
+    parts = [np.arange(200)] + [np.array([200 + i]) for i in range(21)]
+    update = pvi.GradientUpdate(optax.sgd(1e-2), num_steps=2, num_particles=1)
+    runs = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", pvi.PVIWarning)  # one round: far from converged
+        for name, server in (
+            ("full", pvi.Synchronous(1.0)),
+            ("sampled", pvi.Synchronous(1.0, clients_per_round=8)),
+        ):
+            inference = pvi.PVI(logistic_model, pvi.MeanFieldGaussian(), parts, update, server)
+            assert [b.clients.mask.shape for b in inference.build(X, y=y).buckets] == [
+                (21, 1),
+                (1, 200),
+            ]
+            with compilations() as compiled:
+                runs[name] = inference.run(random.PRNGKey(4), 1, X, y=y, progress_bar=False)
+            runs[name] = (runs[name], [n for n in compiled if "group" in n])
+    result, programs = runs["full"]
+    assert programs == ["jit(group_step)"], programs
+    assert result.history.accepted.all() and np.isfinite(result.history.elbo).all()
+    result, programs = runs["sampled"]
+    # key 4's sample holds the 200-row client and 7 of the 21 one-row ones (a group of 8 of 21
+    # slots)
+    assert result.history.clients[0, 0] == 0 and result.history.accepted.all()
+    assert sorted(programs) == ["jit(merge_groups)"] + ["jit(run_group)"] * 2, programs
+
+
 def test_a_problem_is_immutable_and_states_match_their_problem(logistic):
     inference, state, X, y = logistic
     problem = inference.build(X, y=y)
