@@ -101,8 +101,13 @@ class FullRankGaussian(GaussianFamily):
         return NatParams(precision @ loc, -0.5 * precision)
 
     def distribution(self, loc: jax.Array, scale_tril: jax.Array) -> dist.Distribution:
-        """``MultivariateNormal(loc, scale_tril=L)``."""
-        return dist.MultivariateNormal(loc, scale_tril=scale_tril)
+        """``MultivariateNormal(loc, scale_tril=L)``.
+
+        Not validated: ``L`` is a Cholesky factor PVI computed (``is_valid`` checks ``q`` itself),
+        and NumPyro's check of a ``lower_cholesky`` argument builds its triangular mask eagerly,
+        compiling about 12 small programs per shape while a round is traced.
+        """
+        return dist.MultivariateNormal(loc, scale_tril=scale_tril, validate_args=False)
 
     # ------------------------------------------------------------------ GradientUpdate's guide,
     # whitened by the cavity
@@ -123,7 +128,8 @@ class FullRankGaussian(GaussianFamily):
 
     def cavity_distribution(self, cavity_params: tuple) -> dist.Distribution:
         """The cavity ``PrecisionMultivariateNormal(mu_c, C)``."""
-        return PrecisionMultivariateNormal(*cavity_params)
+        # not validated: the arguments are PVI's triangular factors (see distribution)
+        return PrecisionMultivariateNormal(*cavity_params, validate_args=False)
 
     def cavity_guide(self, prefix: str, cavity_params: tuple, params: tuple) -> dist.Distribution:
         """``numpyro.param`` sites ``prefix + "loc"`` and ``prefix + "white_raw"`` (``W`` as a dense
@@ -131,7 +137,10 @@ class FullRankGaussian(GaussianFamily):
         ``CavityWhitenedNormal``."""
         loc = numpyro.param(prefix + "loc", params[0])
         raw = numpyro.param(prefix + "white_raw", white_raw(params[1]))
-        return CavityWhitenedNormal(loc, white_tril(raw), cavity_params[1], cavity_params[2])
+        # not validated: the arguments are PVI's triangular factors (see distribution)
+        return CavityWhitenedNormal(
+            loc, white_tril(raw), cavity_params[1], cavity_params[2], validate_args=False
+        )
 
     def from_cavity_guide(self, prefix: str, cavity_params: tuple, values: dict) -> NatParams:
         """``Lambda = B B^T`` with ``B = C W^{-1}``: one triangular inverse and two products."""

@@ -12,6 +12,8 @@ from contextlib import contextmanager
 import jax
 import jax.numpy as jnp
 import numpy as np
+import numpyro
+import numpyro.distributions as dist
 import optax
 import pytest
 from jax import random
@@ -96,15 +98,21 @@ def test_equal_new_arrays_reuse_the_compiled_steps(logistic):
     )
 
 
-def test_a_fresh_configuration_compiles_at_most_five_programs_by_round_one_and_none_again():
+@pytest.mark.parametrize(
+    "family, features", [(pvi.MeanFieldGaussian(), 13), (pvi.FullRankGaussian(), 17)]
+)
+def test_a_fresh_configuration_compiles_at_most_five_programs_by_round_one_and_none_again(
+    family, features
+):
     """From ``PVI(...)`` to the end of round 1 of a configuration new to the process: the model's
     trace, the prior, the start's check, the round's keys and the round's step; the bookkeeping
     between them is NumPy or part of these (before, 21: the first client's rows, the prior's 12
-    eager operations, the check's 4 and the keys' 2 besides). A second run on new arrays of the
-    same shapes, init included, compiles nothing."""
-    # shapes no other test uses (13 features, 3 clients of 41 rows): eager operations another test
-    # compiled for its own shapes cannot hide a compilation here
-    X = random.normal(random.PRNGKey(11), (123, 13))
+    eager operations, the check's 4 and the keys' 2 besides; full rank 27 more: NumPyro's check of
+    the guide's and the cavity's triangular factors, whose mask it builds eagerly while the round
+    is traced). A second run on new arrays of the same shapes, init included, compiles nothing."""
+    # shapes no other test uses (13 or 17 features, 3 clients of 41 rows): eager operations
+    # another test compiled for its own shapes cannot hide a compilation here
+    X = random.normal(random.PRNGKey(11), (123, features))
     y = (X[:, 0] > 0).astype(jnp.float32)
     X2, y2 = X + 0.5, 1.0 - y
     parts = pvi.split_iid(random.PRNGKey(0), 123, 3)
@@ -113,7 +121,7 @@ def test_a_fresh_configuration_compiles_at_most_five_programs_by_round_one_and_n
         with compilations() as compiled:
             inference = pvi.PVI(
                 logistic_model,
-                pvi.MeanFieldGaussian(),
+                family,
                 parts,
                 pvi.GradientUpdate(optax.sgd(1e-2), num_steps=2, num_particles=1),
                 pvi.Synchronous(1.0),
@@ -125,6 +133,33 @@ def test_a_fresh_configuration_compiles_at_most_five_programs_by_round_one_and_n
     assert len(compiled) <= 5, compiled
     assert again == []
     assert np.all(np.isfinite(first.history.elbo)) and np.all(np.isfinite(second.history.elbo))
+
+
+def test_a_gamma_prior_is_read_off_in_four_compiled_programs():
+    """``init`` of a conjugate Gamma block compiles the model's trace, the prior's reference draws
+    and density, their least-squares fit and the start's check (before, 23: the fit's 20
+    operations compiled one program each)."""
+
+    # 7 rates: shapes no other test uses
+    def model(y=None):
+        rate = numpyro.sample("rate", dist.Gamma(2.0, 0.5).expand([7]).to_event(1))
+        with pvi.partition_plate("data", y.shape[0]):
+            numpyro.sample("y", dist.Poisson(rate).to_event(1), obs=y)
+
+    y = random.poisson(random.PRNGKey(3), 3.0, (30, 7)).astype(jnp.float32)
+    inference = pvi.PVI(
+        model,
+        pvi.Gamma(),
+        pvi.split_iid(random.PRNGKey(0), 30, 3),
+        pvi.NaturalGradientUpdate(step_size=1.0, num_particles=4),
+        pvi.Synchronous(1.0),
+    )
+    with compilations() as compiled:
+        state = inference.init(random.PRNGKey(1), y=y)
+    assert len(compiled) <= 4, compiled
+    # the prior read off: Gamma(2, 0.5) in every coordinate (eta = (a - 1, -b))
+    np.testing.assert_allclose(state.q.eta1, 1.0, atol=1e-3)
+    np.testing.assert_allclose(state.q.eta2, -0.5, atol=1e-3)
 
 
 def test_a_full_round_over_two_buckets_compiles_one_program_and_a_sampled_round_one_per_bucket():
