@@ -17,7 +17,7 @@ import numpy as np
 import optax
 
 from numpyro_pvi.backtracking import backtrack
-from numpyro_pvi.compilation import unroll_threefry_on_cpu
+from numpyro_pvi.compilation import several_buckets_compiler_options, unroll_threefry_on_cpu
 from numpyro_pvi.config import PVIConfig
 from numpyro_pvi.families import NatParams
 from numpyro_pvi.local_updates.base import (
@@ -160,9 +160,10 @@ def _compiled_group_step(
     (eager concatenations compile one small executable per leaf shape).
 
     A full round over several buckets in one program compiles once instead of one program per
-    bucket and the merge's: a Dirichlet(0.3) split of 1,000 clients (two buckets) reached the end
-    of round 1 in 3.8-3.9 s instead of 4.0-4.3 s (``benchmarks/startup.py``), and runs its rounds
-    no slower (one call instead of three).
+    bucket and the merge's (a Dirichlet(0.3) split of 1,000 clients, two buckets: round 1 ends
+    0.3-0.6 s sooner, ``benchmarks/startup.py``), and runs its rounds as fast, with XLA's CPU
+    scheduler told to run the buckets' updates one after the other
+    (:func:`~numpyro_pvi.compilation.several_buckets_compiler_options`).
 
     The factors are donated: the merge writes the merged clients' rows into the memory of
     ``state.factors`` instead of a copy of all ``M`` of them (at a million clients the copy was
@@ -170,21 +171,25 @@ def _compiled_group_step(
     (:class:`~numpyro_pvi.server.round.Round` passes factors no one else holds).
     """
 
-    def in_place(step: Callable) -> Callable:
+    def in_place(step: Callable, **options: Any) -> Callable:
         def on(factors: NatParams, state: PVIState, *args: Any) -> tuple:
             return step(state._replace(factors=factors), *args)
 
         on.__name__ = step.__name__  # the compilations' names: jit(group_step), jit(merge_groups)
-        return jax.jit(on, donate_argnums=0)
+        return jax.jit(on, donate_argnums=0, **options)
 
     fused, run_one, merge_all = in_place(group_step), jax.jit(run_group), in_place(merge_groups)
+    # whole buckets in one program: their updates one after the other, each using every core
+    fused_buckets = in_place(group_step, compiler_options=several_buckets_compiler_options())
 
     def compiled(
         state: PVIState, groups: tuple, key: jax.Array, pulled: NatParams
     ) -> tuple[PVIState, ClientOutcome]:
         rest = state._replace(factors=None)
-        if len(groups) == 1 or all(map(whole_bucket, groups)):
+        if len(groups) == 1:
             return fused(state.factors, rest, groups, key, pulled)
+        if all(map(whole_bucket, groups)):
+            return fused_buckets(state.factors, rest, groups, key, pulled)
         outs = [run_one(state, g, key, pulled) for g in groups]
         return merge_all(state.factors, rest, groups, outs, pulled)
 
