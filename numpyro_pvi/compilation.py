@@ -120,7 +120,7 @@ def several_buckets_compiler_options() -> dict:
     once: the buckets' client updates, each a loop of steps whose operations already use every
     core. A Dirichlet(0.3) split of 1,000 clients in three buckets (``benchmarks/scale.py``'s
     ``mf-dirichlet-1000``) ran a round in 42-52 ms that way against 36-44 ms as one program per
-    bucket, and in 37-39 ms with the memory-optimised scheduler (processes of each alternated, 20
+    bucket, and in 33-39 ms with the memory-optimised scheduler (processes of each alternated, 20
     rounds, medians).
 
     **Example:** ``jax.jit(step, compiler_options=several_buckets_compiler_options())``; on CPU it
