@@ -49,7 +49,13 @@ from numpyro_pvi.families.concentrated import (
     ConcentratedGamma,
     gamma_sample_grad,
 )
-from numpyro_pvi.families.exponential_family import ExponentialFamily, regression_site, unit_scale
+from numpyro_pvi.families.exponential_family import (
+    NUM_PRIOR_DRAWS,
+    ExponentialFamily,
+    gamma2_draws,
+    regression_site,
+    unit_scale,
+)
 from numpyro_pvi.families.params import NatParams
 
 __all__ = ["Beta", "Dirichlet", "ExponentialFamily", "Gamma", "regression_site", "unit_scale"]
@@ -197,6 +203,10 @@ class Gamma(ExponentialFamily):
         a = jnp.diagonal(precision)
         return self.from_params(a, a * jnp.exp(-mode))
 
+    def reference_draws(self, dim: int) -> jax.Array:
+        """``(NUM_PRIOR_DRAWS, dim)`` draws of ``Gamma(2, rate=2)`` (from :func:`gamma2_draws`)."""
+        return gamma2_draws((NUM_PRIOR_DRAWS, dim)) / 2.0
+
     def base(self, concentration: jax.Array, rate: jax.Array) -> dist.Distribution:
         """``Gamma(shape, rate)`` over ``(D,)`` (accurate ``log_prob`` and ``entropy`` at any
         concentration)."""
@@ -275,6 +285,12 @@ class Beta(ExponentialFamily):
         m = jax.nn.sigmoid(mode)
         total = jnp.diagonal(precision) / (m * (1.0 - m))
         return self.from_params(total * m, total * (1.0 - m))
+
+    def reference_draws(self, dim: int) -> jax.Array:
+        """``(NUM_PRIOR_DRAWS, dim)`` draws of ``Beta(2, 2)``: ``g1 / (g1 + g0)`` of two
+        ``Gamma(2, 1)`` draws (:func:`gamma2_draws`)."""
+        g1, g0 = gamma2_draws((2, NUM_PRIOR_DRAWS, dim))
+        return g1 / (g1 + g0)
 
     def base(self, concentration1: jax.Array, concentration0: jax.Array) -> dist.Distribution:
         """``Beta(a, b)`` over ``(D,)`` (accurate ``log_prob`` and ``entropy`` at any
@@ -428,6 +444,13 @@ class Dirichlet(ExponentialFamily):
         """``digamma(alpha) - digamma(sum alpha)`` per simplex."""
         rows = self._rows(params[0])
         return (digamma(rows) - digamma(jnp.sum(rows, axis=-1, keepdims=True))).reshape(-1)
+
+    def reference_draws(self, dim: int) -> jax.Array:
+        """``(NUM_PRIOR_DRAWS, dim)`` draws of ``Dirichlet(2, ..., 2)`` on each simplex:
+        ``Gamma(2, 1)`` draws (:func:`gamma2_draws`) divided by their simplex's sum."""
+        g = gamma2_draws((NUM_PRIOR_DRAWS, dim))
+        rows = g.reshape(NUM_PRIOR_DRAWS, -1, dim if self.shape is None else self.shape[-1])
+        return (rows / jnp.sum(rows, axis=-1, keepdims=True)).reshape(NUM_PRIOR_DRAWS, dim)
 
     def base(self, concentration: jax.Array) -> dist.Distribution:
         """``Dirichlet(alpha)`` over ``(K,)``, or :class:`FlatDirichlets` over a batch of
