@@ -8,7 +8,7 @@ from jax.experimental.compilation_cache import compilation_cache
 from jax.extend.random import threefry_2x32
 
 import numpyro_pvi as pvi
-from numpyro_pvi.compilation import unroll_threefry_on_cpu
+from numpyro_pvi.compilation import split_keys, unroll_threefry_on_cpu
 
 
 def test_threefry_is_unrolled_on_cpu_and_hashes_the_same_bits():
@@ -62,6 +62,21 @@ def test_the_unrolled_hash_is_threefry_for_every_shape_and_batch():
     batched = np.asarray(jax.jit(jax.vmap(threefry_2x32))(keys, counts))
     for key, count, out in zip(keys, counts, batched):
         np.testing.assert_array_equal(out, _threefry_reference(key, np.split(count, 2)).reshape(-1))
+
+
+def test_split_keys_are_jaxs_keys_of_a_key_computed_on_its_own():
+    """``split_keys`` gives ``jax.random.split``'s keys, bit for bit, and keeps the key's own
+    derivation (here a ``fold_in``) out of the split's kernel: the compiled program holds the
+    barrier that stops XLA fusing the two hashes into one."""
+
+    def derived(key):
+        return split_keys(jax.random.fold_in(key, 3), 5)
+
+    key = jax.random.PRNGKey(7)
+    np.testing.assert_array_equal(
+        jax.jit(derived)(key), jax.random.split(jax.random.fold_in(key, 3), 5)
+    )
+    assert "optimization_barrier" in jax.jit(derived).lower(key).as_text()
 
 
 def test_enable_compilation_cache_sets_jaxs_cache_idempotently_and_stores_programs(

@@ -60,6 +60,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from numpyro_pvi.compilation import split_keys
 from numpyro_pvi.families import FactorFamily, MeanParamFamily, NatParams
 from numpyro_pvi.families.chain_moments import ChainMoments
 from numpyro_pvi.families.gaussian import tilted_inflation, variance_inflation
@@ -430,7 +431,7 @@ def run_inner(
         visit,
         nuts_transition(visit, settings.alpha, settings.max_tree_depth),
     )
-    xs = (jnp.arange(settings.num_steps), jax.random.split(rng_key, settings.num_steps))
+    xs = (jnp.arange(settings.num_steps), split_keys(rng_key, settings.num_steps))
     carry, _ = jax.lax.scan(step, carry, xs)
     return carry
 
@@ -493,7 +494,7 @@ def natural_gradient_start(
         new = cavity + family.site_from_draws(current, zeta, values, grads, None)
         return where_tree(family.is_valid(new), new, current), None
 
-    start, _ = jax.lax.scan(step, q, jax.random.split(rng_key, num_steps))
+    start, _ = jax.lax.scan(step, q, split_keys(rng_key, num_steps))
     return start
 
 
