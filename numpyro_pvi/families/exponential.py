@@ -448,8 +448,7 @@ class Dirichlet(ExponentialFamily):
     def reference_draws(self, dim: int) -> jax.Array:
         """``(NUM_PRIOR_DRAWS, dim)`` draws of ``Dirichlet(2, ..., 2)`` on each simplex:
         ``Gamma(2, 1)`` draws (:func:`gamma2_draws`) divided by their simplex's sum."""
-        g = gamma2_draws((NUM_PRIOR_DRAWS, dim))
-        rows = g.reshape(NUM_PRIOR_DRAWS, -1, dim if self.shape is None else self.shape[-1])
+        rows = self._rows(gamma2_draws((NUM_PRIOR_DRAWS, dim)))  # every draw's simplices
         return (rows / jnp.sum(rows, axis=-1, keepdims=True)).reshape(NUM_PRIOR_DRAWS, dim)
 
     def base(self, concentration: jax.Array) -> dist.Distribution:

@@ -163,7 +163,7 @@ def test_a_gamma_prior_is_read_off_in_four_compiled_programs():
 
 
 def test_a_full_round_over_two_buckets_compiles_one_program_and_a_sampled_round_one_per_bucket():
-    """A skewed split (one client of 200 rows, 20 of one row: two size buckets): a round over every
+    """A skewed split (one client of 200 rows, 21 of one row: two size buckets): a round over every
     client runs both buckets and the merge in one compiled ``group_step``; a round over a sample of
     the clients runs each bucket's sample in its own ``run_group`` (compiled once per bucket and
     padded size, whichever buckets a sample touches) and merges them in ``merge_groups``."""
@@ -185,8 +185,8 @@ def test_a_full_round_over_two_buckets_compiles_one_program_and_a_sampled_round_
                 (1, 200),
             ]
             with compilations() as compiled:
-                runs[name] = inference.run(random.PRNGKey(4), 1, X, y=y, progress_bar=False)
-            runs[name] = (runs[name], [n for n in compiled if "group" in n])
+                result = inference.run(random.PRNGKey(4), 1, X, y=y, progress_bar=False)
+            runs[name] = (result, [n for n in compiled if "group" in n])
     result, programs = runs["full"]
     assert programs == ["jit(group_step)"], programs
     assert result.history.accepted.all() and np.isfinite(result.history.elbo).all()
