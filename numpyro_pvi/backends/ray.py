@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from numpyro_pvi.backends.base import ClientRunner, failed_result, stack, take
-from numpyro_pvi.compilation import enable_compilation_cache
+from numpyro_pvi.compilation import enable_compilation_cache, unroll_threefry_on_cpu
 from numpyro_pvi.local_updates.base import Client, ClientProblem, ClientResult
 from numpyro_pvi.state import Rejection
 
@@ -378,6 +378,9 @@ class ClientActor:
         cache."""
         if cache_dir is not None:
             enable_compilation_cache(cache_dir)
+        # the driver's Threefry lowering (registered where the driver built its steps): the same
+        # draws, compiled in a fraction of the time and run faster
+        unroll_threefry_on_cpu()
         self.client = jax.tree.map(jnp.asarray, client)
         self.client_update = jax.jit(local_update.bind(problem))
         return True

@@ -25,7 +25,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from scipy.special import ndtri
-from scipy.stats import qmc
 
 from numpyro_pvi.families import FactorFamily, NatParams
 from numpyro_pvi.model.sites import ModelSites
@@ -89,6 +88,10 @@ class PriorFactor:
         self.family, self.log_density = family, log_density
         self.rest_mask = np.asarray(rest_mask)
         dim = self.rest_mask.shape[0]
+        # imported here: scipy.stats takes 0.3-0.4 s to import, which every process that imports
+        # numpyro_pvi would pay (a Ray actor, a Flower site), and only non-Gaussian priors use it
+        from scipy.stats import qmc
+
         uniform = qmc.Sobol(dim, scramble=True, seed=seed).random(num_points)
         self.eps = jnp.asarray(
             ndtri(np.clip(uniform, 1e-12, 1 - 1e-12)), dtype=jnp.result_type(float)

@@ -353,6 +353,23 @@ def test_ray_synchronous_run_with_hyperparameters_equals_vmap(backend, two_clien
     np.testing.assert_allclose(ray_run.state.q.eta2, vmap_run.state.q.eta2, rtol=1e-4, atol=1e-6)
 
 
+def test_actors_lower_threefry_as_the_driver_does(backend, two_client_data):
+    """The actors compile their updates with PVI's Threefry lowering
+    (:func:`numpyro_pvi.compilation.unroll_threefry_on_cpu`, registered in the driver when its
+    steps are built): without it an actor's process lowered every draw and key split as JAX's
+    five-iteration loop (a ``while`` in the lowered program: the same bits, compiled and run
+    slower)."""
+    X, y = two_client_data
+    inference = exact_pvi(TWO_CLIENTS, backend)
+    inference.update(inference.init(random.PRNGKey(0), X, y=y), X, y=y)
+
+    def lowers_a_loop(actor):
+        return "while" in jax.jit(jax.random.normal).lower(jax.random.PRNGKey(0)).as_text()
+
+    assert not lowers_a_loop(None)  # the driver
+    assert ray.get([a.__ray_call__.remote(lowers_a_loop) for a in backend.actors]) == [False] * 2
+
+
 def test_ray_site_families_equal_vmap(backend):
     """SiteFamilies (a full-rank Gaussian block and a Gamma block) on Ray actors: the vmap run's q,
     every leaf.
