@@ -32,6 +32,13 @@ seconds compare, the wall-clock ones do not):
   subsample_size=100)``, 10 particles, ``AutoDiagonalNormal``, Adam 1e-2), ``svi.run`` as one
   compiled loop (``progress_bar=False``) or with NumPyro's default progress bar; the table is
   followed by each one's time as a multiple of ``logistic-100``'s run (the issue's target: 6x).
+* ``svi-clients``: NumPyro's own local loops of ``logistic-100``'s round 1, without PVI: 100 clients
+  of 100 rows, ``jax.vmap`` of ``SVI.init`` and a 10-step ``lax.scan`` of ``SVI.update``
+  (``AutoNormal``, ``TraceMeanField_ELBO(10)``, Adam 1e-2, every step on all of a client's rows),
+  one compiled call, with PVI's Threefry lowering in place (as in a PVI process); its time, from
+  ``SVI(...)`` to the result, is in the ``round 1`` column, and the table is followed by
+  ``logistic-100``'s ``init`` and round 1 against it: what a round 1 costs that runs the same
+  local loops through NumPyro, before any ELBO, merge or round bookkeeping.
 
 The compilations are counted with a ``jax.monitoring`` listener on XLA's backend compile event
 (``/jax/core/compile/backend_compile_duration``, one per executable built): how many by the end of
@@ -78,6 +85,7 @@ CONFIGS = [
     "ray-10",
     "svi-compiled",
     "svi-progress",
+    "svi-clients",
 ]
 QUICK = ["logistic-100", "dirichlet-1000", "snep-poisson"]
 TARGETS = {"bnn": ("init", 2.0), "logistic-100": ("rounds", 2.0)}
@@ -265,10 +273,56 @@ def svi_child(config, num_rounds):
     print(json.dumps(result | compilation_summary(compiles, len(compiles))))
 
 
+def svi_clients_child():
+    """NumPyro's own local loops of ``logistic-100``'s round 1 in a fresh process: 100 clients of
+    100 rows, ``jax.vmap`` of ``SVI.init`` and 10 ``SVI.update`` steps (``lax.scan``), one compiled
+    call, with PVI's Threefry lowering (:func:`numpyro_pvi.compilation.unroll_threefry_on_cpu`).
+    The clients' rows are ``logistic-100``'s in order (their values do not change what compiles)."""
+    import jax
+    import numpyro
+    import numpyro.distributions as dist
+    import optax
+    from jax import random
+    from numpyro.infer import SVI, TraceMeanField_ELBO
+    from numpyro.infer.autoguide import AutoNormal
+
+    from numpyro_pvi.compilation import unroll_threefry_on_cpu
+
+    def model(X, y=None):
+        w = numpyro.sample("w", dist.Normal(0.0, 1.0).expand([X.shape[1]]).to_event(1))
+        b = numpyro.sample("b", dist.Normal(0.0, 1.0))
+        with numpyro.plate("data", X.shape[0]):
+            numpyro.sample("y", dist.Bernoulli(logits=X @ w + b), obs=y)
+
+    _, (X,), data = logistic_problem("logistic-100")
+    X, y = X.reshape(100, 100, -1), data["y"].reshape(100, 100)
+    unroll_threefry_on_cpu()
+    compiles = record_compilations()
+    start, cpu_start = time.perf_counter(), time.process_time()
+    svi = SVI(model, AutoNormal(model), optax.adam(1e-2), TraceMeanField_ELBO(10))
+
+    def visit(rng_key, X, y):
+        state = svi.init(rng_key, X, y=y)
+        state, losses = jax.lax.scan(lambda s, _: svi.update(s, X, y=y), state, None, length=10)
+        return svi.get_params(state), losses
+
+    params = jax.jit(jax.vmap(visit))(random.split(random.PRNGKey(2), 100), X, y)
+    jax.block_until_ready(params)
+    result = dict(
+        round1=time.perf_counter() - start,
+        cpu1=time.process_time() - cpu_start,
+        compiles1=len(compiles),
+        compile_s1=sum(s for _, s in compiles),
+    )
+    print(json.dumps(result | compilation_summary(compiles, len(compiles))))
+
+
 def child(config, num_rounds, cache):
     import jax
     from jax import random
 
+    if config == "svi-clients":
+        return svi_clients_child()
     if config.startswith("svi"):
         return svi_child(config, num_rounds)
     if cache:
@@ -357,10 +411,13 @@ def main():
     sources = [("before", args.baseline), ("after", None)] if args.baseline else [("", None)]
     runs = [(c, m, s) for c in configs for m in args.modes for s in sources]
     seconds = {}  # (config, mode, code) -> seconds to the end of the run
+    first = {}  # (config, mode, code) -> seconds to the end of round 1 (init included)
     for config, mode, (code, source) in runs:
         with tempfile.TemporaryDirectory() as cache:
             r = run_child(config, args.rounds, mode, cache, source)
-        seconds[config, mode, code] = r["rounds"]
+        if "rounds" in r:
+            seconds[config, mode, code] = r["rounds"]
+        first[config, mode, code] = r.get("round1")
         print(row(config, mode, code, r), flush=True)
     print(
         "\nreference: the PyTorch PVI library takes about 42 s for 20 synchronous rounds at M = 100"
@@ -373,21 +430,29 @@ def main():
                 f"{args.rounds * 1000:,} steps, takes {value / pvi_s:.1f}x logistic-100's "
                 f"{args.rounds} rounds ({value:.2f} s against {pvi_s:.2f} s)"
             )
+    for (config, mode, code), value in first.items():
+        pvi_s = first.get(("logistic-100", mode, code))
+        if config == "svi-clients" and pvi_s:
+            print(
+                f"svi-clients ({mode}{', ' + code if code else ''}): NumPyro's own local loops of "
+                f"logistic-100's round 1 take {value:.2f} s; logistic-100's init and round 1 "
+                f"(the same loops, the clients' ELBO terms and the merge) {pvi_s:.2f} s, "
+                f"{pvi_s / value:.2f}x"
+            )
 
 
 def row(config, mode, code, r):
     """A configuration's line of the table (an SVI run has no rounds: its time is the run's)."""
-    cells = [f"{r['init']:6.2f}" if "init" in r else ""] + (
-        [
-            f"{r['round1']:8.2f}",
-            f"{r['rounds']:10.2f}",
-            f"{r['cpu1']:6.1f} {r['cpu']:6.1f}",
-            f"{r['steady']:8.4f}",
-            f"{r['compiles1']:3d} {r['compile_s1']:6.2f}s",
-        ]
-        if "round1" in r
-        else ["", f"{r['rounds']:10.2f}" if "rounds" in r else "", "", "", ""]
-    )
+    cells = [
+        f"{r['init']:6.2f}" if "init" in r else "",
+        f"{r['round1']:8.2f}" if "round1" in r else "",
+        f"{r['rounds']:10.2f}" if "rounds" in r else "",
+        f"{r['cpu1']:6.1f} " + (f"{r['cpu']:6.1f}" if "cpu" in r else " " * 6)
+        if "cpu1" in r
+        else "",
+        f"{r['steady']:8.4f}" if "steady" in r else "",
+        f"{r['compiles1']:3d} {r['compile_s1']:6.2f}s" if "compiles1" in r else "",
+    ]
     cells.append(f"{r['compiles']:3d} {r['compile_s']:6.2f}s")
     target = ""
     if config in TARGETS and mode == "cold":
