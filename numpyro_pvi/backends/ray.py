@@ -13,8 +13,11 @@ from __future__ import annotations
 
 import gc
 import hashlib
+import shutil
+import tempfile
 import warnings
-from typing import Any
+import weakref
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -40,6 +43,32 @@ def digest(client: Client) -> str:
     for leaf in jax.tree.leaves(client):
         h.update(np.ascontiguousarray(np.asarray(leaf)).tobytes())
     return h.hexdigest()
+
+
+class ProgramCache(NamedTuple):
+    """Where a client actor keeps its compiled programs (JAX's persistent compilation cache).
+
+    :ivar path: the directory.
+    :ivar node: the Ray node whose actors use it (``None``: every actor, the directory created where
+        missing: the driver's own cache, :func:`~numpyro_pvi.enable_compilation_cache`).
+
+    **Example:** ``RayBackend().program_cache()`` in a driver without a persistent cache is
+    ``ProgramCache("/tmp/numpyro_pvi_programs_...", <the driver's node id>)``.
+    """
+
+    path: str
+    node: str | None = None
+
+
+def shape_signature(client: Client) -> tuple:
+    """The shapes and dtypes of a client's arrays: clients with the same signature compile the same
+    update program.
+
+    **Example:** ``shape_signature(client)`` for a client of 75 rows of 2 features and a float32
+    response is ``(((75, 2), "<f4"), ((75,), "<f4"), ((75,), "|b1"), ((), "<i4"))`` (with its
+    mask and size).
+    """
+    return tuple((np.shape(leaf), np.result_type(leaf).str) for leaf in jax.tree.leaves(client))
 
 
 def start_ray(ray: Any, num_cpus: int | None, **init_args: Any) -> None:
@@ -96,11 +125,14 @@ class RayBackend:
         round: Ray would wait for CPUs to start the actors beyond them).
     :param float compile_timeout: seconds to wait for an actor's compilation (``None``: no limit).
 
-    Each actor compiles its client's update in its own process. With JAX's persistent compilation
-    cache enabled in the driver (:func:`~numpyro_pvi.enable_compilation_cache`) when an actor is
-    started or given a problem (at the problem's first round), the actor keeps its programs in the
-    same directory (created on its node if missing), so that a later run's actors load them
-    instead of compiling.
+    Each actor compiles its client's update in its own process, once per shape of its client's
+    data: the first actor of a shape compiles it, and the others on the driver's node wait for it
+    and load it from a directory of this backend's (a private temporary directory, removed by
+    :meth:`close`), so that ten clients of one size compile one program, not ten. With JAX's
+    persistent compilation cache enabled in the driver
+    (:func:`~numpyro_pvi.enable_compilation_cache`) when an actor is started or given a problem (at
+    the problem's first round), the actors keep their programs in that directory instead (created
+    on their node if missing), so that a later run's actors load them too.
 
     **Example:** ``pvi.PVI(..., backend=RayBackend(num_workers=2))``; ``backend.close()`` frees
     the actors' CPU shares when the inference is done.
@@ -128,6 +160,7 @@ class RayBackend:
         )
         self.compile_timeout = compile_timeout
         self.runners: list[RayRunner] = []
+        self._programs: ProgramCache | None = None  # the actors' private cache, made when needed
 
     def prepare(self, local_update: Any, problem: ClientProblem) -> ClientRunner:
         if not self.ray.is_initialized():
@@ -138,6 +171,22 @@ class RayBackend:
         runner = RayRunner(self, local_update, problem, idle)
         self.runners = [runner]
         return runner
+
+    def program_cache(self) -> ProgramCache:
+        """Where the actors keep their compiled programs: the driver's persistent cache if it has
+        one (every node), else this backend's private directory on the driver's node (made by
+        ``tempfile.mkdtemp``: only this user can write programs there; removed by :meth:`close`).
+
+        **Example:** ``backend.program_cache().path``, the directory an actor of the driver's node
+        loads another actor's program from.
+        """
+        if jax.config.jax_compilation_cache_dir is not None:
+            return ProgramCache(jax.config.jax_compilation_cache_dir)
+        if self._programs is None:
+            path = tempfile.mkdtemp(prefix="numpyro_pvi_programs_")
+            weakref.finalize(self, shutil.rmtree, path, ignore_errors=True)
+            self._programs = ProgramCache(path, self.ray.get_runtime_context().get_node_id())
+        return self._programs
 
     @property
     def actors(self) -> list:
@@ -152,6 +201,9 @@ class RayBackend:
         """
         for runner in self.runners:
             runner.close()
+        if self._programs is not None:
+            shutil.rmtree(self._programs.path, ignore_errors=True)
+            self._programs = None
 
 
 class RayRunner:
@@ -175,6 +227,8 @@ class RayRunner:
         # client -> the reference of its actor's compilation, until it is collected
         self.compiling: dict = {}
         self.compiled: set = set()  # clients whose actor has compiled its update
+        # shape signature -> the reference of the first compilation of that program
+        self.first_compiles: dict = {}
         self.idle = list(idle)
         # clients with a cancelled update: their actors are not given other data. A cancelled actor
         # call can leave the actor waiting for it (measured: "Timed out waiting for seq_no ...", 30
@@ -182,20 +236,19 @@ class RayRunner:
         self.abandoned: set = set()
 
     def _spawn(self, m: int) -> Any:
-        """Start an actor for client ``m`` (using the driver's persistent compilation cache, if
-        any)."""
+        """Start an actor for client ``m`` (keeping its programs in
+        :meth:`RayBackend.program_cache`)."""
         self.compiled.discard(m)
         self.abandoned.discard(m)
         return self.actor_class.remote(
-            self.local_update, self.problem, self._own(m), jax.config.jax_compilation_cache_dir
+            self.local_update, self.problem, self._own(m), self.backend.program_cache()
         )
 
     def _load(self, actor: Any, m: int) -> Any:
         """Give a live actor client ``m``'s data and update; returns the reference to wait for."""
         self.compiled.discard(m)
-        # the driver's persistent compilation cache (None: none), which the actor uses too
-        cache_dir = jax.config.jax_compilation_cache_dir
-        return actor.load.remote(self.local_update, self.problem, self._own(m), cache_dir)
+        cache = self.backend.program_cache()
+        return actor.load.remote(self.local_update, self.problem, self._own(m), cache)
 
     def _own(self, m: int) -> Client:
         return unpad(jax.device_get(take(self.clients, m)), self.problem.is_row)
@@ -282,12 +335,18 @@ class RayRunner:
         """Start client ``m``'s update (after compiling it, if its actor has not yet); returns a Ray
         object reference.
 
-        An actor runs its calls in order, so the update starts when the compilation ends.
+        An actor runs its calls in order, so the update starts when the compilation ends. The first
+        actor of a shape of data compiles; the others' compilations wait for it
+        (:meth:`ClientActor.compile`), to load its program from the actors' cache.
         """
         self.sync(clients)
         inputs = jax.device_get((key, cavity, q, state, hyper))
         if m not in self.compiled:
-            self.compiling[m] = self.actors[m].compile.remote(*inputs)
+            signature = shape_signature(self._own(m))
+            first = self.first_compiles.get(signature)
+            after = [] if first is None else [first]
+            self.compiling[m] = self.actors[m].compile.remote(*inputs, after=after)
+            self.first_compiles.setdefault(signature, self.compiling[m])
             self.compiled.add(m)
         return self.actors[m].update.remote(*inputs)
 
@@ -346,6 +405,7 @@ class RayRunner:
                 actors.append(actor)
         self.actors, self.idle, self.digests, self.clients = [], [], [], None
         self.compiling, self.compiled, self.abandoned = {}, set(), set()
+        self.first_compiles = {}
         return actors
 
     def close(self) -> None:
@@ -362,22 +422,24 @@ class ClientActor:
         local_update: Any,
         problem: ClientProblem,
         client: Client,
-        cache_dir: str | None = None,
+        cache: ProgramCache | None = None,
     ) -> None:
-        self.load(local_update, problem, client, cache_dir)
+        self.load(local_update, problem, client, cache)
 
     def load(
         self,
         local_update: Any,
         problem: ClientProblem,
         client: Client,
-        cache_dir: str | None = None,
+        cache: ProgramCache | None = None,
     ) -> bool:
         """Hold ``client`` and its update for ``problem`` instead (the process, with JAX imported,
-        is kept); with ``cache_dir`` (the driver's), keep compiled programs in that persistent
-        cache."""
-        if cache_dir is not None:
-            enable_compilation_cache(cache_dir)
+        is kept); keep compiled programs in ``cache`` (:meth:`RayBackend.program_cache`) if it is
+        for every node or for this actor's."""
+        import ray
+
+        if cache is not None and cache.node in (None, ray.get_runtime_context().get_node_id()):
+            enable_compilation_cache(cache.path)
         # the driver's Threefry lowering (registered where the driver built its steps): the same
         # draws, compiled in a fraction of the time and run faster
         unroll_threefry_on_cpu()
@@ -385,8 +447,17 @@ class ClientActor:
         self.client_update = jax.jit(local_update.bind(problem))
         return True
 
-    def compile(self, key: Any, cavity: Any, q: Any, state: Any, hyper: Any = ()) -> bool:
-        """Compile the update for inputs like these, ahead of time (nothing runs)."""
+    def compile(
+        self, key: Any, cavity: Any, q: Any, state: Any, hyper: Any = (), after: list = ()
+    ) -> bool:
+        """Compile the update for inputs like these, ahead of time (nothing runs), once the
+        compilations ``after`` (references, in a list: whether they succeed does not matter) have
+        ended: another actor's compilation of the same program, which this one then loads from the
+        actors' cache."""
+        import ray
+
+        if after:
+            ray.wait(list(after), num_returns=len(after))
         self.client_update.lower(key, self.client, cavity, q, state, hyper).compile()
         return True
 

@@ -217,6 +217,60 @@ def test_actors_hold_their_own_rows_and_the_current_data(backend, linear_data):
     )
 
 
+def test_actors_of_one_shape_compile_their_update_once(backend, linear_data):
+    """Four clients of 75 rows run one program: the first actor compiles it, and the other three
+    wait for that compilation and load the program from the actors' cache
+    (:meth:`RayBackend.program_cache`: the driver's persistent cache, here the test run's, else a
+    private directory on the driver's node) instead of compiling it too: three of the four actors'
+    compilations are cache hits (without the waiting, the four compiled at once and none was), and
+    the round merges every client."""
+    X, y = linear_data
+    inference = exact_pvi([np.arange(75 * i, 75 * (i + 1)) for i in range(4)], backend)
+    problem = inference.build(X, y=y)
+    state = inference.init(random.PRNGKey(0), problem)
+    problem.steps.runner.sync(problem.clients)  # the actors, before they compile
+
+    def count_cache_hits(actor):
+        actor.cache_hits = []
+        jax.monitoring.register_event_listener(
+            lambda event, **kw: (
+                actor.cache_hits.append(event)
+                if event == "/jax/compilation_cache/cache_hits"
+                else None
+            )
+        )
+
+    ray.get([a.__ray_call__.remote(count_cache_hits) for a in backend.actors])
+    _, info = inference.update(state, problem)
+    hits = ray.get(
+        [a.__ray_call__.remote(lambda actor: len(actor.cache_hits)) for a in backend.actors]
+    )
+    assert sorted(hits) == [0, 1, 1, 1], hits
+    np.testing.assert_array_equal(info.accepted, [1, 1, 1, 1])
+
+
+def test_the_private_program_cache_is_on_the_drivers_node_and_closed_with_the_backend(
+    ray_cluster,
+):
+    """Without a persistent cache in the driver, the actors' programs go to a directory that
+    ``tempfile.mkdtemp`` made for the backend (only this user can write there: JAX loads what it
+    finds as programs), for the driver's node only; ``close`` removes it. (The test run has a
+    persistent cache: it is set aside meanwhile.)"""
+    suites = jax.config.jax_compilation_cache_dir
+    backend = RayBackend()
+    try:
+        jax.config.update("jax_compilation_cache_dir", None)
+        cache = backend.program_cache()
+        assert backend.program_cache() == cache  # one directory for the backend's life
+        assert cache.node == ray.get_runtime_context().get_node_id()
+        assert os.path.isdir(cache.path) and os.stat(cache.path).st_mode & 0o077 == 0
+    finally:
+        jax.config.update("jax_compilation_cache_dir", suites)
+    assert backend.program_cache() == pvi.backends.ray.ProgramCache(suites)  # the driver's, if any
+    backend.close()
+    assert not os.path.exists(cache.path)
+
+
 def test_ray_faults_are_rejected_and_recovered(backend, linear_data):
     X, y = linear_data
     mean, _ = exact_linear_posterior(X, y)
