@@ -123,7 +123,8 @@ class RayBackend:
     :param float cpus_per_client: the CPU share each actor reserves (several actors share a core);
         the clients' shares must fit in the Ray cluster's CPUs (else a ``ValueError`` at the first
         round: Ray would wait for CPUs to start the actors beyond them).
-    :param float compile_timeout: seconds to wait for an actor's compilation (``None``: no limit).
+    :param float compile_timeout: seconds to wait for an actor's compilation (``None``: no limit),
+        its wait for another actor's compilation of the same program included.
 
     Each actor compiles its client's update in its own process, once per shape of its client's
     data: the first actor of a shape compiles it, and the others on the driver's node wait for it
@@ -438,7 +439,12 @@ class ClientActor:
         for every node or for this actor's."""
         import ray
 
-        if cache is not None and cache.node in (None, ray.get_runtime_context().get_node_id()):
+        # whether this actor loads other actors' programs (from a cache of its node)
+        self.shares_programs = cache is not None and cache.node in (
+            None,
+            ray.get_runtime_context().get_node_id(),
+        )
+        if self.shares_programs:
             enable_compilation_cache(cache.path)
         # the driver's Threefry lowering (registered where the driver built its steps): the same
         # draws, compiled in a fraction of the time and run faster
@@ -453,10 +459,10 @@ class ClientActor:
         """Compile the update for inputs like these, ahead of time (nothing runs), once the
         compilations ``after`` (references, in a list: whether they succeed does not matter) have
         ended: another actor's compilation of the same program, which this one then loads from the
-        actors' cache."""
+        actors' cache (an actor that uses no cache of its node does not wait)."""
         import ray
 
-        if after:
+        if after and self.shares_programs:
             ray.wait(list(after), num_returns=len(after))
         self.client_update.lower(key, self.client, cavity, q, state, hyper).compile()
         return True
