@@ -345,7 +345,7 @@ class RayRunner:
         if m not in self.compiled:
             signature = shape_signature(self._own(m))
             first = self.first_compiles.get(signature)
-            after = [] if first is None else [first]
+            after = None if first is None else [first]
             self.compiling[m] = self.actors[m].compile.remote(*inputs, after=after)
             self.first_compiles.setdefault(signature, self.compiling[m])
             self.compiled.add(m)
@@ -454,7 +454,13 @@ class ClientActor:
         return True
 
     def compile(
-        self, key: Any, cavity: Any, q: Any, state: Any, hyper: Any = (), after: list = ()
+        self,
+        key: Any,
+        cavity: Any,
+        q: Any,
+        state: Any,
+        hyper: Any = (),
+        after: list | None = None,
     ) -> bool:
         """Compile the update for inputs like these, ahead of time (nothing runs), once the
         compilations ``after`` (references, in a list: whether they succeed does not matter) have
@@ -463,7 +469,7 @@ class ClientActor:
         import ray
 
         if after and self.shares_programs:
-            ray.wait(list(after), num_returns=len(after))
+            ray.wait(after, num_returns=len(after))
         self.client_update.lower(key, self.client, cavity, q, state, hyper).compile()
         return True
 
