@@ -92,21 +92,28 @@ TARGETS = {"bnn": ("init", 2.0), "logistic-100": ("rounds", 2.0)}
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 
 
-def logistic_problem(config):
-    import jax
+def logistic_model(X, y=None):
+    """Bayesian logistic regression with an intercept, its rows in a partition plate (outside PVI
+    exactly a ``numpyro.plate``: ``svi-clients`` runs it through NumPyro alone). Imports here: the
+    parent process, which only starts the children, imports no JAX."""
     import numpyro
     import numpyro.distributions as dist
+
+    import numpyro_pvi as pvi
+
+    w = numpyro.sample("w", dist.Normal(0.0, 1.0).expand([X.shape[1]]).to_event(1))
+    b = numpyro.sample("b", dist.Normal(0.0, 1.0))
+    with pvi.partition_plate("data", X.shape[0]):
+        numpyro.sample("y", dist.Bernoulli(logits=X @ w + b), obs=y)
+
+
+def logistic_problem(config):
+    import jax
     import optax
     from jax import random
 
     import numpyro_pvi as pvi
     from numpyro_pvi.backends.ray import RayBackend
-
-    def model(X, y=None):
-        w = numpyro.sample("w", dist.Normal(0.0, 1.0).expand([X.shape[1]]).to_event(1))
-        b = numpyro.sample("b", dist.Normal(0.0, 1.0))
-        with pvi.partition_plate("data", X.shape[0]):
-            numpyro.sample("y", dist.Bernoulli(logits=X @ w + b), obs=y)
 
     name, size = config.split("-")
     size = int(size)
@@ -125,7 +132,7 @@ def logistic_problem(config):
 
     def build():
         return pvi.PVI(
-            model,
+            logistic_model,
             family,
             parts,
             pvi.GradientUpdate(optax.adam(1e-2), num_steps=steps, num_particles=10, batch_size=100),
@@ -279,8 +286,6 @@ def svi_clients_child():
     call, with PVI's Threefry lowering (:func:`numpyro_pvi.compilation.unroll_threefry_on_cpu`).
     The clients' rows are ``logistic-100``'s in order (their values do not change what compiles)."""
     import jax
-    import numpyro
-    import numpyro.distributions as dist
     import optax
     from jax import random
     from numpyro.infer import SVI, TraceMeanField_ELBO
@@ -288,18 +293,12 @@ def svi_clients_child():
 
     from numpyro_pvi.compilation import unroll_threefry_on_cpu
 
-    def model(X, y=None):
-        w = numpyro.sample("w", dist.Normal(0.0, 1.0).expand([X.shape[1]]).to_event(1))
-        b = numpyro.sample("b", dist.Normal(0.0, 1.0))
-        with numpyro.plate("data", X.shape[0]):
-            numpyro.sample("y", dist.Bernoulli(logits=X @ w + b), obs=y)
-
     _, (X,), data = logistic_problem("logistic-100")
     X, y = X.reshape(100, 100, -1), data["y"].reshape(100, 100)
     unroll_threefry_on_cpu()
     compiles = record_compilations()
     start, cpu_start = time.perf_counter(), time.process_time()
-    svi = SVI(model, AutoNormal(model), optax.adam(1e-2), TraceMeanField_ELBO(10))
+    svi = SVI(logistic_model, AutoNormal(logistic_model), optax.adam(1e-2), TraceMeanField_ELBO(10))
 
     def visit(rng_key, X, y):
         state = svi.init(rng_key, X, y=y)
