@@ -162,6 +162,7 @@ class RayBackend:
         self.compile_timeout = compile_timeout
         self.runners: list[RayRunner] = []
         self._programs: ProgramCache | None = None  # the actors' private cache, made when needed
+        self._remove_programs: weakref.finalize | None = None  # removes it (close, or collection)
 
     def prepare(self, local_update: Any, problem: ClientProblem) -> ClientRunner:
         if not self.ray.is_initialized():
@@ -185,7 +186,7 @@ class RayBackend:
             return ProgramCache(jax.config.jax_compilation_cache_dir)
         if self._programs is None:
             path = tempfile.mkdtemp(prefix="numpyro_pvi_programs_")
-            weakref.finalize(self, shutil.rmtree, path, ignore_errors=True)
+            self._remove_programs = weakref.finalize(self, shutil.rmtree, path, ignore_errors=True)
             self._programs = ProgramCache(path, self.ray.get_runtime_context().get_node_id())
         return self._programs
 
@@ -202,9 +203,9 @@ class RayBackend:
         """
         for runner in self.runners:
             runner.close()
-        if self._programs is not None:
-            shutil.rmtree(self._programs.path, ignore_errors=True)
-            self._programs = None
+        if self._remove_programs is not None:
+            self._remove_programs()  # runs once: not again when the backend is collected
+            self._programs = self._remove_programs = None
 
 
 class RayRunner:
