@@ -39,6 +39,10 @@ seconds compare, the wall-clock ones do not):
   ``SVI(...)`` to the result, is in the ``round 1`` column, and the table is followed by
   ``logistic-100``'s ``init`` and round 1 against it: what a round 1 costs that runs the same
   local loops through NumPyro, before any ELBO, merge or round bookkeeping.
+* ``svi-flat``: ``svi-clients`` with the model's coefficients and intercept in one vector site
+  (``flat_logistic_model``), so that ``AutoNormal`` has one site, as PVI's tilted model and guide
+  have (one site ``_pvi_zeta`` of all the global parameters): the NumPyro part of PVI's round 1
+  (``svi-clients``' two sites compile about twice the code).
 
 The compilations are counted with a ``jax.monitoring`` listener on XLA's backend compile event
 (``/jax/core/compile/backend_compile_duration``, one per executable built): how many by the end of
@@ -86,6 +90,7 @@ CONFIGS = [
     "svi-compiled",
     "svi-progress",
     "svi-clients",
+    "svi-flat",
 ]
 QUICK = ["logistic-100", "dirichlet-1000", "snep-poisson"]
 TARGETS = {"bnn": ("init", 2.0), "logistic-100": ("rounds", 2.0)}
@@ -105,6 +110,17 @@ def logistic_model(X, y=None):
     b = numpyro.sample("b", dist.Normal(0.0, 1.0))
     with pvi.partition_plate("data", X.shape[0]):
         numpyro.sample("y", dist.Bernoulli(logits=X @ w + b), obs=y)
+
+
+def flat_logistic_model(X, y=None):
+    """``logistic_model`` with its coefficients and intercept in one site ``z``, as PVI's tilted
+    model holds the global parameters (``svi-flat``)."""
+    import numpyro
+    import numpyro.distributions as dist
+
+    z = numpyro.sample("z", dist.Normal(0.0, 1.0).expand([X.shape[1] + 1]).to_event(1))
+    with numpyro.plate("data", X.shape[0]):
+        numpyro.sample("y", dist.Bernoulli(logits=X @ z[:-1] + z[-1]), obs=y)
 
 
 def logistic_problem(config):
@@ -280,11 +296,12 @@ def svi_child(config, num_rounds):
     print(json.dumps(result | compilation_summary(compiles, len(compiles))))
 
 
-def svi_clients_child():
+def svi_clients_child(model):
     """NumPyro's own local loops of ``logistic-100``'s round 1 in a fresh process: 100 clients of
-    100 rows, ``jax.vmap`` of ``SVI.init`` and 10 ``SVI.update`` steps (``lax.scan``), one compiled
-    call, with PVI's Threefry lowering (:func:`numpyro_pvi.compilation.unroll_threefry_on_cpu`).
-    The clients' rows are ``logistic-100``'s in order (their values do not change what compiles)."""
+    100 rows, ``jax.vmap`` of ``SVI.init`` and 10 ``SVI.update`` steps (``lax.scan``) of ``model``,
+    one compiled call, with PVI's Threefry lowering
+    (:func:`numpyro_pvi.compilation.unroll_threefry_on_cpu`). The clients' rows are
+    ``logistic-100``'s in order (their values do not change what compiles)."""
     import jax
     import optax
     from jax import random
@@ -298,7 +315,7 @@ def svi_clients_child():
     unroll_threefry_on_cpu()
     compiles = record_compilations()
     start, cpu_start = time.perf_counter(), time.process_time()
-    svi = SVI(logistic_model, AutoNormal(logistic_model), optax.adam(1e-2), TraceMeanField_ELBO(10))
+    svi = SVI(model, AutoNormal(model), optax.adam(1e-2), TraceMeanField_ELBO(10))
 
     def visit(rng_key, X, y):
         state = svi.init(rng_key, X, y=y)
@@ -320,8 +337,8 @@ def child(config, num_rounds, cache):
     import jax
     from jax import random
 
-    if config == "svi-clients":
-        return svi_clients_child()
+    if config in ("svi-clients", "svi-flat"):
+        return svi_clients_child(logistic_model if config == "svi-clients" else flat_logistic_model)
     if config.startswith("svi"):
         return svi_child(config, num_rounds)
     if cache:
@@ -431,11 +448,12 @@ def main():
             )
     for (config, mode, code), value in first.items():
         pvi_s = first.get(("logistic-100", mode, code))
-        if config == "svi-clients" and pvi_s:
+        if config in ("svi-clients", "svi-flat") and pvi_s:
+            sites = "w and b" if config == "svi-clients" else "one site, as PVI's tilted model"
             print(
-                f"svi-clients ({mode}{', ' + code if code else ''}): NumPyro's own local loops of "
-                f"logistic-100's round 1 take {value:.2f} s; logistic-100's init and round 1 "
-                f"(the same loops, the clients' ELBO terms and the merge) {pvi_s:.2f} s, "
+                f"{config} ({mode}{', ' + code if code else ''}): NumPyro's own local loops of "
+                f"logistic-100's round 1 ({sites}) take {value:.2f} s; logistic-100's init and "
+                f"round 1 (such loops, the clients' ELBO terms and the merge) {pvi_s:.2f} s, "
                 f"{pvi_s / value:.2f}x"
             )
 
